@@ -1,0 +1,26 @@
+# Set-up is part of every target: a fresh machine needs only `make serve` or `make test`.
+PY := .venv/bin/python
+CONFIG ?= configs/default.yaml
+HOST ?= 127.0.0.1
+PORT ?= 8000
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup serve test check tiny clean
+
+setup:
+	@bash scripts/setup-env.sh
+
+tiny: setup
+	@$(PY) -m omni_server.models.tiny_checkpoints
+
+serve: tiny
+	$(PY) -m omni_server.cli serve $(CONFIG) --host $(HOST) --port $(PORT)
+
+check: setup
+	$(PY) -m omni_server.cli check $(CONFIG)
+
+test: tiny
+	$(PY) -m pytest -q -m "not slow" tests
+
+clean:
+	rm -rf .venv var
