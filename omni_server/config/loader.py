@@ -1,0 +1,377 @@
+"""Read a pipeline YAML into a validated `PipelineConfig`, with errors a person can act on.
+
+Every problem is reported on its own line, naming the file, the stage and the field::
+
+    configs/x.yaml: stage 1 (talker): engine_args: Input should be a valid dictionary (got 'oops')
+    configs/x.yaml: stages[2].kind: Input should be 'ar' or 'generation' (got 'gen')
+    configs/x.yaml: server.port: Input should be less than or equal to 65535 (got 70000)
+    configs/x.yaml: stages: stage 1 (talker): input 3 must be an earlier stage (...)
+
+Command-line overrides (`--stage-arg STAGE.KEY=VALUE`) are applied to the raw YAML before
+validation, so a bad override is reported like a bad line in the file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from .schema import PipelineConfig, StageConfig
+
+__all__ = [
+    "ConfigError",
+    "StageOverride",
+    "load_config",
+    "load_config_text",
+    "parse_override",
+    "apply_overrides",
+]
+
+# Stage fields an override may set directly; any other KEY goes into `engine_args`.
+# `id` and `name` identify the stage and cannot be overridden.
+_STAGE_FIELDS = frozenset(StageConfig.model_fields) - {"id", "name"}
+# Stage fields whose override VALUE is taken verbatim (a model path like `123` stays a string).
+_STR_FIELDS = frozenset({"model", "tokenizer", "devices", "address", "input_processor"})
+# Stage fields that are local paths or hub ids.
+_PATH_FIELDS = ("model", "tokenizer")
+
+
+class ConfigError(ValueError):
+    """An unusable config; `str()` lists every problem, one per line."""
+
+    def __init__(self, problems: Sequence[str] | str):
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems: list[str] = list(problems)
+        super().__init__("\n".join(self.problems))
+
+    def __str__(self) -> str:
+        return "\n".join(self.problems)
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error instead of last-one-wins."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            dup = key in seen
+        except TypeError:  # unhashable key; construct_mapping reports it below
+            continue
+        if dup:
+            first = seen[key].start_mark
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"duplicate key {key!r} (first given on line {first.line + 1})",
+                key_node.start_mark,
+            )
+        seen[key] = key_node
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _parse_yaml(text: str, name: str) -> dict[str, Any]:
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = " ".join(p for p in (e.context, e.problem) if p) or str(e)
+        raise ConfigError(f"{name}: {where}invalid YAML: {what}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{name}: invalid YAML: {e}") from None
+    if data is None:
+        raise ConfigError(f"{name}: the file is empty; expected a mapping with `model` and `stages`")
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{name}: the top level must be a mapping with `model` and `stages`, got {_type_name(data)}"
+        )
+    return data
+
+
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an int"}.get(
+        type(v), f"a {type(v).__name__}"
+    )
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+class StageOverride(BaseModel):
+    """One parsed `STAGE.KEY=VALUE`: `path` is where VALUE goes inside the stage's mapping."""
+
+    text: str
+    stage: str
+    path: tuple[str, ...]
+    value: Any
+
+
+def parse_override(text: str) -> StageOverride:
+    """Parse `STAGE.KEY=VALUE` (see `apply_overrides`); raise ConfigError if malformed."""
+    bad = f"override {text!r}: "
+    lhs, eq, raw = text.partition("=")
+    stage, dot, key = lhs.strip().partition(".")
+    if not eq or not dot or not stage or not key:
+        raise ConfigError(bad + "expected STAGE.KEY=VALUE, e.g. 1.max_num_seqs=8 or thinker.devices=0")
+    parts = tuple(p.strip() for p in key.split("."))
+    if any(not p for p in parts):
+        raise ConfigError(bad + f"empty component in key {key!r}")
+    head = parts[0]
+    if head in ("id", "name"):
+        raise ConfigError(bad + f"the stage's `{head}` cannot be overridden")
+    if head in _STAGE_FIELDS:
+        path = parts
+    else:  # engine_args key; dotted keys set nested engine args (e.g. compilation_config.level)
+        path = ("engine_args", *parts)
+    raw = raw.strip()
+    if len(path) == 1 and head in _STR_FIELDS and raw not in ("", "null", "~"):
+        value: Any = raw[1:-1] if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"" else raw
+    else:
+        try:
+            value = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(bad + f"VALUE is not a valid YAML value: {problem}") from None
+    return StageOverride(text=text, stage=stage.strip(), path=path, value=value)
+
+
+def _stage_desc(raw: Any) -> str:
+    if not isinstance(raw, dict):
+        return "?"
+    return f"{raw.get('id', '?')} ({raw.get('name', '?')})"
+
+
+def _find_stage(stages: list[Any], ref: str) -> dict | None:
+    """The raw stage whose id (if `ref` is a number) or else name is `ref`."""
+    dicts = [s for s in stages if isinstance(s, dict)]
+    if ref.isdigit():
+        for s in dicts:
+            sid = s.get("id")
+            if isinstance(sid, int) and not isinstance(sid, bool) and sid == int(ref):
+                return s
+    for s in dicts:
+        if s.get("name") == ref:
+            return s
+    return None
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str], name: str = "<string>") -> list[str]:
+    """Apply `STAGE.KEY=VALUE` overrides to raw config `data` in place; return the problems.
+
+    STAGE is a stage id or name (a number matches an id first). KEY is a StageConfig field
+    (anything but `id`/`name`: e.g. devices, model, tokenizer, address, output, inputs) or a
+    dotted path into one (`default_sampling.max_tokens`, `env.FOO`); any other KEY is an
+    `engine_args` key (`max_num_seqs`, or dotted `compilation_config.level` for a nested one).
+    VALUE is a YAML scalar or flow value: `8` -> 8, `true` -> True, `0.5` -> 0.5,
+    `[1,2]` -> [1, 2], `null` -> None; for model/tokenizer/devices/address/input_processor it is
+    taken as a string.
+    """
+    problems: list[str] = []
+    stages = data.get("stages")
+    for text in overrides:
+        try:
+            ov = parse_override(text)
+        except ConfigError as e:
+            problems.extend(f"{name}: {p}" for p in e.problems)
+            continue
+        if not isinstance(stages, list):
+            problems.append(f"{name}: override {text!r}: the config has no list of `stages` to apply it to")
+            continue
+        stage = _find_stage(stages, ov.stage)
+        if stage is None:
+            known = ", ".join(_stage_desc(s) for s in stages) or "none"
+            problems.append(f"{name}: override {text!r}: no stage with id or name {ov.stage!r} (stages: {known})")
+            continue
+        node: Any = stage
+        for i, part in enumerate(ov.path[:-1]):
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                where = ".".join(ov.path[: i + 1])
+                problems.append(f"{name}: override {text!r}: `{where}` is {_type_name(node)}, not a mapping")
+                break
+        else:
+            node[ov.path[-1]] = ov.value
+    return problems
+
+
+# --------------------------------------------------------------------------- validation errors
+
+
+def _stage_label(stages: Any, index: int) -> tuple[str, bool]:
+    """('stage 1 (talker)', True) when the raw stage's id/name can be read, else ('stages[2]', False)."""
+    raw = stages[index] if isinstance(stages, list) and 0 <= index < len(stages) else None
+    sid = raw.get("id") if isinstance(raw, dict) else None
+    sname = raw.get("name") if isinstance(raw, dict) else None
+    has_id = isinstance(sid, int) and not isinstance(sid, bool)
+    has_name = isinstance(sname, str) and bool(sname)
+    if has_id:
+        return (f"stage {sid} ({sname})" if has_name else f"stage {sid}"), True
+    if has_name:
+        return f"stages[{index}] ({sname})", True
+    return f"stages[{index}]", False
+
+
+def _dotted(loc: Sequence[str | int]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _known_fields(loc: Sequence[str | int]) -> list[str]:
+    """Field names allowed at the mapping that holds `loc[-1]` (for 'did you mean')."""
+    model: type[BaseModel] = PipelineConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        nxt = None
+        for cand in (ann, *getattr(ann, "__args__", ())):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                nxt = cand
+        if nxt is None:
+            return []
+        model = nxt
+    return list(model.model_fields)
+
+
+def _message(err: dict[str, Any]) -> str:
+    msg = err["msg"]
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix) :]
+    kind = err["type"]
+    loc = err["loc"]
+    if kind == "extra_forbidden" and loc and isinstance(loc[-1], str):
+        close = difflib.get_close_matches(loc[-1], _known_fields(loc), n=1, cutoff=0.6)
+        if close:
+            msg += f" (did you mean `{close[0]}`?)"
+    elif kind not in ("missing", "value_error", "assertion_error") and "input" in err:
+        v = err["input"]
+        if v is None or isinstance(v, (str, int, float, bool)):
+            msg += f" (got {_short(v)})"
+        elif isinstance(v, (list, dict)) and "should be a valid" in msg:
+            msg += f" (got {_type_name(v)})"
+    return msg
+
+
+def _format_errors(exc: ValidationError, data: dict[str, Any], name: str) -> list[str]:
+    stages = data.get("stages")
+    lines: list[str] = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        msg = _message(err)
+        if not loc:
+            # PipelineConfig's model_validator: the stage graph.
+            lines.append(f"{name}: stages: {msg}")
+        elif loc[0] == "stages" and len(loc) >= 2 and isinstance(loc[1], int):
+            label, readable = _stage_label(stages, loc[1])
+            rest = _dotted(loc[2:])
+            if not rest:
+                lines.append(f"{name}: {label}: {msg}")
+            elif readable:
+                lines.append(f"{name}: {label}: {rest}: {msg}")
+            else:
+                sep = "" if rest.startswith("[") else "."
+                lines.append(f"{name}: {label}{sep}{rest}: {msg}")
+        else:
+            lines.append(f"{name}: {_dotted(loc)}: {msg}")
+    return lines
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def _resolve_path(value: str | None, base_dir: Path | None) -> str | None:
+    """A relative `value` that exists under base_dir (then the cwd) becomes that absolute path;
+    anything else (a hub id like `Qwen/Qwen2.5-Omni-7B`, a path that does not exist) is kept."""
+    if not value:
+        return value
+    p = Path(os.path.expanduser(value))
+    if p.is_absolute():
+        return str(p) if value.startswith("~") else value
+    for root in (base_dir, Path.cwd()):
+        if root is None:
+            continue
+        cand = root / p
+        if cand.exists():
+            return str(cand.resolve())
+    return value
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def load_config_text(
+    text: str,
+    name: str = "<string>",
+    overrides: Sequence[str] = (),
+    base_dir: str | os.PathLike[str] | None = None,
+) -> PipelineConfig:
+    """Parse and validate config YAML `text`; `name` labels errors; relative model/tokenizer
+    paths resolve against `base_dir` (if given), then the current directory."""
+    data = _parse_yaml(text, name)
+    problems = apply_overrides(data, overrides, name)
+    cfg: PipelineConfig | None = None
+    try:
+        cfg = PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        problems.extend(_format_errors(e, data, name))
+    if problems:
+        raise ConfigError(problems)
+    assert cfg is not None
+    base = Path(base_dir) if base_dir is not None else None
+    for stage in cfg.stages:
+        for field in _PATH_FIELDS:
+            setattr(stage, field, _resolve_path(getattr(stage, field), base))
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> PipelineConfig:
+    """Read the pipeline YAML at `path`, apply `--stage-arg` overrides, validate, and resolve
+    relative model/tokenizer paths against the file's directory (then the cwd).
+
+    Raises ConfigError (a ValueError) listing every problem found."""
+    name = os.fspath(path)
+    p = Path(name)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{name}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{name}: is a directory, not a config file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{name}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read config file: {e.strerror or e}") from None
+    return load_config_text(text, name=name, overrides=overrides, base_dir=p.resolve().parent)

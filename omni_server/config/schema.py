@@ -1,0 +1,132 @@
+"""Pipeline config: the YAML a user writes, as pydantic models (the schema is the documentation)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingDefaults(_Strict):
+    """Per-stage defaults; for the client-facing text stage, request fields override them."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+
+
+class StageConfig(_Strict):
+    id: int = Field(ge=0)
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
+    kind: Literal["ar", "generation"] = "ar"
+    # Checkpoint directory (relative paths resolve against the config file's directory) or hub id.
+    model: str
+    tokenizer: str | None = None
+    # Passed through to vllm.EngineArgs (AR stages) unchanged.
+    engine_args: dict[str, Any] = {}
+    # CUDA_VISIBLE_DEVICES for the stage process, e.g. "0" or "0,1"; None inherits.
+    devices: str | None = None
+    env: dict[str, str] = {}
+    # Stage ids whose outputs feed this stage; empty = the client's prompt.
+    inputs: list[Annotated[int, Field(ge=0)]] = []
+    # Registered name that turns upstream payloads into this stage's engine input.
+    input_processor: str | None = None
+    # What this stage returns to the client: "text" (detokenized message content),
+    # "tokens" (token ids in the response's `omni_outputs`), or nothing.
+    output: Literal["text", "tokens"] | None = None
+    default_sampling: SamplingDefaults = SamplingDefaults()
+    # The stage's input socket; None = ipc in the runtime dir. The stage binds it.
+    address: str | None = None
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices_as_str(cls, v: Any) -> Any:
+        # YAML reads `devices: 0` as an int and `devices: [0, 1]` as a list; both mean "0" / "0,1".
+        if isinstance(v, int) and not isinstance(v, bool):
+            return str(v)
+        if isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v):
+            return ",".join(str(d) for d in v)
+        return v
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_numbers_as_str(cls, v: Any) -> Any:
+        # `OMP_NUM_THREADS: 4` is an int in YAML; environment values are strings.
+        if isinstance(v, dict):
+            return {
+                k: str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+                for k, x in v.items()
+            }
+        return v
+
+    @model_validator(mode="after")
+    def _inputs_need_processor(self) -> "StageConfig":
+        if len(set(self.inputs)) != len(self.inputs):
+            raise ValueError(f"`inputs` lists a stage more than once: {self.inputs}")
+        if self.inputs and not self.input_processor:
+            raise ValueError("a stage with `inputs` needs an `input_processor`")
+        if not self.inputs and self.input_processor:
+            raise ValueError("`input_processor` is set but the stage has no `inputs`")
+        if self.id in self.inputs:
+            raise ValueError("a stage cannot take its own output as input")
+        return self
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # Bearer token for /v1/*; also read from OMNI_SERVER_API_KEY. None = open.
+    api_key: str | None = None
+    max_request_bytes: int = Field(16 << 20, ge=1024)
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    max_tokens_limit: int = Field(4096, ge=1)
+    # Where the api process binds its PULL socket for stage outputs; None = ipc in the runtime dir.
+    output_address: str | None = None
+
+
+class PipelineConfig(_Strict):
+    # The model name clients pass in requests and /v1/models lists.
+    model: str = Field(min_length=1)
+    stages: list[StageConfig] = Field(min_length=1)
+    server: ServerConfig = ServerConfig()
+    # Directory for ipc sockets; None = a fresh private temp dir per `serve`.
+    runtime_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> "PipelineConfig":
+        ids = [s.id for s in self.stages]
+        if ids != list(range(len(ids))):
+            raise ValueError(f"stage ids must be 0..{len(ids) - 1} in order, got {ids}")
+        names = [s.name for s in self.stages]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate stage names: {sorted(dup)}")
+        for s in self.stages:
+            for src in s.inputs:
+                if src >= s.id:
+                    raise ValueError(
+                        f"stage {s.id} ({s.name}): input {src} must be an earlier stage (the pipeline is a DAG in id order)"
+                    )
+        if not self.stages[0].inputs == []:
+            raise ValueError("stage 0 must take the client's prompt (no `inputs`)")
+        text = [s.id for s in self.stages if s.output == "text"]
+        if len(text) > 1:
+            raise ValueError(f"at most one stage can have `output: text`, got stages {text}")
+        if not any(s.output for s in self.stages):
+            raise ValueError("no stage has an `output` for the client")
+        return self
+
+    def stage(self, stage_id: int) -> StageConfig:
+        return self.stages[stage_id]
+
+    def consumers(self, stage_id: int) -> list[int]:
+        return [s.id for s in self.stages if stage_id in s.inputs]

@@ -1,0 +1,550 @@
+"""Config loader: error messages for broken YAML, overrides, path resolution (no engines)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from omni_server.config import (
+    ConfigError,
+    PipelineConfig,
+    load_config,
+    load_config_text,
+    parse_override,
+)
+
+VALID = """\
+model: qwen-omni
+stages:
+  - id: 0
+    name: thinker
+    model: Qwen/Qwen2.5-Omni-7B
+    engine_args:
+      max_num_seqs: 4
+      gpu_memory_utilization: 0.8
+    devices: "0"
+    output: text
+    default_sampling:
+      max_tokens: 64
+      temperature: 0.7
+  - id: 1
+    name: talker
+    model: Qwen/Qwen2.5-Omni-7B
+    inputs: [0]
+    input_processor: thinker2talker
+    output: tokens
+server:
+  port: 8123
+"""
+
+STAGE0 = "  - {id: 0, name: thinker, model: m, output: text}\n"
+
+# (case id, YAML document, expected line after "configs/x.yaml: ")
+BROKEN = [
+    (
+        "missing-model",
+        "stages:\n" + STAGE0,
+        "model: Field required",
+    ),
+    (
+        "empty-model",
+        "model: ''\nstages:\n" + STAGE0,
+        "model: String should have at least 1 character (got '')",
+    ),
+    (
+        "missing-stages",
+        "model: m\n",
+        "stages: Field required",
+    ),
+    (
+        "empty-stages",
+        "model: m\nstages: []\n",
+        "stages: List should have at least 1 item after validation, not 0",
+    ),
+    (
+        "stages-not-a-list",
+        "model: m\nstages: {id: 0}\n",
+        "stages: Input should be a valid list (got a mapping)",
+    ),
+    (
+        "stage-not-a-mapping",
+        "model: m\nstages:\n" + STAGE0 + "  - just a string\n",
+        "stages[1]: Input should be a valid dictionary or instance of StageConfig (got 'just a string')",
+    ),
+    (
+        "stage-missing-model",
+        "model: m\nstages:\n  - {id: 0, name: thinker, output: text}\n",
+        "stage 0 (thinker): model: Field required",
+    ),
+    (
+        "stage-missing-name-uses-id",
+        "model: m\nstages:\n  - {id: 0, model: m, output: text}\n",
+        "stage 0: name: Field required",
+    ),
+    (
+        "bad-stage-name",
+        "model: m\nstages:\n  - {id: 0, name: 'my stage', model: m, output: text}\n",
+        "stage 0 (my stage): name: String should match pattern '^[A-Za-z0-9_\\-]+$' (got 'my stage')",
+    ),
+    (
+        "negative-stage-id",
+        "model: m\nstages:\n  - {id: -1, name: thinker, model: m, output: text}\n",
+        "stage -1 (thinker): id: Input should be greater than or equal to 0 (got -1)",
+    ),
+    (
+        "stage-ids-out-of-order",
+        "model: m\nstages:\n" + STAGE0 + "  - {id: 2, name: talker, model: m}\n",
+        "stages: stage ids must be 0..1 in order, got [0, 2]",
+    ),
+    (
+        "duplicate-stage-names",
+        "model: m\nstages:\n" + STAGE0 + "  - {id: 1, name: thinker, model: m}\n",
+        "stages: duplicate stage names: ['thinker']",
+    ),
+    (
+        "bad-kind",
+        "model: m\nstages:\n" + STAGE0 + "  - {id: 1, name: talker, kind: gen, model: m}\n",
+        "stage 1 (talker): kind: Input should be 'ar' or 'generation' (got 'gen')",
+    ),
+    (
+        "bad-kind-unnamed-stage-uses-index",
+        "model: m\nstages:\n" + STAGE0 + "  - {id: 1, name: a, model: m}\n  - {kind: gen, model: m}\n",
+        "stages[2].kind: Input should be 'ar' or 'generation' (got 'gen')",
+    ),
+    (
+        "engine-args-not-a-mapping",
+        "model: m\nstages:\n" + STAGE0 + "  - {id: 1, name: talker, model: m, engine_args: [max_num_seqs]}\n",
+        "stage 1 (talker): engine_args: Input should be a valid dictionary (got a list)",
+    ),
+    (
+        "unknown-top-level-field",
+        "model: m\nmodle: x\nstages:\n" + STAGE0,
+        "modle: Extra inputs are not permitted (did you mean `model`?)",
+    ),
+    (
+        "unknown-stage-field-typo",
+        "model: m\nstages:\n  - {id: 0, name: thinker, model: m, output: text, engin_args: {}}\n",
+        "stage 0 (thinker): engin_args: Extra inputs are not permitted (did you mean `engine_args`?)",
+    ),
+    (
+        "unknown-sampling-field",
+        "model: m\nstages:\n  - {id: 0, name: thinker, model: m, output: text, default_sampling: {max_token: 5}}\n",
+        "stage 0 (thinker): default_sampling.max_token: Extra inputs are not permitted (did you mean `max_tokens`?)",
+    ),
+    (
+        "input-from-later-stage",
+        "model: m\nstages:\n"
+        + STAGE0
+        + "  - {id: 1, name: talker, model: m, inputs: [2], input_processor: p}\n"
+        + "  - {id: 2, name: code2wav, model: m, inputs: [0], input_processor: p}\n",
+        "stages: stage 1 (talker): input 2 must be an earlier stage (the pipeline is a DAG in id order)",
+    ),
+    (
+        "input-from-itself",
+        "model: m\nstages:\n" + STAGE0 + "  - {id: 1, name: talker, model: m, inputs: [1], input_processor: p}\n",
+        "stage 1 (talker): a stage cannot take its own output as input",
+    ),
+    (
+        "negative-input",
+        "model: m\nstages:\n" + STAGE0 + "  - {id: 1, name: talker, model: m, inputs: [-1], input_processor: p}\n",
+        "stage 1 (talker): inputs[0]: Input should be greater than or equal to 0 (got -1)",
+    ),
+    (
+        "duplicate-input",
+        "model: m\nstages:\n" + STAGE0 + "  - {id: 1, name: talker, model: m, inputs: [0, 0], input_processor: p}\n",
+        "stage 1 (talker): `inputs` lists a stage more than once: [0, 0]",
+    ),
+    (
+        "inputs-without-input-processor",
+        "model: m\nstages:\n" + STAGE0 + "  - {id: 1, name: talker, model: m, inputs: [0]}\n",
+        "stage 1 (talker): a stage with `inputs` needs an `input_processor`",
+    ),
+    (
+        "input-processor-without-inputs",
+        "model: m\nstages:\n" + STAGE0 + "  - {id: 1, name: talker, model: m, input_processor: p}\n",
+        "stage 1 (talker): `input_processor` is set but the stage has no `inputs`",
+    ),
+    (
+        "two-text-outputs",
+        "model: m\nstages:\n"
+        + STAGE0
+        + "  - {id: 1, name: talker, model: m, inputs: [0], input_processor: p, output: text}\n",
+        "stages: at most one stage can have `output: text`, got stages [0, 1]",
+    ),
+    (
+        "bad-output",
+        "model: m\nstages:\n  - {id: 0, name: thinker, model: m, output: audio}\n",
+        "stage 0 (thinker): output: Input should be 'text' or 'tokens' (got 'audio')",
+    ),
+    (
+        "no-stage-with-output",
+        "model: m\nstages:\n  - {id: 0, name: thinker, model: m}\n",
+        "stages: no stage has an `output` for the client",
+    ),
+    (
+        "port-too-big",
+        "model: m\nserver: {port: 70000}\nstages:\n" + STAGE0,
+        "server.port: Input should be less than or equal to 65535 (got 70000)",
+    ),
+    (
+        "port-not-a-number",
+        "model: m\nserver: {port: http}\nstages:\n" + STAGE0,
+        "server.port: Input should be a valid integer, unable to parse string as an integer (got 'http')",
+    ),
+    (
+        "unknown-server-field",
+        "model: m\nserver: {prot: 80}\nstages:\n" + STAGE0,
+        "server.prot: Extra inputs are not permitted (did you mean `port`?)",
+    ),
+    (
+        "negative-max-tokens",
+        "model: m\nstages:\n  - {id: 0, name: thinker, model: m, output: text, default_sampling: {max_tokens: -5}}\n",
+        "stage 0 (thinker): default_sampling.max_tokens: Input should be greater than or equal to 1 (got -5)",
+    ),
+    (
+        "top-p-out-of-range",
+        "model: m\nstages:\n  - {id: 0, name: thinker, model: m, output: text, default_sampling: {top_p: 1.5}}\n",
+        "stage 0 (thinker): default_sampling.top_p: Input should be less than or equal to 1 (got 1.5)",
+    ),
+    (
+        "yaml-syntax-error",
+        "model: m\nstages:\n  - id: 0\n    name: thinker\n   model: m\n",
+        "line 5, column 4: invalid YAML:",
+    ),
+    (
+        "yaml-unclosed-flow",
+        "model: m\nstages: [\n",
+        "line 3, column 1: invalid YAML:",
+    ),
+    (
+        "yaml-duplicate-key",
+        "model: m\nstages:\n  - id: 0\n    name: thinker\n    model: m\n    model: n\n",
+        "line 6, column 5: invalid YAML: duplicate key 'model' (first given on line 5)",
+    ),
+    (
+        "empty-file",
+        "",
+        "the file is empty; expected a mapping with `model` and `stages`",
+    ),
+    (
+        "top-level-list",
+        "- model: m\n",
+        "the top level must be a mapping with `model` and `stages`, got a list",
+    ),
+]
+
+
+def _write(tmp_path: Path, text: str, rel: str = "configs/x.yaml") -> Path:
+    path = tmp_path / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _problems(exc: pytest.ExceptionInfo[ConfigError]) -> list[str]:
+    lines = str(exc.value).splitlines()
+    assert lines == exc.value.problems
+    return lines
+
+
+@pytest.mark.parametrize("text,expected", [c[1:] for c in BROKEN], ids=[c[0] for c in BROKEN])
+def test_broken_config_message(tmp_path, monkeypatch, text, expected):
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path, text)
+    with pytest.raises(ConfigError) as exc:
+        load_config("configs/x.yaml")
+    assert isinstance(exc.value, ValueError)
+    lines = _problems(exc)
+    want = f"configs/x.yaml: {expected}"
+    assert any(line == want or (want.endswith(":") and line.startswith(want)) for line in lines), "\n".join(lines)
+    # Every line names the file.
+    assert all(line.startswith("configs/x.yaml: ") for line in lines)
+
+
+def test_every_problem_is_listed_one_per_line():
+    text = textwrap.dedent(
+        """\
+        model: m
+        colour: blue
+        server: {port: -1}
+        stages:
+          - {id: 0, name: thinker, model: m, output: text, engine_args: 3}
+          - {id: 1, name: talker, kind: gen, model: m, inputs: [0], input_processor: p}
+        """
+    )
+    with pytest.raises(ConfigError) as exc:
+        load_config_text(text, name="x.yaml")
+    assert sorted(_problems(exc)) == sorted(
+        [
+            "x.yaml: colour: Extra inputs are not permitted",
+            "x.yaml: server.port: Input should be greater than or equal to 0 (got -1)",
+            "x.yaml: stage 0 (thinker): engine_args: Input should be a valid dictionary (got 3)",
+            "x.yaml: stage 1 (talker): kind: Input should be 'ar' or 'generation' (got 'gen')",
+        ]
+    )
+
+
+def test_yaml_syntax_error_has_no_traceback_chain():
+    with pytest.raises(ConfigError) as exc:
+        load_config_text("a: [1, 2\nb: 3\n", name="y.yaml")
+    (line,) = _problems(exc)
+    assert line.startswith("y.yaml: line ")
+    assert exc.value.__suppress_context__
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as exc:
+        load_config(missing)
+    assert str(exc.value) == f"{missing}: no such config file"
+
+
+def test_directory_instead_of_file(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        load_config(tmp_path)
+    assert str(exc.value) == f"{tmp_path}: is a directory, not a config file"
+
+
+# --------------------------------------------------------------------------- valid configs
+
+
+def test_valid_two_stage_config(tmp_path):
+    cfg = load_config(_write(tmp_path, VALID))
+    assert isinstance(cfg, PipelineConfig)
+    assert cfg.model == "qwen-omni"
+    assert [(s.id, s.name, s.kind) for s in cfg.stages] == [(0, "thinker", "ar"), (1, "talker", "ar")]
+    thinker, talker = cfg.stages
+    assert thinker.engine_args == {"max_num_seqs": 4, "gpu_memory_utilization": 0.8}
+    assert thinker.devices == "0"
+    assert thinker.output == "text" and talker.output == "tokens"
+    assert thinker.default_sampling.max_tokens == 64
+    assert thinker.default_sampling.temperature == 0.7
+    assert talker.inputs == [0] and talker.input_processor == "thinker2talker"
+    assert cfg.consumers(0) == [1]
+    assert cfg.server.port == 8123 and cfg.server.host == "127.0.0.1"
+    # A hub id with no such local path is left alone.
+    assert thinker.model == "Qwen/Qwen2.5-Omni-7B"
+    assert thinker.tokenizer is None
+
+
+def test_numeric_devices_and_env_from_yaml_become_strings():
+    text = VALID.replace('devices: "0"', "devices: [0, 1]\n    env: {OMP_NUM_THREADS: 4, FOO: bar}")
+    cfg = load_config_text(text)
+    assert cfg.stages[0].devices == "0,1"
+    assert cfg.stages[0].env == {"OMP_NUM_THREADS": "4", "FOO": "bar"}
+    cfg = load_config_text(VALID.replace('devices: "0"', "devices: 1"))
+    assert cfg.stages[0].devices == "1"
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def test_overrides_parse_values_by_id_and_name():
+    cfg = load_config_text(
+        VALID,
+        overrides=[
+            "1.max_num_seqs=8",
+            "thinker.gpu_memory_utilization=0.5",
+            "talker.enforce_eager=true",
+            "1.cuda_graph_sizes=[1, 2]",
+            "thinker.served_name='abc'",
+            "talker.trust_remote_code=null",
+        ],
+    )
+    thinker, talker = cfg.stages
+    assert thinker.engine_args == {"max_num_seqs": 4, "gpu_memory_utilization": 0.5, "served_name": "abc"}
+    assert talker.engine_args == {
+        "max_num_seqs": 8,
+        "enforce_eager": True,
+        "cuda_graph_sizes": [1, 2],
+        "trust_remote_code": None,
+    }
+    assert type(talker.engine_args["max_num_seqs"]) is int
+    assert type(thinker.engine_args["gpu_memory_utilization"]) is float
+
+
+def test_overrides_set_stage_fields():
+    cfg = load_config_text(
+        VALID,
+        overrides=[
+            "0.devices=1",
+            "talker.devices=2,3",
+            "thinker.model=/ckpt/thinker",
+            "talker.tokenizer=123",
+            "1.address=tcp://127.0.0.1:5555",
+            "1.output=null",
+            "0.startup_timeout_s=30",
+            "1.env.FOO=bar",
+            "thinker.kind=generation",
+        ],
+    )
+    thinker, talker = cfg.stages
+    assert thinker.devices == "1" and talker.devices == "2,3"
+    assert thinker.model == "/ckpt/thinker"
+    assert talker.tokenizer == "123"
+    assert talker.address == "tcp://127.0.0.1:5555"
+    assert talker.output is None
+    assert thinker.startup_timeout_s == 30.0
+    assert talker.env == {"FOO": "bar"}
+    assert thinker.kind == "generation"
+    # None of these leaked into engine_args.
+    assert "devices" not in thinker.engine_args and "model" not in thinker.engine_args
+    assert talker.engine_args == {}
+
+
+def test_override_nested_fields():
+    cfg = load_config_text(
+        VALID,
+        overrides=[
+            "thinker.default_sampling.max_tokens=5",
+            "1.default_sampling.temperature=0",
+            "1.default_sampling.stop_token_ids=[7, 8]",
+            "0.compilation_config.level=3",
+        ],
+    )
+    thinker, talker = cfg.stages
+    assert thinker.default_sampling.max_tokens == 5
+    assert thinker.default_sampling.temperature == 0.7  # untouched sibling
+    assert talker.default_sampling.temperature == 0.0
+    assert talker.default_sampling.stop_token_ids == [7, 8]
+    assert thinker.engine_args["compilation_config"] == {"level": 3}
+
+
+def test_override_value_is_validated_like_the_file():
+    with pytest.raises(ConfigError) as exc:
+        load_config_text(VALID, name="c.yaml", overrides=["thinker.default_sampling.max_tokens=-1"])
+    assert _problems(exc) == [
+        "c.yaml: stage 0 (thinker): default_sampling.max_tokens: Input should be greater than or equal to 1 (got -1)"
+    ]
+
+
+def test_override_unknown_stage():
+    with pytest.raises(ConfigError) as exc:
+        load_config_text(VALID, name="c.yaml", overrides=["code2wav.max_num_seqs=8", "7.max_num_seqs=8"])
+    assert _problems(exc) == [
+        "c.yaml: override 'code2wav.max_num_seqs=8': no stage with id or name 'code2wav' (stages: 0 (thinker), 1 (talker))",
+        "c.yaml: override '7.max_num_seqs=8': no stage with id or name '7' (stages: 0 (thinker), 1 (talker))",
+    ]
+
+
+@pytest.mark.parametrize(
+    "override,reason",
+    [
+        ("max_num_seqs=8", "expected STAGE.KEY=VALUE"),
+        ("1.max_num_seqs", "expected STAGE.KEY=VALUE"),
+        ("1=8", "expected STAGE.KEY=VALUE"),
+        (".max_num_seqs=8", "expected STAGE.KEY=VALUE"),
+        ("1.=8", "expected STAGE.KEY=VALUE"),
+        ("1.default_sampling..max_tokens=8", "empty component in key 'default_sampling..max_tokens'"),
+        ("1.max_num_seqs=[1, 2", "VALUE is not a valid YAML value"),
+        ("1.name=x", "the stage's `name` cannot be overridden"),
+        ("0.id=3", "the stage's `id` cannot be overridden"),
+    ],
+)
+def test_malformed_override(override, reason):
+    with pytest.raises(ConfigError) as exc:
+        load_config_text(VALID, name="c.yaml", overrides=[override])
+    (line,) = _problems(exc)
+    assert line.startswith(f"c.yaml: override {override!r}: {reason}"), line
+
+
+def test_override_into_non_mapping_is_reported():
+    text = VALID.replace("    output: tokens\n", "    output: tokens\n    default_sampling: 3\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config_text(text, name="c.yaml", overrides=["1.default_sampling.max_tokens=5"])
+    assert _problems(exc)[0] == (
+        "c.yaml: override '1.default_sampling.max_tokens=5': `default_sampling` is an int, not a mapping"
+    )
+
+
+def test_override_errors_and_file_errors_are_listed_together():
+    text = VALID.replace("port: 8123", "port: 99999")
+    with pytest.raises(ConfigError) as exc:
+        load_config_text(text, name="c.yaml", overrides=["nope.x=1"])
+    lines = _problems(exc)
+    assert len(lines) == 2
+    assert lines[0].startswith("c.yaml: override 'nope.x=1': no stage")
+    assert lines[1] == "c.yaml: server.port: Input should be less than or equal to 65535 (got 99999)"
+
+
+def test_parse_override_routes_keys():
+    assert parse_override("1.max_num_seqs=8").path == ("engine_args", "max_num_seqs")
+    assert parse_override("1.engine_args.max_num_seqs=8").path == ("engine_args", "max_num_seqs")
+    assert parse_override("t.devices=0").path == ("devices",)
+    assert parse_override("t.devices=0").value == "0"
+    assert parse_override("t.default_sampling.seed=1").path == ("default_sampling", "seed")
+    ov = parse_override(" thinker . gpu_memory_utilization = 0.5 ")
+    assert (ov.stage, ov.path, ov.value) == ("thinker", ("engine_args", "gpu_memory_utilization"), 0.5)
+    assert parse_override("1.x=a=b").value == "a=b"
+
+
+def test_numeric_stage_ref_prefers_id_over_name():
+    text = VALID.replace("name: talker", "name: '0'")
+    cfg = load_config_text(text, overrides=["0.max_num_seqs=9"])
+    assert cfg.stages[0].engine_args["max_num_seqs"] == 9
+    assert "max_num_seqs" not in cfg.stages[1].engine_args
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def _path_config(model: str, tokenizer: str | None = None) -> str:
+    tok = f"\n    tokenizer: {tokenizer}" if tokenizer else ""
+    return f"model: m\nstages:\n  - id: 0\n    name: thinker\n    model: {model}{tok}\n    output: text\n"
+
+
+def test_model_path_relative_to_config_dir(tmp_path, monkeypatch):
+    (tmp_path / "var/models/x").mkdir(parents=True)
+    (tmp_path / "var/tok").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the cwd must not matter
+    path = _write(tmp_path, _path_config("../var/models/x", "../var/tok"))
+    cfg = load_config(path)
+    assert cfg.stages[0].model == str((tmp_path / "var/models/x").resolve())
+    assert cfg.stages[0].tokenizer == str((tmp_path / "var/tok").resolve())
+
+
+def test_model_path_falls_back_to_cwd(tmp_path, monkeypatch):
+    (tmp_path / "var/models/x").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(_write(tmp_path, _path_config("var/models/x")))  # configs/var/models/x does not exist
+    assert cfg.stages[0].model == str((tmp_path / "var/models/x").resolve())
+
+
+def test_config_dir_wins_over_cwd(tmp_path, monkeypatch):
+    (tmp_path / "configs/var/models/x").mkdir(parents=True)
+    (tmp_path / "var/models/x").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(_write(tmp_path, _path_config("var/models/x")))
+    assert cfg.stages[0].model == str((tmp_path / "configs/var/models/x").resolve())
+
+
+def test_hub_ids_and_missing_paths_untouched(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(_write(tmp_path, _path_config("Qwen/Qwen2.5-Omni-7B", "../var/not-there")))
+    assert cfg.stages[0].model == "Qwen/Qwen2.5-Omni-7B"
+    assert cfg.stages[0].tokenizer == "../var/not-there"
+
+
+def test_absolute_model_path_kept(tmp_path):
+    target = tmp_path / "abs-model"
+    target.mkdir()
+    cfg = load_config(_write(tmp_path, _path_config(str(target))))
+    assert cfg.stages[0].model == str(target)
+
+
+def test_overridden_model_path_is_resolved_too(tmp_path, monkeypatch):
+    (tmp_path / "var/models/y").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "var")
+    path = _write(tmp_path, _path_config("Qwen/Qwen2.5-Omni-7B"))
+    cfg = load_config(path, overrides=["thinker.model=../var/models/y"])
+    assert cfg.stages[0].model == str((tmp_path / "var/models/y").resolve())
+
+
+def test_load_config_text_resolves_against_base_dir(tmp_path):
+    (tmp_path / "models/z").mkdir(parents=True)
+    cfg = load_config_text(_path_config("models/z"), base_dir=tmp_path)
+    assert cfg.stages[0].model == str((tmp_path / "models/z").resolve())
