@@ -1,0 +1,271 @@
+"""FastAPI app: thin routes over the Orchestrator."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from omni_server.api import errors
+from omni_server.api.errors import APIError
+from omni_server.api.protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    Usage,
+)
+from omni_server.api.text import TextCodec
+from omni_server.config.schema import PipelineConfig
+from omni_server.orchestrator.orchestrator import Orchestrator, StageUnavailable
+from omni_server.wire.messages import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+class ServerState:
+    """Everything the routes need; built by `serve` (or tests) before the app starts."""
+
+    def __init__(self, cfg: PipelineConfig, orchestrator_factory: Callable[[], Orchestrator],
+                 on_startup: Callable[["ServerState"], Awaitable[None]] | None = None):
+        self.cfg = cfg
+        self.orchestrator_factory = orchestrator_factory
+        self.on_startup = on_startup
+        self.orch: Orchestrator | None = None
+        stage0 = cfg.stage(0)
+        self.text = TextCodec(stage0.tokenizer or stage0.model)
+        self.text_stage = next((s.id for s in cfg.stages if s.output == "text"), None)
+        self.sampling_stage = self.text_stage if self.text_stage is not None else 0
+        self.api_key = cfg.server.api_key or os.environ.get("OMNI_SERVER_API_KEY") or None
+        self.created = int(time.time())
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.orch = state.orchestrator_factory()
+        state.orch.start()
+        task = asyncio.create_task(state.on_startup(state)) if state.on_startup else None
+        try:
+            yield
+        finally:
+            if task:
+                task.cancel()
+            await state.orch.close()
+
+    app = FastAPI(title="omni-server", version="0.1.0", lifespan=lifespan)
+    errors.install(app)
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > state.cfg.server.max_request_bytes):
+            return JSONResponse(errors.error_body(413, f"request body exceeds {state.cfg.server.max_request_bytes} bytes"),
+                                status_code=413)
+        return await call_next(request)
+
+    async def require_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        orch = state.orch
+        stages = {s.name: ("down" if orch and s.id in orch.down else "ready" if orch and s.id in orch.ready
+                           else "starting") for s in state.cfg.stages}
+        ok = orch is not None and orch.all_ready
+        return JSONResponse({"status": "ok" if ok else "unavailable", "stages": stages},
+                            status_code=200 if ok else 503)
+
+    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.cfg.model, created=state.created)])
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    async def chat(body: ChatCompletionRequest, request: Request):
+        if body.model != state.cfg.model:
+            raise APIError(404, f"The model `{body.model}` does not exist. Available: {state.cfg.model}",
+                           param="model", code="model_not_found")
+        prompt_ids = state.text.render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        limit = state.cfg.server.max_prompt_tokens
+        if limit is not None and len(prompt_ids) > limit:
+            raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param="messages")
+        sampling = _sampling(state, body)
+        orch = _orch(state)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            req = await orch.submit(request_id, prompt_ids, sampling)
+        except StageUnavailable as e:
+            raise APIError(503, f"pipeline unavailable: {e}") from None
+        run = _Run(state, orch, req, body, len(prompt_ids))
+        if body.stream:
+            return StreamingResponse(run.sse(), media_type="text/event-stream")
+        return await _until_disconnect(request, run.collect(), orch, request_id)
+
+    @app.get("/v1/omni/stages/{stage_id}/stats", dependencies=[Depends(require_key)])
+    async def stage_stats(stage_id: int):
+        orch = _orch(state)
+        if stage_id not in orch.stage_socks:
+            raise APIError(404, f"no stage {stage_id}")
+        try:
+            s = await orch.stats(stage_id)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"stage {stage_id} did not answer") from None
+        return {"stage_id": s.stage_id, "num_running": s.num_running, "num_waiting": s.num_waiting,
+                "request_ids": s.request_ids, "steps": s.steps}
+
+    return app
+
+
+def _orch(state: ServerState) -> Orchestrator:
+    if state.orch is None:
+        raise APIError(503, "server is starting")
+    return state.orch
+
+
+def _sampling(state: ServerState, body: ChatCompletionRequest) -> dict[int, SamplingSpec]:
+    out: dict[int, SamplingSpec] = {}
+    cap = state.cfg.server.max_tokens_limit
+    for s in state.cfg.stages:
+        d = s.default_sampling
+        spec = SamplingSpec(
+            max_tokens=d.max_tokens or 256, temperature=1.0 if d.temperature is None else d.temperature,
+            top_p=d.top_p or 1.0, top_k=d.top_k or 0, seed=d.seed,
+            repetition_penalty=d.repetition_penalty or 1.0, stop_token_ids=list(d.stop_token_ids or []))
+        if s.id == state.sampling_stage:
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            if max_tokens is not None:
+                if max_tokens > cap:
+                    raise APIError(400, f"max_tokens {max_tokens} exceeds the limit of {cap}", param="max_tokens")
+                spec.max_tokens = max_tokens
+            if body.temperature is not None:
+                spec.temperature = body.temperature
+            if body.top_p is not None:
+                spec.top_p = body.top_p
+            if body.top_k is not None:
+                spec.top_k = max(body.top_k, 0)
+            if body.seed is not None:
+                spec.seed = body.seed
+            if body.repetition_penalty is not None:
+                spec.repetition_penalty = body.repetition_penalty
+        spec.max_tokens = min(spec.max_tokens, cap)
+        out[s.id] = spec
+    return out
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any], orch: Orchestrator, request_id: str):
+    """Run a non-streaming request, aborting it in every stage if the client goes away."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await orch.abort(request_id)
+                return JSONResponse(errors.error_body(499, "client disconnected"), status_code=499)
+    except asyncio.CancelledError:
+        task.cancel()
+        await orch.abort(request_id)
+        raise
+
+
+class _Run:
+    """One chat request's outputs, gathered for a JSON response or streamed as SSE."""
+
+    def __init__(self, state: ServerState, orch: Orchestrator, req, body: ChatCompletionRequest, n_prompt: int):
+        self.state, self.orch, self.req, self.body = state, orch, req, body
+        self.n_prompt = n_prompt
+        self.detok = state.text.detokenizer(body.stop)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.tokens: dict[int, list[int]] = {s.id: [] for s in state.cfg.stages if s.output == "tokens"}
+        self.created = int(time.time())
+
+    async def _events(self) -> AsyncIterator[str]:
+        """Text pieces as they become available; sets finish_reason at the end."""
+        text_stage = self.state.text_stage
+        async for stage_id, delta in self.orch.deltas(self.req):
+            if delta.error is not None:
+                raise APIError(503 if "unavailable" in delta.error else 500, delta.error)
+            if stage_id == text_stage:
+                self.completion_tokens += len(delta.new_token_ids)
+                piece = self.detok.push(delta.new_token_ids)
+                if self.detok.stopped:
+                    self.finish_reason = "stop"
+                    await self.orch.abort(self.req.request_id)
+                    yield piece + self.detok.flush()
+                    return
+                if delta.finished:
+                    self.finish_reason = _FINISH.get(delta.finish_reason or "", "stop")
+                    piece += self.detok.flush()
+                if piece:
+                    yield piece
+            elif stage_id in self.tokens:
+                self.tokens[stage_id].extend(delta.new_token_ids)
+                if delta.finished and text_stage is None:
+                    self.finish_reason = _FINISH.get(delta.finish_reason or "", "stop")
+
+    def _usage(self) -> Usage:
+        return Usage(prompt_tokens=self.n_prompt, completion_tokens=self.completion_tokens,
+                     total_tokens=self.n_prompt + self.completion_tokens)
+
+    def _omni_outputs(self) -> dict[str, dict[str, Any]] | None:
+        if not self.tokens:
+            return None
+        return {self.state.cfg.stage(i).name: {"token_ids": ids} for i, ids in self.tokens.items()}
+
+    async def collect(self) -> ChatCompletion:
+        text = "".join([piece async for piece in self._events()])
+        return ChatCompletion(
+            id=self.req.request_id, model=self.state.cfg.model,
+            choices=[Choice(message=ResponseMessage(content=text if self.state.text_stage is not None else None),
+                            finish_reason=self.finish_reason or "stop")],
+            usage=self._usage(), omni_outputs=self._omni_outputs())
+
+    def _chunk(self, delta: DeltaMessage, finish: str | None = None, **extra) -> str:
+        chunk = ChatCompletionChunk(id=self.req.request_id, created=self.created, model=self.state.cfg.model,
+                                    choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
+        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+    async def sse(self) -> AsyncIterator[str]:
+        finished = False
+        try:
+            yield self._chunk(DeltaMessage(role="assistant", content=""))
+            async for piece in self._events():
+                yield self._chunk(DeltaMessage(content=piece))
+            yield self._chunk(DeltaMessage(), finish=self.finish_reason or "stop", omni_outputs=self._omni_outputs())
+            opts = self.body.stream_options
+            if opts is not None and opts.include_usage:
+                usage = ChatCompletionChunk(id=self.req.request_id, created=self.created,
+                                            model=self.state.cfg.model, choices=[], usage=self._usage())
+                yield f"data: {usage.model_dump_json(exclude_none=True)}\n\n"
+            finished = True
+        except APIError as e:
+            finished = True
+            yield f"data: {json.dumps(errors.error_body(e.status, e.message))}\n\n"
+        finally:
+            if not finished:  # client went away mid-stream (generator closed / cancelled)
+                await self.orch.abort(self.req.request_id)
+        yield "data: [DONE]\n\n"

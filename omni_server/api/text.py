@@ -1,0 +1,79 @@
+"""Text in and out of the pipeline: chat template + tokenization, incremental detokenization."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+
+class TextCodec:
+    """Owns the first stage's tokenizer (loaded once; the api process never loads weights)."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            # Some multimodal checkpoints keep the template with the processor only.
+            from transformers import AutoProcessor
+
+            self.tokenizer.chat_template = AutoProcessor.from_pretrained(path).chat_template
+        self._backend = self.tokenizer.backend_tokenizer  # a `tokenizers.Tokenizer`
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def detokenizer(self, stop: list[str]) -> "Detokenizer":
+        return Detokenizer(self._backend, stop)
+
+
+class Detokenizer:
+    """Incremental detokenization with stop strings; never emits text past a stop string or a
+    possible prefix of one (held back until it is resolved)."""
+
+    def __init__(self, backend, stop: list[str]):
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stop = stop
+        self.text = ""  # everything decoded so far
+        self._emitted = 0
+        self.stopped = False
+
+    def push(self, token_ids: list[int]) -> str:
+        """Feed new tokens; return the text that can be shown now."""
+        for tid in token_ids:
+            if self.stopped:
+                break
+            piece = self._stream.step(self._backend, tid)
+            if piece:
+                self.text += piece
+                self._check_stop()
+        return self._take(final=False)
+
+    def flush(self) -> str:
+        return self._take(final=True)
+
+    def _check_stop(self) -> None:
+        for s in self._stop:
+            at = self.text.find(s, max(0, self._emitted - len(s)))
+            if at != -1:
+                self.text = self.text[:at]
+                self.stopped = True
+
+    def _take(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and not self.stopped:
+            # Hold back a tail that could still become a stop string.
+            for s in self._stop:
+                for k in range(min(len(s) - 1, end - self._emitted), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        out = self.text[self._emitted:end]
+        self._emitted = max(self._emitted, end)
+        return out

@@ -1,0 +1,94 @@
+"""`omni-server` command line: serve, stage, check."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stage-arg", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                   help="override a stage setting, e.g. 1.max_num_seqs=8 or thinker.devices=1 (repeatable)")
+
+
+def _load(path: str, overrides: list[str]):
+    from omni_server.config import ConfigError, load_config
+
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        print(f"error: invalid config\n{e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_check(args) -> int:
+    cfg = _load(args.config, args.stage_arg)
+    print(f"{args.config}: ok — model {cfg.model!r}, {len(cfg.stages)} stage(s): "
+          + ", ".join(f"{s.id}:{s.name}({s.kind})" for s in cfg.stages))
+    return 0
+
+
+def cmd_stage(args) -> int:
+    cfg = _load(args.config, args.stage_arg)
+    if not 0 <= args.stage < len(cfg.stages):
+        print(f"error: {args.config} has no stage {args.stage}", file=sys.stderr)
+        return 2
+    from omni_server.stage.main import run_stage
+
+    runtime_dir = args.runtime_dir or cfg.runtime_dir
+    if runtime_dir is None and not all(cfg.stage(i).address for i in range(len(cfg.stages))):
+        print("error: --runtime-dir is required when stage addresses are ipc defaults", file=sys.stderr)
+        return 2
+    run_stage(cfg, args.stage, runtime_dir or "", parent_pid=args.parent_pid)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    cfg = _load(args.config, args.stage_arg)
+    if args.host:
+        cfg.server.host = args.host
+    if args.port is not None:
+        cfg.server.port = args.port
+    if args.api_key:
+        cfg.server.api_key = args.api_key
+    from omni_server.server import serve
+
+    return asyncio.run(serve(cfg, args.config, args.stage_arg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-server", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("serve", help="start every stage and the OpenAI-compatible HTTP server")
+    p.add_argument("config")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--api-key", help="require this bearer token on /v1/* (or set OMNI_SERVER_API_KEY)")
+    _config_args(p)
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("stage", help="run one stage's engine process")
+    p.add_argument("--config", required=True)
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--runtime-dir", help="directory of the default ipc sockets (set by `serve`)")
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    _config_args(p)
+    p.set_defaults(fn=cmd_stage)
+
+    p = sub.add_parser("check", help="validate a pipeline config")
+    p.add_argument("config")
+    _config_args(p)
+    p.set_defaults(fn=cmd_check)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

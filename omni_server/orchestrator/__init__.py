@@ -1,0 +1,1 @@
+"""The api process's view of the pipeline: stage processes, per-request routing across stages."""

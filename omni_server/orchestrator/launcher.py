@@ -1,0 +1,57 @@
+"""Starts the stage processes of a pipeline (in parallel) and stops them cleanly."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from omni_server.config.schema import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+
+class Launcher:
+    def __init__(self, cfg: PipelineConfig, config_path: str, runtime_dir: Path, overrides: Sequence[str] = ()):
+        self.cfg = cfg
+        self.config_path = config_path
+        self.runtime_dir = runtime_dir
+        self.overrides = list(overrides)
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def start_all(self) -> None:
+        for stage in self.cfg.stages:
+            self.start(stage.id)
+
+    def start(self, stage_id: int) -> None:
+        cmd = [sys.executable, "-m", "omni_server.cli", "stage", "--config", self.config_path,
+               "--stage", str(stage_id), "--runtime-dir", str(self.runtime_dir), "--parent-pid", str(os.getpid())]
+        for o in self.overrides:
+            cmd += ["--stage-arg", o]
+        # Own session: a terminal Ctrl-C reaches only `serve`, which then stops stages in order.
+        self.procs[stage_id] = subprocess.Popen(cmd, start_new_session=True)
+        log.info("stage %d (%s) starting, pid %d", stage_id, self.cfg.stage(stage_id).name, self.procs[stage_id].pid)
+
+    def exited(self) -> dict[int, int]:
+        """Stage id -> exit code, for stage processes that are no longer running."""
+        return {i: p.returncode for i, p in self.procs.items() if p.poll() is not None}
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        """SIGTERM every stage, wait, then SIGKILL what is left (and its children)."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for i, p in self.procs.items():
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("stage %d did not stop in %.0f s; killing it", i, timeout)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()

@@ -1,0 +1,194 @@
+"""Per-request state across stages, in the api process's event loop.
+
+A request enters the stage(s) that read the client's prompt; later stages are told to expect it and
+receive their inputs stage to stage. The request is done when every client-facing stage finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from omni_server.config.schema import PipelineConfig
+from omni_server.wire.codec import Decoder, Encoder
+from omni_server.wire.messages import (
+    AbortRequest,
+    AddRequest,
+    ExpectRequest,
+    Message,
+    RequestDelta,
+    RequestOutputs,
+    SamplingSpec,
+    Shutdown,
+    StageReady,
+    StageStats,
+    StatsQuery,
+)
+from omni_server.wire.transport import SEND_HWM, api_address, decode_or_none, stage_address
+
+log = logging.getLogger(__name__)
+
+
+class StageUnavailable(RuntimeError):
+    """A stage the request needs is not running."""
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    # Client-facing stages that have not finished yet.
+    pending: set[int]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: bool = False
+
+
+class Orchestrator:
+    def __init__(self, cfg: PipelineConfig, runtime_dir: Path):
+        self.cfg = cfg
+        self.ctx = zmq.asyncio.Context()
+        self.out = self.ctx.socket(zmq.PULL)
+        self.out.bind(api_address(cfg, runtime_dir))
+        self.stage_socks: dict[int, zmq.asyncio.Socket] = {}
+        for s in cfg.stages:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(stage_address(cfg, s.id, runtime_dir))
+            self.stage_socks[s.id] = sock
+        self.encoder = Encoder()
+        self.decoder = Decoder()
+        self.output_stages = {s.id for s in cfg.stages if s.output}
+        self.requests: dict[str, RequestState] = {}
+        self.ready: dict[int, StageReady] = {}
+        self.down: dict[int, str] = {}
+        self._ready_event = asyncio.Event()
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._nonce = itertools.count(1)
+        self._recv_task: asyncio.Task | None = None
+        self.started_at = time.monotonic()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    @property
+    def all_ready(self) -> bool:
+        return len(self.ready) == len(self.cfg.stages) and not self.down
+
+    async def wait_ready(self, timeout: float) -> None:
+        await asyncio.wait_for(self._ready_event.wait(), timeout)
+
+    def mark_down(self, stage_id: int, reason: str) -> None:
+        """A stage process died: fail every request in flight (they all pass through every stage)."""
+        self.down[stage_id] = reason
+        for state in list(self.requests.values()):
+            self._push(state, stage_id, RequestDelta(
+                request_id=state.request_id, finished=True, finish_reason="error",
+                error=f"stage {self.cfg.stage(stage_id).name} is unavailable: {reason}"))
+
+    async def close(self) -> None:
+        for sock in self.stage_socks.values():
+            try:
+                await self._send(sock, Shutdown())
+            except zmq.ZMQError:
+                pass
+        if self._recv_task:
+            self._recv_task.cancel()
+        self.ctx.destroy(linger=500)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int],
+                     sampling: dict[int, SamplingSpec]) -> RequestState:
+        if self.down:
+            raise StageUnavailable(", ".join(f"stage {i}: {r}" for i, r in self.down.items()))
+        if not self.all_ready:
+            raise StageUnavailable("the pipeline is still starting")
+        state = RequestState(request_id, set(self.output_stages))
+        self.requests[request_id] = state
+        # Downstream stages first, so they know the request before payloads arrive (either order works).
+        for s in reversed(self.cfg.stages):
+            fwd = self.cfg.consumers(s.id)
+            if s.inputs:
+                msg: Message = ExpectRequest(request_id=request_id, sampling=sampling[s.id],
+                                             sources=list(s.inputs), forward_to=fwd)
+            else:
+                msg = AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                 sampling=sampling[s.id], forward_to=fwd)
+            await self._send(self.stage_socks[s.id], msg)
+        return state
+
+    async def deltas(self, state: RequestState) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """Yield (stage id, delta) until every client-facing stage finished or one failed."""
+        try:
+            while not state.done:
+                stage_id, delta = await state.queue.get()
+                if delta.error is not None or (delta.finished and stage_id not in self.output_stages
+                                               and delta.finish_reason in ("abort", "error")):
+                    state.done = True
+                    yield stage_id, delta
+                    return
+                if stage_id in self.output_stages:
+                    if delta.finished:
+                        state.pending.discard(stage_id)
+                        state.done = not state.pending
+                    yield stage_id, delta
+        finally:
+            self.requests.pop(state.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        msg = AbortRequest(request_ids=[request_id])
+        for sock in self.stage_socks.values():
+            await self._send(sock, msg)
+
+    async def stats(self, stage_id: int, timeout: float = 5.0) -> StageStats:
+        nonce = next(self._nonce)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters[nonce] = fut
+        try:
+            await self._send(self.stage_socks[stage_id], StatsQuery(nonce=nonce))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._stats_waiters.pop(nonce, None)
+
+    # ---- transport --------------------------------------------------------------------------
+
+    async def _send(self, sock: zmq.asyncio.Socket, msg: Message) -> None:
+        await sock.send_multipart(self.encoder.encode(msg), copy=False)
+
+    def _push(self, state: RequestState, stage_id: int, delta: RequestDelta) -> None:
+        state.queue.put_nowait((stage_id, delta))
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.out.recv_multipart(copy=False)
+            msg = decode_or_none(self.decoder, frames, "api")
+            if isinstance(msg, RequestOutputs):
+                for delta in msg.deltas:
+                    state = self.requests.get(delta.request_id)
+                    if state is not None:
+                        self._push(state, msg.stage_id, delta)
+            elif isinstance(msg, StageStats):
+                fut = self._stats_waiters.get(msg.nonce)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, StageReady):
+                self.ready[msg.stage_id] = msg
+                self.down.pop(msg.stage_id, None)
+                name = self.cfg.stage(msg.stage_id).name if msg.stage_id < len(self.cfg.stages) else "?"
+                log.info("stage %d (%s) ready: engine start %.1f s, %.1f s since launch",
+                         msg.stage_id, name, msg.startup_s, time.monotonic() - self.started_at)
+                if self.all_ready:
+                    self._ready_event.set()
+            elif msg is not None:
+                log.warning("api: ignoring unexpected %s", type(msg).__name__)

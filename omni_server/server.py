@@ -1,0 +1,66 @@
+"""`omni-server serve`: stage processes + HTTP server in one supervised unit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from typing import Sequence
+
+import uvicorn
+
+from omni_server.api.app import ServerState, create_app
+from omni_server.config.schema import PipelineConfig
+from omni_server.orchestrator.launcher import Launcher
+from omni_server.orchestrator.orchestrator import Orchestrator
+from omni_server.wire.transport import make_runtime_dir
+
+log = logging.getLogger(__name__)
+
+
+async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] = ()) -> int:
+    runtime_dir = make_runtime_dir(cfg)
+    launcher = Launcher(cfg, config_path, runtime_dir, overrides)
+    state = ServerState(cfg, lambda: Orchestrator(cfg, runtime_dir), on_startup=None)
+    uv = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.server.host, port=cfg.server.port,
+                                       log_level="info", timeout_graceful_shutdown=5))
+    failed: list[str] = []
+
+    async def supervise(state: ServerState) -> None:
+        """Report startup progress, then watch the stage processes for the server's lifetime."""
+        t0 = time.monotonic()
+        launcher.start_all()
+        announced = False
+        timeout = max(s.startup_timeout_s for s in cfg.stages)
+        while True:
+            await asyncio.sleep(0.5)
+            orch = state.orch
+            for stage_id, code in launcher.exited().items():
+                if orch is not None and stage_id not in orch.down:
+                    name = cfg.stage(stage_id).name
+                    log.error("stage %d (%s) exited with code %s", stage_id, name, code)
+                    orch.mark_down(stage_id, f"process exited with code {code}")
+                    if not announced:  # a stage that cannot start makes the whole server fail
+                        failed.append(f"stage {stage_id} ({name}) failed to start (exit code {code})")
+                        uv.should_exit = True
+                        return
+            if not announced and orch is not None and orch.all_ready:
+                announced = True
+                log.info("all %d stages ready in %.1f s; serving on http://%s:%d", len(cfg.stages),
+                         time.monotonic() - t0, cfg.server.host, cfg.server.port)
+            if not announced and time.monotonic() - t0 > timeout:
+                failed.append(f"stages not ready after {timeout:.0f} s")
+                uv.should_exit = True
+                return
+
+    state.on_startup = supervise
+    try:
+        await uv.serve()
+    finally:
+        launcher.stop_all()
+        if cfg.runtime_dir is None:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+    for f in failed:
+        log.error("%s", f)
+    return 1 if failed else 0

@@ -1,0 +1,1 @@
+"""Stage processes: one engine per process, driven by our own loop, reached over ZMQ."""

@@ -1,0 +1,41 @@
+"""Per-step hidden-state capture handed from the model runner to the stage loop.
+
+On CUDA the rows are gathered on the compute stream (a private copy, so the next forward may reuse
+vLLM's buffers) and copied to pinned host memory on a side stream; nothing waits for that copy in
+the decode loop. The stage loop calls `wait()` only when it needs the bytes (request finished).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# SamplingParams.extra_args key the stage loop sets on requests whose output feeds a later stage.
+EMIT_HIDDEN = "omni_emit_hidden"
+
+
+@dataclass
+class HiddenCapture:
+    req_ids: list[str]
+    # Rows per request, in the order of req_ids; rows of request i start at sum(counts[:i]).
+    counts: list[int]
+    # Position (in prompt + output tokens) of each request's first row in this step.
+    starts: list[int]
+    hidden: torch.Tensor  # [sum(counts), hidden_size], on the host (pinned on CUDA hosts)
+    event: Any = field(default=None, repr=False)  # torch.cuda.Event marking the copy done
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    def split(self) -> list[torch.Tensor]:
+        self.wait()
+        return list(torch.split(self.hidden, self.counts))
+
+    def __getstate__(self) -> dict:
+        # Crossing a process boundary (vLLM multiproc executor): the bytes must be final.
+        self.wait()
+        return {**self.__dict__, "event": None}

@@ -1,0 +1,54 @@
+"""Entry point of one stage process: `omni-server stage --config F --stage N`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from omni_server.config.schema import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # Started by `serve`: if it dies without stopping us (kill -9), do not linger as an orphan.
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            log.error("parent process %d is gone; stage exiting", parent_pid)
+            os._exit(1)
+
+
+def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: int | None = None) -> None:
+    stage = cfg.stage(stage_id)
+    # Our runner extends vLLM's V1 runner; the V2 runner would silently bypass it.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    for key, value in stage.env.items():
+        os.environ.setdefault(key, value)
+    if stage.devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = stage.devices
+    if parent_pid:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+
+    from omni_server.wire.transport import StageSockets
+
+    sockets = StageSockets(cfg, stage_id, runtime_dir)
+    if stage.kind != "ar":
+        raise SystemExit(f"stage {stage_id} ({stage.name}): kind {stage.kind!r} is not implemented yet")
+    from omni_server.stage.ar import ARStage
+
+    engine = ARStage(cfg, stage_id, sockets)
+
+    def _stop(signum, frame):
+        engine.running = False
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    log.info("stage %d (%s) ready in %.1f s", stage_id, stage.name, engine.startup_s)
+    try:
+        engine.run()
+    finally:
+        sockets.close()

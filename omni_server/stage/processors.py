@@ -1,0 +1,57 @@
+"""Stage input processors: upstream StagePayloads -> this stage's engine input.
+
+A processor is registered by name and named in the YAML (`input_processor`). Generic ones live
+here; model-specific ones live in `omni_server/models/<family>/` and register on import. A name
+`family.proc` imports `omni_server.models.family` first.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from omni_server.wire.messages import StagePayload
+
+
+@dataclass
+class StageInput:
+    """What a processor returns: a vLLM engine input plus optional per-request side data."""
+
+    prompt: dict[str, Any]  # vllm TokensInput / EmbedsInput dict (`type` key set)
+
+
+Processor = Callable[[dict[int, StagePayload], Any], StageInput]
+_REGISTRY: dict[str, Processor] = {}
+
+
+def register(name: str) -> Callable[[Processor], Processor]:
+    def deco(fn: Processor) -> Processor:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"input processor {name!r} registered twice")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def get(name: str) -> Processor:
+    if name not in _REGISTRY and "." in name:
+        importlib.import_module(f"omni_server.models.{name.split('.', 1)[0]}")
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown input processor {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+@register("hidden_to_embeds")
+def hidden_to_embeds(payloads: dict[int, StagePayload], ctx: Any) -> StageInput:
+    """The upstream stage's final hidden states (prompt + generated positions) as prompt embeddings."""
+    (payload,) = payloads.values()
+    hidden = payload.tensors.get("hidden")
+    if hidden is None:
+        raise ValueError(f"stage {payload.source_stage} sent no hidden states")
+    # Frames are read-only and owned by zmq; vLLM keeps the tensor, so give it its own memory.
+    return StageInput(prompt={"type": "embeds", "prompt_embeds": hidden.to(ctx.dtype, copy=True)})

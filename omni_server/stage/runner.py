@@ -1,0 +1,112 @@
+"""Model runners that also emit per-request final hidden states.
+
+They subclass vLLM's V1 runners (GPUModelRunner, and CPUModelRunner which derives from it) and only
+wrap `sample_tokens`: the forward pass and CUDA graphs are untouched. Rows are emitted only for
+requests flagged with EMIT_HIDDEN (those with a downstream stage), as a HiddenCapture attached to
+the step's ModelRunnerOutput as `omni_hidden` (the OmniScheduler takes it off).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from omni_server.stage.hidden import EMIT_HIDDEN, HiddenCapture
+
+
+class _AsyncWithHidden(AsyncModelRunnerOutput):
+    """Async-scheduling output: attach the capture when vLLM resolves the step's output."""
+
+    def __init__(self, inner: AsyncModelRunnerOutput, capture: HiddenCapture):
+        self._inner = inner
+        self._capture = capture
+
+    def get_output(self) -> ModelRunnerOutput:
+        out = self._inner.get_output()
+        out.omni_hidden = self._capture
+        return out
+
+
+class HiddenStatesEmitter:
+    """Mixin over a vLLM V1 model runner; must precede the runner class in the MRO."""
+
+    _copy_stream: torch.cuda.Stream | None = None
+
+    def sample_tokens(self, grammar_output):
+        state = self.execute_model_state
+        if state is None or self.speculative_config is not None:
+            return super().sample_tokens(grammar_output)
+        selection = self._select_rows(state.scheduler_output)
+        if selection is None:
+            return super().sample_tokens(grammar_output)
+        req_ids, counts, starts, index = selection
+        hidden = state.hidden_states
+        # A private copy of the rows, enqueued before sampling on the compute stream.
+        rows = hidden[index] if index is not None else hidden[: sum(counts)].clone()
+        ready = None
+        if rows.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        out = super().sample_tokens(grammar_output)
+        capture = self._to_host(req_ids, counts, starts, rows, ready)
+        if isinstance(out, ModelRunnerOutput):
+            out.omni_hidden = capture
+            return out
+        if isinstance(out, AsyncModelRunnerOutput):
+            return _AsyncWithHidden(out, capture)
+        return out
+
+    def _select_rows(self, scheduler_output):
+        num_sched = scheduler_output.num_scheduled_tokens
+        req_ids, counts, starts, ranges = [], [], [], []
+        offset = 0
+        everything = True
+        for i, rid in enumerate(self.input_batch.req_ids):
+            n = num_sched.get(rid, 0)
+            if n == 0:
+                continue
+            params = self.requests[rid].sampling_params
+            extra = params.extra_args if params is not None else None
+            if extra and extra.get(EMIT_HIDDEN):
+                req_ids.append(rid)
+                counts.append(n)
+                starts.append(int(self.input_batch.num_computed_tokens_cpu[i]))
+                ranges.append((offset, n))
+            else:
+                everything = False
+            offset += n
+        if not req_ids:
+            return None
+        if everything:
+            return req_ids, counts, starts, None
+        idx = np.concatenate([np.arange(o, o + n) for o, n in ranges])
+        index = torch.from_numpy(idx).to(self.device, non_blocking=True)
+        return req_ids, counts, starts, index
+
+    def _to_host(self, req_ids, counts, starts, rows: torch.Tensor, ready) -> HiddenCapture:
+        if ready is None:
+            return HiddenCapture(req_ids, counts, starts, rows)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        stream = self._copy_stream
+        # Wait only for the gather, not for sampling: the copy overlaps the sampler.
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        # `rows` was allocated on the compute stream; keep it alive until the side-stream copy ends.
+        rows.record_stream(stream)
+        return HiddenCapture(req_ids, counts, starts, host, event)
+
+
+class GPUOmniModelRunner(HiddenStatesEmitter, GPUModelRunner):
+    pass
+
+
+class CPUOmniModelRunner(HiddenStatesEmitter, CPUModelRunner):
+    pass

@@ -1,0 +1,131 @@
+"""Messages between the api process and the stage processes (and stage to stage).
+
+One module, one tagged union: every frame 0 on the wire decodes to exactly one of these Structs.
+Tensors never travel inside frame 0; `codec.py` moves them to extra raw frames. Fields typed
+`dict[str, Any]` named `tensors` hold torch tensors in memory and tensor references on the wire.
+Bump WIRE_VERSION on any incompatible change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+WIRE_VERSION = 1
+
+
+class _Msg(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=True):
+    pass
+
+
+class SamplingSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Sampling settings for one request in one stage (mapped to vLLM SamplingParams by the stage)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_tokens: int = 0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+# ---- api -> stage ------------------------------------------------------------------------------
+
+
+class AddRequest(_Msg):
+    """Start a request in the first stage(s) of its route, from token ids the api rendered."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    # Stage ids that consume this stage's per-request payload (tokens + hidden states).
+    forward_to: list[int] = []
+
+
+class ExpectRequest(_Msg):
+    """Announce a request whose input arrives from upstream stages as StagePayload messages."""
+
+    request_id: str
+    sampling: SamplingSpec
+    sources: list[int]
+    forward_to: list[int] = []
+
+
+class AbortRequest(_Msg):
+    request_ids: list[str]
+
+
+class StatsQuery(_Msg):
+    nonce: int
+
+
+class Shutdown(_Msg):
+    pass
+
+
+# ---- stage -> stage ----------------------------------------------------------------------------
+
+
+class StagePayload(_Msg):
+    """One request's output of a stage, for the stage(s) downstream (sent when the request finishes)."""
+
+    request_id: str
+    source_stage: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # e.g. "hidden": [num_prompt + num_output - 1, hidden_size] final-layer hidden states.
+    tensors: dict[str, Any] = {}
+
+
+# ---- stage -> api ------------------------------------------------------------------------------
+
+
+class StageReady(_Msg):
+    stage_id: int
+    pid: int
+    startup_s: float
+    info: dict[str, str] = {}
+
+
+class RequestDelta(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """What one engine step produced for one request in one stage."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    num_prompt_tokens: int = 0
+    finished: bool = False
+    # vLLM's finish reason ("stop", "length", "abort") or "error".
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class RequestOutputs(_Msg):
+    stage_id: int
+    deltas: list[RequestDelta]
+
+
+class StageStats(_Msg):
+    stage_id: int
+    nonce: int
+    num_running: int
+    num_waiting: int
+    # Requests the stage knows about (engine, expected inputs, buffered payloads).
+    request_ids: list[str]
+    steps: int = 0
+
+
+Message = Union[
+    AddRequest,
+    ExpectRequest,
+    AbortRequest,
+    StatsQuery,
+    Shutdown,
+    StagePayload,
+    StageReady,
+    RequestOutputs,
+    StageStats,
+]

@@ -1,0 +1,94 @@
+"""Socket addresses and send/receive helpers shared by the api process and the stages.
+
+Topology: every stage binds one PULL input socket; the api binds one PULL output socket. The api
+PUSHes requests to each stage, stages PUSH deltas to the api and payloads to downstream stages.
+Defaults are ipc sockets in a private runtime dir; TCP addresses come from the YAML.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import zmq
+
+from omni_server.config.schema import PipelineConfig
+from omni_server.wire.codec import Decoder, Encoder, WireError
+from omni_server.wire.messages import Message
+
+log = logging.getLogger(__name__)
+
+# Messages queued per peer before sends block (a PUSH to a stopped stage must not eat memory forever).
+SEND_HWM = 100_000
+
+
+def make_runtime_dir(cfg: PipelineConfig) -> Path:
+    if cfg.runtime_dir:
+        path = Path(cfg.runtime_dir)
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return path
+    return Path(tempfile.mkdtemp(prefix="omni-server-"))  # mode 0700: sockets stay private
+
+
+def stage_address(cfg: PipelineConfig, stage_id: int, runtime_dir: Path | str) -> str:
+    return cfg.stage(stage_id).address or f"ipc://{Path(runtime_dir) / f'stage{stage_id}.in'}"
+
+
+def api_address(cfg: PipelineConfig, runtime_dir: Path | str) -> str:
+    return cfg.server.output_address or f"ipc://{Path(runtime_dir) / 'api.out'}"
+
+
+def decode_or_none(decoder: Decoder, frames, where: str) -> Message | None:
+    try:
+        return decoder.decode(frames)
+    except WireError as e:
+        log.warning("%s: dropped malformed message: %s", where, e)
+        return None
+
+
+class StageSockets:
+    """A stage's sockets (blocking pyzmq: the stage loop is single-threaded)."""
+
+    def __init__(self, cfg: PipelineConfig, stage_id: int, runtime_dir: Path | str):
+        self.ctx = zmq.Context()
+        self.name = f"stage {stage_id}"
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.bind(stage_address(cfg, stage_id, runtime_dir))
+        self.api = self._push(api_address(cfg, runtime_dir))
+        self.stages = {c: self._push(stage_address(cfg, c, runtime_dir)) for c in cfg.consumers(stage_id)}
+        self.encoder = Encoder()
+        self.decoder = Decoder()
+        self.poller = zmq.Poller()
+        self.poller.register(self.input, zmq.POLLIN)
+
+    def _push(self, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(address)
+        return sock
+
+    def recv_inputs(self, timeout_ms: int) -> Iterator[Message]:
+        """Yield every message already queued (waiting up to timeout_ms for the first)."""
+        if not self.poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frames = self.input.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            msg = decode_or_none(self.decoder, frames, self.name)
+            if msg is not None:
+                yield msg
+
+    def send_api(self, msg: Message) -> None:
+        self.api.send_multipart(self.encoder.encode(msg), copy=False)
+
+    def send_stage(self, stage_id: int, msg: Message) -> None:
+        self.stages[stage_id].send_multipart(self.encoder.encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=1000)
