@@ -117,7 +117,7 @@ def create_app(state: ServerState) -> FastAPI:
             req = await orch.submit(request_id, prompt_ids, sampling)
         except StageUnavailable as e:
             raise APIError(503, f"pipeline unavailable: {e}") from None
-        run = _Run(state, orch, req, body, len(prompt_ids))
+        run = _Run(state, orch, req, body, prompt_ids)
         if body.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream")
         return await _until_disconnect(request, run.collect(), orch, request_id)
@@ -168,6 +168,7 @@ def _sampling(state: ServerState, body: ChatCompletionRequest) -> dict[int, Samp
                 spec.seed = body.seed
             if body.repetition_penalty is not None:
                 spec.repetition_penalty = body.repetition_penalty
+            spec.ignore_eos = body.ignore_eos
         spec.max_tokens = min(spec.max_tokens, cap)
         out[s.id] = spec
     return out
@@ -194,9 +195,12 @@ async def _until_disconnect(request: Request, work: Awaitable[Any], orch: Orches
 class _Run:
     """One chat request's outputs, gathered for a JSON response or streamed as SSE."""
 
-    def __init__(self, state: ServerState, orch: Orchestrator, req, body: ChatCompletionRequest, n_prompt: int):
+    def __init__(self, state: ServerState, orch: Orchestrator, req, body: ChatCompletionRequest,
+                 prompt_ids: list[int]):
         self.state, self.orch, self.req, self.body = state, orch, req, body
-        self.n_prompt = n_prompt
+        self.prompt_ids = prompt_ids
+        self.n_prompt = len(prompt_ids)
+        self.token_ids: list[int] = []
         self.detok = state.text.detokenizer(body.stop)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -211,6 +215,7 @@ class _Run:
                 raise APIError(503 if "unavailable" in delta.error else 500, delta.error)
             if stage_id == text_stage:
                 self.completion_tokens += len(delta.new_token_ids)
+                self.token_ids.extend(delta.new_token_ids)
                 piece = self.detok.push(delta.new_token_ids)
                 if self.detok.stopped:
                     self.finish_reason = "stop"
@@ -241,8 +246,10 @@ class _Run:
         return ChatCompletion(
             id=self.req.request_id, model=self.state.cfg.model,
             choices=[Choice(message=ResponseMessage(content=text if self.state.text_stage is not None else None),
-                            finish_reason=self.finish_reason or "stop")],
-            usage=self._usage(), omni_outputs=self._omni_outputs())
+                            finish_reason=self.finish_reason or "stop",
+                            token_ids=self.token_ids if self.body.return_token_ids else None)],
+            usage=self._usage(), omni_outputs=self._omni_outputs(),
+            prompt_token_ids=self.prompt_ids if self.body.return_token_ids else None)
 
     def _chunk(self, delta: DeltaMessage, finish: str | None = None, **extra) -> str:
         chunk = ChatCompletionChunk(id=self.req.request_id, created=self.created, model=self.state.cfg.model,

@@ -52,6 +52,9 @@ class ChatCompletionRequest(_Lenient):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     user: str | None = None
+    # Extensions (vLLM-compatible names), passed by the openai client through `extra_body`.
+    ignore_eos: bool = False
+    return_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -80,6 +83,7 @@ class Choice(BaseModel):
     message: ResponseMessage
     finish_reason: str | None
     logprobs: None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -89,6 +93,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[Choice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None
     # Extension: per-stage token ids of stages configured with `output: tokens`.
     omni_outputs: dict[str, dict[str, Any]] | None = None
 

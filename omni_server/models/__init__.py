@@ -1,0 +1,1 @@
+"""Model checkpoints the server builds or loads locally."""

@@ -1,0 +1,111 @@
+"""Shared fixtures: tiny checkpoints and real running servers (one per config per test session)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "var" / "models"
+STARTUP_TIMEOUT = 420
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`omni-server serve CONFIG` as a real subprocess on a free loopback port."""
+
+    def __init__(self, config: Path, log_path: Path, env: dict[str, str] | None = None, args: list[str] = ()):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omni_server.cli", "serve", str(config), "--port", str(self.port), *args],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(l for l in lines if not l.startswith("WARNING: Location"))[-8000:]
+
+    def stats(self, stage_id: int) -> dict:
+        r = httpx.get(f"{self.base_url}/v1/omni/stages/{stage_id}/stats", timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict[str, Path]:
+    from omni_server.models.tiny_checkpoints import ensure_all
+
+    return ensure_all(MODELS)
+
+
+@pytest.fixture(scope="session")
+def record_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("stage-inputs")
+
+
+@pytest.fixture(scope="session")
+def servers(tiny_models, record_dir, tmp_path_factory):
+    """Both test servers, started in parallel (engine start dominates the suite's run time)."""
+    logs = tmp_path_factory.mktemp("server-logs")
+    started = {
+        "default": Server(REPO / "configs" / "default.yaml", logs / "default.log"),
+        "two_stage": Server(REPO / "tests" / "configs" / "two_stage.yaml", logs / "two_stage.log",
+                            env={"OMNI_TEST_RECORD_DIR": str(record_dir)}),
+    }
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        for s in started.values():
+            s.wait_ready(deadline)
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="session")
+def default_server(servers) -> Server:
+    return servers["default"]
+
+
+@pytest.fixture(scope="session")
+def two_stage_server(servers) -> Server:
+    return servers["two_stage"]

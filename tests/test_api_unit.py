@@ -1,0 +1,62 @@
+"""The HTTP layer without stages: auth, limits, health and error shapes (real sockets, no engines)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from omni_server.api.app import ServerState, create_app
+from omni_server.config import load_config_text
+from omni_server.orchestrator.orchestrator import Orchestrator
+from tests.conftest import MODELS
+
+CONFIG = """
+model: m
+stages:
+  - {id: 0, name: thinker, model: %s, output: text}
+server: {api_key: sekret, max_request_bytes: 4096}
+runtime_dir: %s
+"""
+
+
+@pytest.fixture()
+def client(tiny_models, tmp_path):
+    cfg = load_config_text(CONFIG % (MODELS / "tiny-qwen2_5-omni", tmp_path))
+    state = ServerState(cfg, lambda: Orchestrator(cfg, tmp_path))
+    with TestClient(create_app(state)) as c:
+        yield c
+
+
+AUTH = {"authorization": "Bearer sekret"}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_api_key_guards_v1(client):
+    assert client.get("/v1/models").status_code == 401
+    r = client.get("/v1/models", headers={"authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = client.get("/v1/models", headers=AUTH)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
+
+
+def test_health_is_503_while_stages_are_not_ready(client):
+    r = client.get("/health")  # no auth needed
+    assert r.status_code == 503
+    assert r.json() == {"status": "unavailable", "stages": {"thinker": "starting"}}
+
+
+def test_chat_is_503_until_the_pipeline_is_up(client):
+    r = client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert r.status_code == 503
+    assert r.json()["error"]["type"] == "service_unavailable"
+
+
+def test_oversized_body_is_413(client):
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
+    r = client.post("/v1/chat/completions", json=big, headers=AUTH)
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+
+
+def test_unknown_route_is_openai_shaped_404(client):
+    r = client.get("/v1/nothing", headers=AUTH)
+    assert r.status_code == 404 and "error" in r.json()

@@ -1,0 +1,137 @@
+"""End to end through the real server and the official openai client (tiny thinker, CPU, fp32)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests import reference
+from tests.conftest import MODELS
+
+MODEL = "omni-tiny"
+MESSAGES = [{"role": "user", "content": "Tell me about the weather in the city today."}]
+
+
+@pytest.fixture(scope="module")
+def client(default_server):
+    return openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def _thinker_dir():
+    return MODELS / "tiny-qwen2_5-omni"
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_chat_equals_transformers(client):
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    choice = resp.choices[0]
+    prompt_ids = resp.model_extra["prompt_token_ids"]
+    tokens = choice.model_extra["token_ids"]
+    expected = reference.thinker_greedy(_thinker_dir(), prompt_ids, 12)
+    assert tokens == expected
+    assert resp.usage.prompt_tokens == len(prompt_ids)
+    assert resp.usage.completion_tokens == len(tokens)
+    assert choice.finish_reason == ("length" if len(tokens) == 12 else "stop")
+    tok = reference.tokenizer(_thinker_dir())
+    assert choice.message.content == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_stream_equals_non_stream(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_stop_string_truncates(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert len(full) > 4
+    stop = full[2:4]
+    cut = client.chat.completions.create(**kwargs, stop=[stop]).choices[0]
+    assert cut.message.content == full[: full.find(stop)]
+    assert cut.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, top_p=0.9, seed=1234,
+                  extra_body={"return_token_ids": True, "top_k": 50})
+    a = client.chat.completions.create(**kwargs).choices[0].model_extra["token_ids"]
+    b = client.chat.completions.create(**kwargs).choices[0].model_extra["token_ids"]
+    assert a == b and len(a) > 0
+
+
+def _wait_until_dropped(server, request_id: str, stages: list[int], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(request_id not in server.stats(i)["request_ids"] for i in stages):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{request_id} still known to a stage: {[server.stats(i) for i in stages]}")
+
+
+def test_disconnect_mid_stream_aborts_in_every_stage(default_server, client):
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2000, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    request_id = first.id
+    assert request_id in default_server.stats(0)["request_ids"]
+    stream.close()
+    _wait_until_dropped(default_server, request_id, [0])
+    assert default_server.stats(0)["num_running"] == 0
+
+
+def test_disconnect_non_stream_aborts(default_server):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{default_server.base_url}/v1/chat/completions", json=body, timeout=1.5)
+    deadline = time.monotonic() + 20
+    while default_server.stats(0)["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert default_server.stats(0)["num_running"] == 0
+    assert default_server.stats(0)["request_ids"] == []
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "nope", "messages": MESSAGES}, 404, "model"),
+    ({"model": MODEL}, 400, "messages"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": MESSAGES, "n": 2}, 400, "n"),
+    ({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": MESSAGES, "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": MESSAGES, "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"model": MODEL, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+])
+def test_bad_requests_get_openai_errors(default_server, body, status, param):
+    r = httpx.post(f"{default_server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert err["param"] == param
+    assert "Traceback" not in err["message"]
+
+
+def test_malformed_json_is_400(default_server):
+    r = httpx.post(f"{default_server.base_url}/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10**6)

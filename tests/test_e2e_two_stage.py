@@ -1,0 +1,74 @@
+"""Two AR stages: the thinker's hidden states feed a second model as prompt embeddings."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import torch
+from safetensors import safe_open
+
+from tests import reference
+from tests.conftest import MODELS
+
+MODEL = "omni-tiny-two-stage"
+FOLLOWER_TOKENS = 6  # tests/configs/two_stage.yaml: stage 1 default_sampling.max_tokens
+
+
+def _load_record(record_dir, request_id):
+    path = record_dir / f"{request_id}.from0.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        hidden = f.get_tensor("hidden")
+    ids = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    return hidden, ids(meta["prompt_token_ids"]), ids(meta["output_token_ids"])
+
+
+def test_hidden_states_and_follower_tokens_equal_transformers(two_stage_server, record_dir):
+    client = openai.OpenAI(base_url=f"{two_stage_server.base_url}/v1", api_key="x", max_retries=0)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a quiet morning by the sea."}],
+        max_tokens=7, temperature=0, extra_body={"return_token_ids": True})
+    thinker_tokens = resp.choices[0].model_extra["token_ids"]
+    prompt_ids = resp.model_extra["prompt_token_ids"]
+    follower = resp.model_extra["omni_outputs"]["follower"]["token_ids"]
+
+    hidden, rec_prompt, rec_output = _load_record(record_dir, resp.id)
+    assert rec_prompt == prompt_ids and rec_output == thinker_tokens
+    # One row per position the thinker computed: the prompt, then every generated token but the last.
+    assert hidden.shape[0] == len(prompt_ids) + len(thinker_tokens) - 1
+    assert hidden.dtype == torch.float32
+
+    thinker_dir = MODELS / "tiny-qwen2_5-omni"
+    assert thinker_tokens == reference.thinker_greedy(thinker_dir, prompt_ids, 7)
+    expected_hidden = reference.thinker_hidden(thinker_dir, prompt_ids + thinker_tokens[:-1])
+    assert (hidden - expected_hidden).abs().max().item() < 1e-4
+
+    expected_follower = reference.lm_greedy_from_embeds(MODELS / "tiny-embeds-lm", hidden, FOLLOWER_TOKENS)
+    assert follower == expected_follower
+    assert len(follower) >= 1
+
+
+def test_stream_carries_follower_tokens_and_disconnect_clears_both_stages(two_stage_server):
+    client = openai.OpenAI(base_url=f"{two_stage_server.base_url}/v1", api_key="x", max_retries=0)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, stream=True))
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(final) == 1 and final[0].model_extra["omni_outputs"]["follower"]["token_ids"]
+
+    # A disconnected request must vanish from both stages (stage 1 only ever expected it).
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2000, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    request_id = next(iter(stream)).id
+    assert request_id in two_stage_server.stats(1)["request_ids"]
+    stream.close()
+    import time
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if all(request_id not in two_stage_server.stats(i)["request_ids"] for i in (0, 1)):
+            break
+        time.sleep(0.2)
+    assert all(request_id not in two_stage_server.stats(i)["request_ids"] for i in (0, 1))
+    assert httpx.get(f"{two_stage_server.base_url}/health").json()["stages"] == {
+        "thinker": "ready", "follower": "ready"}
