@@ -1,0 +1,132 @@
+"""Decode throughput of an AR stage with hidden-state emission vs plain vLLM, same model, same run.
+
+    python benchmarks/runner_overhead.py --model qwen2-7b --mode vllm --batch 1 32
+    python benchmarks/runner_overhead.py --model qwen2-7b --mode omni --batch 1 32
+
+`--model qwen2-7b` writes a Qwen2-7B-shaped config (dummy weights, no tokenizer) to a temp dir;
+any checkpoint dir works too. `omni` runs our stage loop (ARStage: EngineCore + OmniScheduler +
+hidden-emitting runner) with every request forwarding its hidden states to a consumer, whose
+payloads are encoded as for the wire and dropped; `vllm` runs vllm.LLM.generate. Prints one JSON
+line per batch size: decode tokens/s = batch * output_len / wall time of the whole generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+
+def qwen2_7b_dir() -> str:
+    from transformers import Qwen2Config
+
+    d = tempfile.mkdtemp(prefix="qwen2-7b-shape-")
+    Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                rope_theta=1e6, tie_word_embeddings=False, torch_dtype="bfloat16",
+                architectures=["Qwen2ForCausalLM"]).save_pretrained(d)
+    return d
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    return [[(i * 7919 + j * 104729) % 1000 + 10 for j in range(length)] for i in range(n)]
+
+
+def run_vllm(engine_args: dict, batches: list[int], in_len: int, out_len: int) -> list[dict]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_args)
+    sp = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    results = []
+    for bs in batches:
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(bs, in_len)]
+        llm.generate(ps, sp, use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        llm.generate(ps, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        results.append({"mode": "vllm", "batch": bs, "tok_s": bs * out_len / dt, "wall_s": dt})
+    return results
+
+
+class _NullSockets:
+    """Stands in for StageSockets: encodes like the wire does, sends nowhere."""
+
+    def __init__(self):
+        from omni_server.wire.codec import Encoder
+
+        self.encoder = Encoder()
+        self.payload_bytes = 0
+
+    def send_api(self, msg) -> None:
+        self.encoder.encode(msg)
+
+    def send_stage(self, stage_id, msg) -> None:
+        frames = self.encoder.encode(msg)
+        self.payload_bytes += sum(len(memoryview(f).cast("B")) for f in frames)
+
+    def recv_inputs(self, timeout_ms):
+        return iter(())
+
+
+def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, emit: bool) -> list[dict]:
+    from omni_server.config.schema import PipelineConfig
+    from omni_server.stage.ar import ARStage
+    from omni_server.wire.messages import AddRequest, SamplingSpec
+
+    args = {k: v for k, v in engine_args.items() if k != "model"}
+    stages = [{"id": 0, "name": "s0", "model": engine_args["model"], "engine_args": args, "output": "tokens"}]
+    if emit:
+        stages.append({"id": 1, "name": "sink", "model": "unused", "inputs": [0],
+                       "input_processor": "hidden_to_embeds"})
+    cfg = PipelineConfig(model="bench", stages=stages)
+    sockets = _NullSockets()
+    stage = ARStage(cfg, 0, sockets)
+    spec = SamplingSpec(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    fwd = [1] if emit else []
+    results = []
+    for bs in batches:
+        for rep in range(2):  # warm-up, then measured
+            ps = prompts(bs, in_len)
+            t0 = time.perf_counter()
+            for i, p in enumerate(ps):
+                stage._handle(AddRequest(request_id=f"r{bs}-{rep}-{i}", prompt_token_ids=p, sampling=spec,
+                                         forward_to=fwd))
+            while stage.core.scheduler.has_requests():
+                stage._step()
+            dt = time.perf_counter() - t0
+        results.append({"mode": "omni-emit" if emit else "omni-plain", "batch": bs, "tok_s": bs * out_len / dt,
+                        "wall_s": dt, "payload_mb": round(sockets.payload_bytes / 2**20, 1)})
+    stage.core.shutdown()
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen2-7b")
+    p.add_argument("--mode", choices=["vllm", "omni", "omni-plain"], required=True)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--enforce-eager", action="store_true")
+    a = p.parse_args()
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    model = qwen2_7b_dir() if a.model == "qwen2-7b" else a.model
+    engine_args = dict(model=model, dtype=a.dtype, load_format="dummy", skip_tokenizer_init=a.model == "qwen2-7b",
+                       max_model_len=a.input_len + a.output_len + 64, max_num_seqs=max(a.batch),
+                       gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+                       enable_prefix_caching=False)
+    if a.mode == "vllm":
+        res = run_vllm(engine_args, a.batch, a.input_len, a.output_len)
+    else:
+        res = run_omni(engine_args, a.batch, a.input_len, a.output_len, emit=a.mode == "omni")
+    for r in res:
+        print("RESULT " + json.dumps({"model": a.model, **r}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
