@@ -30,12 +30,17 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
     async def supervise(state: ServerState) -> None:
         """Report startup progress, then watch the stage processes for the server's lifetime."""
         t0 = time.monotonic()
-        launcher.start_all()
+        waiting = [s.id for s in cfg.stages]
         announced = False
         timeout = max(s.startup_timeout_s for s in cfg.stages)
         while True:
-            await asyncio.sleep(0.5)
             orch = state.orch
+            ready = set(orch.ready) if orch is not None else set()
+            for stage_id in list(waiting):
+                if all(e in ready for e in launcher.start_after(stage_id)):
+                    launcher.start(stage_id)
+                    waiting.remove(stage_id)
+            await asyncio.sleep(0.5)
             for stage_id, code in launcher.exited().items():
                 if orch is not None and stage_id not in orch.down:
                     name = cfg.stage(stage_id).name

@@ -49,9 +49,9 @@ class Server:
             time.sleep(1)
         raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.log_tail()}")
 
-    def log_tail(self, n: int = 60) -> str:
+    def log_tail(self, limit: int = 8000) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(l for l in lines if not l.startswith("WARNING: Location"))[-8000:]
+        return "\n".join(l for l in lines if not l.startswith("WARNING: Location"))[-limit:]
 
     def stats(self, stage_id: int) -> dict:
         r = httpx.get(f"{self.base_url}/v1/omni/stages/{stage_id}/stats", timeout=10)
@@ -67,6 +67,10 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+        keep = os.environ.get("OMNI_TEST_LOG_DIR")  # e.g. CI artifacts
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            (Path(keep) / self.log_path.name).write_text(self.log_tail(10**6))
         return self.proc.returncode
 
 
@@ -83,16 +87,26 @@ def record_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def servers(tiny_models, record_dir, tmp_path_factory):
-    """Both test servers, started in parallel (engine start dominates the suite's run time)."""
+def servers(request, tiny_models, record_dir, tmp_path_factory):
+    """The test servers this session's tests use, started in parallel (engine start dominates)."""
+    import torch
+
     logs = tmp_path_factory.mktemp("server-logs")
-    started = {
-        "default": Server(REPO / "configs" / "default.yaml", logs / "default.log"),
-        "two_stage": Server(REPO / "tests" / "configs" / "two_stage.yaml", logs / "two_stage.log",
-                            env={"OMNI_TEST_RECORD_DIR": str(record_dir)}),
+    specs = {
+        "default": (REPO / "configs" / "default.yaml", {}),
+        "two_stage": (REPO / "tests" / "configs" / "two_stage.yaml", {"OMNI_TEST_RECORD_DIR": str(record_dir)}),
     }
+    used = {f for item in request.session.items for f in item.fixturenames}
+    specs = {name: spec for name, spec in specs.items() if f"{name}_server" in used}
+    # On one GPU, engines must not profile memory at the same time: start the servers one by one.
+    one_by_one = torch.cuda.is_available()
+    started: dict[str, Server] = {}
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
+        for name, (config, env) in specs.items():
+            started[name] = Server(config, logs / f"{name}.log", env=env)
+            if one_by_one:
+                started[name].wait_ready(deadline)
         for s in started.values():
             s.wait_ready(deadline)
         yield started

@@ -15,6 +15,20 @@ from omni_server.config.schema import PipelineConfig
 log = logging.getLogger(__name__)
 
 
+def _cuda_host() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _device_set(devices: str | None) -> set[str] | None:
+    return None if devices is None else {d.strip() for d in devices.split(",") if d.strip()}
+
+
+def _overlap(a: set[str] | None, b: set[str] | None) -> bool:
+    return a is None or b is None or bool(a & b)  # None: every visible GPU
+
+
 class Launcher:
     def __init__(self, cfg: PipelineConfig, config_path: str, runtime_dir: Path, overrides: Sequence[str] = ()):
         self.cfg = cfg
@@ -23,9 +37,16 @@ class Launcher:
         self.overrides = list(overrides)
         self.procs: dict[int, subprocess.Popen] = {}
 
-    def start_all(self) -> None:
-        for stage in self.cfg.stages:
-            self.start(stage.id)
+        # vLLM sizes its KV cache from the free GPU memory it measures while starting, so engines
+        # sharing a GPU must start one after the other; on CPU hosts they all start at once.
+        self.sequential = _cuda_host()
+
+    def start_after(self, stage_id: int) -> list[int]:
+        """Stages that must be ready before this one starts: earlier stages on the same devices."""
+        if not self.sequential:
+            return []
+        mine = _device_set(self.cfg.stage(stage_id).devices)
+        return [s.id for s in self.cfg.stages[:stage_id] if _overlap(mine, _device_set(s.devices))]
 
     def start(self, stage_id: int) -> None:
         cmd = [sys.executable, "-m", "omni_server.cli", "stage", "--config", self.config_path,

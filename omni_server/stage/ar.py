@@ -72,7 +72,7 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
     args["scheduler_cls"] = "omni_server.stage.scheduler.OmniScheduler"
     on_cpu = current_platform.device_type == "cpu"
     args["worker_cls"] = (
-        "omni_server.stage.worker.CPUOmniWorker" if on_cpu else "omni_server.stage.worker.GPUOmniWorker"
+        "omni_server.stage.cpu_worker.CPUOmniWorker" if on_cpu else "omni_server.stage.gpu_worker.GPUOmniWorker"
     )
     if stage.inputs:
         args.setdefault("enable_prompt_embeds", True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from omni_server.stage.hidden import EMIT_HIDDEN, HiddenCapture
@@ -105,8 +104,4 @@ class HiddenStatesEmitter:
 
 
 class GPUOmniModelRunner(HiddenStatesEmitter, GPUModelRunner):
-    pass
-
-
-class CPUOmniModelRunner(HiddenStatesEmitter, CPUModelRunner):
     pass

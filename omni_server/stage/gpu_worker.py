@@ -1,0 +1,30 @@
+"""vLLM GPU worker (EngineArgs.worker_cls) that builds our hidden-state emitting model runner.
+
+vLLM's worker constructs its runner inside `init_device`; we let it, then swap in ours before any
+weights or KV cache exist, so the discarded runner only held small buffers.
+Kept apart from the CPU worker: importing vLLM's CPU worker replaces torch.cuda.Stream/Event.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from vllm.v1.worker.gpu_worker import Worker
+
+from omni_server.stage.runner import GPUOmniModelRunner
+
+
+def require_v1(worker) -> None:
+    if worker.use_v2_model_runner:
+        raise RuntimeError("omni-server stages need vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0")
+
+
+class GPUOmniWorker(Worker):
+    def init_device(self):
+        require_v1(self)
+        super().init_device()
+        self.model_runner = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.model_runner = GPUOmniModelRunner(self.vllm_config, self.device)
