@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import signal
 import time
 from typing import Sequence
 
@@ -60,6 +61,10 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
                 return
 
     state.on_startup = supervise
+    # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, restoring the handlers it found;
+    # with these in place that re-raise is harmless and the stages below still get stopped.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
     try:
         await uv.serve()
     finally:

@@ -58,6 +58,15 @@ class Server:
         r.raise_for_status()
         return r.json()
 
+    def process_tree(self) -> list[int]:
+        """Stage processes (as /health reports them) and every descendant of the server."""
+        import psutil
+
+        stages = list(httpx.get(f"{self.base_url}/health", timeout=10).json()["pids"].values())
+        tree = [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        assert set(stages) <= set(tree), (stages, tree)
+        return tree
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -101,6 +110,7 @@ def servers(request, tiny_models, record_dir, tmp_path_factory):
     # On one GPU, engines must not profile memory at the same time: start the servers one by one.
     one_by_one = torch.cuda.is_available()
     started: dict[str, Server] = {}
+    pids: dict[str, list[int]] = {}
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         for name, (config, env) in specs.items():
@@ -109,10 +119,23 @@ def servers(request, tiny_models, record_dir, tmp_path_factory):
                 started[name].wait_ready(deadline)
         for s in started.values():
             s.wait_ready(deadline)
+        pids = {name: s.process_tree() for name, s in started.items()}
         yield started
     finally:
-        for s in started.values():
-            s.stop()
+        codes = {name: s.stop() for name, s in started.items()}
+    # SIGTERM to `serve` must stop it cleanly and leave no stage process behind.
+    assert codes == {name: 0 for name in started}, codes
+    alive = [p for ps in pids.values() for p in ps if _alive(p)]
+    assert not alive, f"stage processes left running after shutdown: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture(scope="session")

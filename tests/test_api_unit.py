@@ -42,7 +42,7 @@ def test_api_key_guards_v1(client):
 def test_health_is_503_while_stages_are_not_ready(client):
     r = client.get("/health")  # no auth needed
     assert r.status_code == 503
-    assert r.json() == {"status": "unavailable", "stages": {"thinker": "starting"}}
+    assert r.json() == {"status": "unavailable", "stages": {"thinker": "starting"}, "pids": {}}
 
 
 def test_chat_is_503_until_the_pipeline_is_up(client):

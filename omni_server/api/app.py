@@ -94,7 +94,8 @@ def create_app(state: ServerState) -> FastAPI:
         stages = {s.name: ("down" if orch and s.id in orch.down else "ready" if orch and s.id in orch.ready
                            else "starting") for s in state.cfg.stages}
         ok = orch is not None and orch.all_ready
-        return JSONResponse({"status": "ok" if ok else "unavailable", "stages": stages},
+        pids = {s.name: orch.ready[s.id].pid for s in state.cfg.stages if orch and s.id in orch.ready}
+        return JSONResponse({"status": "ok" if ok else "unavailable", "stages": stages, "pids": pids},
                             status_code=200 if ok else 503)
 
     @app.get("/v1/models", dependencies=[Depends(require_key)])

@@ -33,6 +33,14 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
     if parent_pid:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
 
+    import torch
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # The GPU does the math; many host threads only add contention to the step loop's small
+        # tensor ops (vLLM's GPU worker processes make the same choice).
+        torch.set_num_threads(1)
+
     from omni_server.wire.transport import StageSockets
 
     sockets = StageSockets(cfg, stage_id, runtime_dir)
