@@ -19,6 +19,10 @@ from omni_server.wire.transport import make_runtime_dir
 
 log = logging.getLogger(__name__)
 
+# A stage that dies is restarted after 1, 2, 4, ... s, at most MAX_RESTARTS times per window.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 600.0
+
 
 async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] = ()) -> int:
     runtime_dir = make_runtime_dir(cfg)
@@ -29,11 +33,14 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
     failed: list[str] = []
 
     async def supervise(state: ServerState) -> None:
-        """Report startup progress, then watch the stage processes for the server's lifetime."""
+        """Start the stages, report startup progress, then restart any stage that dies."""
         t0 = time.monotonic()
         waiting = [s.id for s in cfg.stages]
         announced = False
         timeout = max(s.startup_timeout_s for s in cfg.stages)
+        restart_at: dict[int, float] = {}
+        crashes: dict[int, list[float]] = {}
+        gave_up: set[int] = set()
         while True:
             orch = state.orch
             ready = set(orch.ready) if orch is not None else set()
@@ -41,16 +48,34 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
                 if all(e in ready for e in launcher.start_after(stage_id)):
                     launcher.start(stage_id)
                     waiting.remove(stage_id)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
+            now = time.monotonic()
             for stage_id, code in launcher.exited().items():
-                if orch is not None and stage_id not in orch.down:
-                    name = cfg.stage(stage_id).name
-                    log.error("stage %d (%s) exited with code %s", stage_id, name, code)
+                if stage_id in restart_at or stage_id in gave_up:
+                    continue
+                name = cfg.stage(stage_id).name
+                log.error("stage %d (%s) exited with code %s", stage_id, name, code)
+                if orch is not None:
                     orch.mark_down(stage_id, f"process exited with code {code}")
-                    if not announced:  # a stage that cannot start makes the whole server fail
-                        failed.append(f"stage {stage_id} ({name}) failed to start (exit code {code})")
-                        uv.should_exit = True
-                        return
+                if not announced:  # a stage that cannot start makes the whole server fail
+                    failed.append(f"stage {stage_id} ({name}) failed to start (exit code {code})")
+                    uv.should_exit = True
+                    return
+                recent = [t for t in crashes.get(stage_id, []) if now - t < RESTART_WINDOW_S]
+                crashes[stage_id] = recent + [now]
+                if len(recent) >= MAX_RESTARTS:
+                    log.error("stage %d (%s) crashed %d times in %.0f s; not restarting it", stage_id, name,
+                              len(recent) + 1, RESTART_WINDOW_S)
+                    gave_up.add(stage_id)
+                    continue
+                delay = min(2.0 ** len(recent), 30.0)
+                restart_at[stage_id] = now + delay
+                log.warning("restarting stage %d (%s) in %.0f s (restart %d of at most %d per %.0f s)",
+                            stage_id, name, delay, len(recent) + 1, MAX_RESTARTS, RESTART_WINDOW_S)
+            for stage_id, at in list(restart_at.items()):
+                if now >= at:
+                    del restart_at[stage_id]
+                    launcher.start(stage_id)
             if not announced and orch is not None and orch.all_ready:
                 announced = True
                 log.info("all %d stages ready in %.1f s; serving on http://%s:%d", len(cfg.stages),

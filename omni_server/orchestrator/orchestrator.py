@@ -90,6 +90,7 @@ class Orchestrator:
     def mark_down(self, stage_id: int, reason: str) -> None:
         """A stage process died: fail every request in flight (they all pass through every stage)."""
         self.down[stage_id] = reason
+        self.ready.pop(stage_id, None)
         for state in list(self.requests.values()):
             self._push(state, stage_id, RequestDelta(
                 request_id=state.request_id, finished=True, finish_reason="error",

@@ -1,0 +1,48 @@
+"""A stage process killed mid-request: the request fails fast, /health says so, the stage comes back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL = "omni-tiny"
+MESSAGES = [{"role": "user", "content": "Keep talking."}]
+
+
+def test_killed_stage_fails_requests_then_restarts(crash_server):
+    base = crash_server.base_url
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    pid = httpx.get(f"{base}/health").json()["pids"]["thinker"]
+
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2000, stream=True,
+                                            extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError) as err:
+        for _ in chunks:
+            pass
+    assert time.monotonic() - killed < 2.0
+    assert "thinker" in str(err.value) and "unavailable" in str(err.value)
+
+    health = httpx.get(f"{base}/health")
+    assert health.status_code == 503 and health.json()["stages"]["thinker"] in ("down", "starting")
+    r = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES}, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        h = httpx.get(f"{base}/health")
+        if h.status_code == 200:
+            break
+        time.sleep(1)
+    assert h.status_code == 200, h.json()
+    assert h.json()["pids"]["thinker"] != pid
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0)
+    assert resp.usage.completion_tokens >= 1
