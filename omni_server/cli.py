@@ -39,8 +39,10 @@ def cmd_stage(args) -> int:
     from omni_server.stage.main import run_stage
 
     runtime_dir = args.runtime_dir or cfg.runtime_dir
-    if runtime_dir is None and not all(cfg.stage(i).address for i in range(len(cfg.stages))):
-        print("error: --runtime-dir is required when stage addresses are ipc defaults", file=sys.stderr)
+    explicit = all(s.address for s in cfg.stages) and cfg.server.output_address
+    if runtime_dir is None and not explicit:
+        print("error: --runtime-dir (or runtime_dir in the config) is required unless every stage has an "
+              "`address` and server.output_address is set", file=sys.stderr)
         return 2
     run_stage(cfg, args.stage, runtime_dir or "", parent_pid=args.parent_pid)
     return 0
@@ -56,7 +58,7 @@ def cmd_serve(args) -> int:
         cfg.server.api_key = args.api_key
     from omni_server.server import serve
 
-    return asyncio.run(serve(cfg, args.config, args.stage_arg))
+    return asyncio.run(serve(cfg, args.config, args.stage_arg, external_stages=args.external_stages))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", help="require this bearer token on /v1/* (or set OMNI_SERVER_API_KEY)")
+    p.add_argument("--external-stages", action="store_true",
+                   help="do not start stages: connect to stages started separately at their configured addresses")
     _config_args(p)
     p.set_defaults(fn=cmd_serve)
 

@@ -15,7 +15,7 @@ from omni_server.api.app import ServerState, create_app
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.launcher import Launcher
 from omni_server.orchestrator.orchestrator import Orchestrator
-from omni_server.wire.transport import make_runtime_dir
+from omni_server.wire.transport import make_runtime_dir, stage_address
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,16 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
 
 
-async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] = ()) -> int:
+async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] = (),
+                external_stages: bool = False) -> int:
+    """Run the api; start and supervise the stage processes unless they are external (started
+    separately, e.g. by docker-compose or on other hosts, and found at their configured addresses)."""
+    if external_stages:
+        missing = [s.name for s in cfg.stages if not s.address] + (
+            [] if cfg.server.output_address else ["server.output_address"])
+        if missing and not cfg.runtime_dir:
+            raise SystemExit(f"--external-stages needs `address` on every stage and server.output_address "
+                             f"(or a shared runtime_dir); missing: {', '.join(missing)}")
     runtime_dir = make_runtime_dir(cfg)
     launcher = Launcher(cfg, config_path, runtime_dir, overrides)
     state = ServerState(cfg, lambda: Orchestrator(cfg, runtime_dir), on_startup=None)
@@ -41,6 +50,10 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
         restart_at: dict[int, float] = {}
         crashes: dict[int, list[float]] = {}
         gave_up: set[int] = set()
+        if external_stages:
+            waiting = []
+            log.info("waiting for external stages at %s",
+                     ", ".join(f"{s.name}={stage_address(cfg, s.id, runtime_dir)}" for s in cfg.stages))
         while True:
             orch = state.orch
             ready = set(orch.ready) if orch is not None else set()
@@ -81,7 +94,9 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
                 log.info("all %d stages ready in %.1f s; serving on http://%s:%d", len(cfg.stages),
                          time.monotonic() - t0, cfg.server.host, cfg.server.port)
             if not announced and time.monotonic() - t0 > timeout:
-                failed.append(f"stages not ready after {timeout:.0f} s")
+                absent = [f"{s.name} ({stage_address(cfg, s.id, runtime_dir)})" for s in cfg.stages
+                          if orch is None or s.id not in orch.ready]
+                failed.append(f"stages not ready after {timeout:.0f} s: {', '.join(absent)}")
                 uv.should_exit = True
                 return
 

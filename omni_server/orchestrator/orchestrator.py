@@ -27,7 +27,6 @@ from omni_server.wire.messages import (
     RequestDelta,
     RequestOutputs,
     SamplingSpec,
-    Shutdown,
     StageReady,
     StageStats,
     StatsQuery,
@@ -35,6 +34,8 @@ from omni_server.wire.messages import (
 from omni_server.wire.transport import SEND_HWM, api_address, decode_or_none, stage_address
 
 log = logging.getLogger(__name__)
+
+PROBE_INTERVAL_S = 1.0
 
 
 class StageUnavailable(RuntimeError):
@@ -73,12 +74,36 @@ class Orchestrator:
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._nonce = itertools.count(1)
         self._recv_task: asyncio.Task | None = None
+        self._probe_task: asyncio.Task | None = None
         self.started_at = time.monotonic()
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        loop = asyncio.get_running_loop()
+        self._recv_task = loop.create_task(self._recv_loop())
+        self._probe_task = loop.create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        """Ask stages that are not ready for stats: an answer means ready. A stage started before
+        the api (by hand, docker) sent its StageReady to nobody; this is how it is found."""
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            for stage_id in [s.id for s in self.cfg.stages if s.id not in self.ready and s.id not in self.down]:
+                try:
+                    stats = await self.stats(stage_id, timeout=PROBE_INTERVAL_S)
+                except (asyncio.TimeoutError, zmq.ZMQError):
+                    continue
+                if stage_id not in self.ready and stage_id not in self.down:
+                    self._on_ready(StageReady(stage_id=stage_id, pid=stats.pid, startup_s=stats.startup_s))
+
+    def _on_ready(self, msg: StageReady) -> None:
+        self.ready[msg.stage_id] = msg
+        self.down.pop(msg.stage_id, None)
+        log.info("stage %d (%s) ready: engine start %.1f s, %.1f s since the api started", msg.stage_id,
+                 self.cfg.stage(msg.stage_id).name, msg.startup_s, time.monotonic() - self.started_at)
+        if self.all_ready:
+            self._ready_event.set()
 
     @property
     def all_ready(self) -> bool:
@@ -97,13 +122,10 @@ class Orchestrator:
                 error=f"stage {self.cfg.stage(stage_id).name} is unavailable: {reason}"))
 
     async def close(self) -> None:
-        for sock in self.stage_socks.values():
-            try:
-                await self._send(sock, Shutdown())
-            except zmq.ZMQError:
-                pass
-        if self._recv_task:
-            self._recv_task.cancel()
+        # Stages are not told to stop: `serve` stops the ones it started, external ones outlive the api.
+        for task in (self._recv_task, self._probe_task):
+            if task:
+                task.cancel()
         self.ctx.destroy(linger=500)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -184,12 +206,7 @@ class Orchestrator:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             elif isinstance(msg, StageReady):
-                self.ready[msg.stage_id] = msg
-                self.down.pop(msg.stage_id, None)
-                name = self.cfg.stage(msg.stage_id).name if msg.stage_id < len(self.cfg.stages) else "?"
-                log.info("stage %d (%s) ready: engine start %.1f s, %.1f s since launch",
-                         msg.stage_id, name, msg.startup_s, time.monotonic() - self.started_at)
-                if self.all_ready:
-                    self._ready_event.set()
+                if 0 <= msg.stage_id < len(self.cfg.stages):
+                    self._on_ready(msg)
             elif msg is not None:
                 log.warning("api: ignoring unexpected %s", type(msg).__name__)

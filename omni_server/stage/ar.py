@@ -146,7 +146,8 @@ class ARStage:
             known = sorted(self.in_engine | set(self.waiting) | set(self.tracked))
             self.sockets.send_api(StageStats(
                 stage_id=self.stage_id, nonce=msg.nonce, num_running=len(sched.running),
-                num_waiting=len(sched.waiting), request_ids=known, steps=self.steps))
+                num_waiting=len(sched.waiting), request_ids=known, steps=self.steps, pid=os.getpid(),
+                startup_s=round(self.startup_s, 2)))
         elif isinstance(msg, Shutdown):
             self.running = False
         else:

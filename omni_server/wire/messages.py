@@ -116,6 +116,8 @@ class StageStats(_Msg):
     # Requests the stage knows about (engine, expected inputs, buffered payloads).
     request_ids: list[str]
     steps: int = 0
+    pid: int = 0
+    startup_s: float = 0.0
 
 
 Message = Union[

@@ -1,0 +1,84 @@
+"""Stages started by hand (as docker-compose or another host would), over TCP on loopback, in any
+order; `serve --external-stages` finds them and leaves them running when it stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from tests.conftest import MODELS, REPO, Server, free_port
+
+PIPELINE = """
+model: external
+stages:
+  - id: 0
+    name: thinker
+    model: {thinker}
+    address: tcp://127.0.0.1:{p0}
+    engine_args: {{dtype: float32, max_model_len: 1024, max_num_seqs: 4, enforce_eager: true,
+                  gpu_memory_utilization: 0.15, limit_mm_per_prompt: {{image: 1, audio: 1, video: 0}}}}
+    env: {{VLLM_CPU_KVCACHE_SPACE: "1", TORCHDYNAMO_DISABLE: "1"}}
+    output: text
+  - id: 1
+    name: follower
+    model: {lm}
+    address: tcp://127.0.0.1:{p1}
+    inputs: [0]
+    input_processor: hidden_to_embeds
+    engine_args: {{dtype: float32, max_model_len: 1024, max_num_seqs: 4, enforce_eager: true,
+                  gpu_memory_utilization: 0.15}}
+    env: {{VLLM_CPU_KVCACHE_SPACE: "1", TORCHDYNAMO_DISABLE: "1"}}
+    output: tokens
+    default_sampling: {{temperature: 0, max_tokens: 3}}
+server:
+  output_address: tcp://127.0.0.1:{p2}
+"""
+
+
+def _stage(config, stage_id, log):
+    return subprocess.Popen([sys.executable, "-m", "omni_server.cli", "stage", "--config", str(config),
+                             "--stage", str(stage_id)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def test_external_stages_any_order(tiny_models, tmp_path):
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(PIPELINE.format(thinker=MODELS / "tiny-qwen2_5-omni", lm=MODELS / "tiny-embeds-lm",
+                                      p0=free_port(), p1=free_port(), p2=free_port()))
+    logs = [open(tmp_path / f"stage{i}.log", "wb") for i in range(2)]
+    stages = {1: _stage(config, 1, logs[1])}  # the consumer first, then the api, then the producer
+    api = Server(config, tmp_path / "api.log", args=["--external-stages"])
+    time.sleep(2)
+    stages[0] = _stage(config, 0, logs[0])
+    try:
+        api.wait_ready(time.monotonic() + 420)
+        client = openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="x", max_retries=0)
+        resp = client.chat.completions.create(model="external", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, temperature=0)
+        assert resp.usage.completion_tokens >= 1
+        assert len(resp.model_extra["omni_outputs"]["follower"]["token_ids"]) >= 1
+        assert set(httpx.get(f"{api.base_url}/health").json()["pids"].values()) == {p.pid for p in stages.values()}
+
+        assert api.stop() == 0
+        assert all(p.poll() is None for p in stages.values()), "stopping the api must not stop external stages"
+    finally:
+        api.stop()
+        for p in stages.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        codes = []
+        for p in stages.values():
+            try:
+                codes.append(p.wait(60))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                codes.append(p.wait())
+        for f in logs:
+            f.close()
+    assert codes == [0, 0], [(tmp_path / f"stage{i}.log").read_text()[-3000:] for i in range(2)]
