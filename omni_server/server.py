@@ -38,7 +38,8 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
     launcher = Launcher(cfg, config_path, runtime_dir, overrides)
     state = ServerState(cfg, lambda: Orchestrator(cfg, runtime_dir), on_startup=None)
     uv = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.server.host, port=cfg.server.port,
-                                       log_level="info", timeout_graceful_shutdown=5))
+                                       log_level="info",
+                                       timeout_graceful_shutdown=cfg.server.shutdown_timeout_s))
     failed: list[str] = []
 
     async def supervise(state: ServerState) -> None:

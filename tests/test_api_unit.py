@@ -14,7 +14,7 @@ CONFIG = """
 model: m
 stages:
   - {id: 0, name: thinker, model: %s, output: text}
-server: {api_key: sekret, max_request_bytes: 4096}
+server: {api_key: sekret, max_request_bytes: 4096, max_concurrent_requests: 2}
 runtime_dir: %s
 """
 
@@ -24,6 +24,7 @@ def client(tiny_models, tmp_path):
     cfg = load_config_text(CONFIG % (MODELS / "tiny-qwen2_5-omni", tmp_path))
     state = ServerState(cfg, lambda: Orchestrator(cfg, tmp_path))
     with TestClient(create_app(state)) as c:
+        c.server_state = state
         yield c
 
 
@@ -60,3 +61,16 @@ def test_oversized_body_is_413(client):
 def test_unknown_route_is_openai_shaped_404(client):
     r = client.get("/v1/nothing", headers=AUTH)
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_overload_is_429_with_retry_after(client):
+    from omni_server.orchestrator.orchestrator import RequestState
+
+    orch = client.server_state.orch
+    for i in range(2):  # two requests in flight: the configured limit
+        orch.requests[f"busy-{i}"] = RequestState(f"busy-{i}", {0})
+    r = client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    del orch.requests["busy-0"]
+    assert client.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 503  # under the limit

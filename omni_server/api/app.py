@@ -113,6 +113,9 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param="messages")
         sampling = _sampling(state, body)
         orch = _orch(state)
+        if len(orch.requests) >= state.cfg.server.max_concurrent_requests:
+            raise APIError(429, f"server is at its limit of {state.cfg.server.max_concurrent_requests} "
+                                "concurrent requests; retry shortly", headers={"Retry-After": "1"})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             req = await orch.submit(request_id, prompt_ids, sampling)

@@ -17,9 +17,10 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
@@ -32,7 +33,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return JSONResponse(error_body(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type),
-                            status_code=exc.status)
+                            status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

@@ -89,6 +89,10 @@ class ServerConfig(_Strict):
     max_request_bytes: int = Field(16 << 20, ge=1024)
     max_prompt_tokens: int | None = Field(None, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
+    # Requests in flight beyond this are answered 429 with Retry-After (bounded memory under overload).
+    max_concurrent_requests: int = Field(256, ge=1)
+    # On SIGTERM: stop taking requests, let those in flight finish for up to this long, then stop.
+    shutdown_timeout_s: float = Field(30.0, ge=0)
     # Where the api process binds its PULL socket for stage outputs; None = ipc in the runtime dir.
     output_address: str | None = None
 

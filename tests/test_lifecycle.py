@@ -1,9 +1,11 @@
-"""A stage process killed mid-request: the request fails fast, /health says so, the stage comes back."""
+"""Process lifecycle on a server of its own: a stage killed mid-request (fails fast, restarts), then
+SIGTERM (in-flight requests finish, everything stops). The tests run in file order and share it."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -46,3 +48,22 @@ def test_killed_stage_fails_requests_then_restarts(crash_server):
     assert h.json()["pids"]["thinker"] != pid
     resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0)
     assert resp.usage.completion_tokens >= 1
+
+
+def test_sigterm_finishes_in_flight_requests_then_stops(crash_server):
+    base = crash_server.base_url
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 600, "ignore_eos": True}
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(
+        r=httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while crash_server.stats(0)["num_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert crash_server.stats(0)["num_running"] == 1
+    crash_server.proc.send_signal(signal.SIGTERM)
+    worker.join(120)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 600
+    assert crash_server.proc.wait(60) == 0
