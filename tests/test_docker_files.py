@@ -1,0 +1,40 @@
+"""The deployment files agree with the code: every stage of docker/pipeline.yaml has a compose service
+running it with a GPU reservation, the api finds stages over TCP, and the pipeline validates."""
+
+from __future__ import annotations
+
+import re
+
+import yaml
+
+from omni_server.config import load_config
+from tests.conftest import REPO
+
+DOCKER = REPO / "docker"
+
+
+def test_compose_runs_every_stage_and_the_api():
+    compose = yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
+    cfg = load_config(DOCKER / "pipeline.yaml")
+    services = compose["services"]
+    for stage in cfg.stages:
+        host = re.match(r"tcp://([^:]+):\d+$", stage.address).group(1)
+        svc = services[host]  # the stage's address names its service
+        assert svc["command"][:5] == ["stage", "--config", "/etc/omni/pipeline.yaml", "--stage", str(stage.id)]
+        gpus = svc["deploy"]["resources"]["reservations"]["devices"][0]
+        assert gpus["driver"] == "nvidia" and gpus["capabilities"] == ["gpu"]
+        assert "healthcheck" in svc and svc["restart"] == "unless-stopped"
+    api = services["api"]
+    assert "--external-stages" in api["command"] and api["command"][:2] == ["serve", "/etc/omni/pipeline.yaml"]
+    assert re.match(r"tcp://api:\d+$", cfg.server.output_address)
+    assert api["ports"] == ["${PORT:-8000}:8000"]
+    for svc in services.values():
+        assert "./pipeline.yaml:/etc/omni/pipeline.yaml:ro" in svc["volumes"]
+        assert any(v.endswith(":/models:ro") for v in svc["volumes"])
+
+
+def test_dockerfile_runs_as_non_root_with_the_cli_entrypoint():
+    text = (DOCKER / "Dockerfile").read_text()
+    assert re.search(r"^USER omni$", text, re.M)
+    assert 'ENTRYPOINT ["omni-server"]' in text
+    assert "vllm==0.26.0" in text and "torch==2.11.0" in text
