@@ -5,7 +5,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup serve test check tiny clean
+.PHONY: setup serve test soak check tiny clean
 
 setup:
 	@bash scripts/setup-env.sh
@@ -21,6 +21,9 @@ check: setup
 
 test: tiny
 	$(PY) -m pytest -q -m "not slow" tests
+
+soak: tiny
+	$(PY) -m pytest -q -m slow tests/test_soak.py
 
 clean:
 	rm -rf .venv var
