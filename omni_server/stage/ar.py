@@ -19,6 +19,7 @@ import zmq
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import processors
 from omni_server.stage.hidden import EMIT_HIDDEN
+from omni_server.stage.scheduler import scheduler_cls_for
 from omni_server.wire.transport import StageSockets
 from omni_server.wire.messages import (
     AbortRequest,
@@ -69,7 +70,6 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
     args.setdefault("model", stage.model)
     if stage.tokenizer:
         args.setdefault("tokenizer", stage.tokenizer)
-    args["scheduler_cls"] = "omni_server.stage.scheduler.OmniScheduler"
     on_cpu = current_platform.device_type == "cpu"
     args["worker_cls"] = (
         "omni_server.stage.cpu_worker.CPUOmniWorker" if on_cpu else "omni_server.stage.gpu_worker.GPUOmniWorker"
@@ -94,6 +94,9 @@ class ARStage:
         self.stage = cfg.stage(stage_id)
         self.sockets = sockets
         self.vllm_config = build_engine_args(cfg, stage_id).create_engine_config()
+        sched = self.vllm_config.scheduler_config
+        # Chosen after the platform settled async scheduling (on for GPUs, off on CPU).
+        sched.scheduler_cls = scheduler_cls_for(sched.async_scheduling)
         self.dtype = self.vllm_config.model_config.dtype
         self.core = EngineCore(self.vllm_config, Executor.get_class(self.vllm_config), log_stats=False)
         self.inputs = InputProcessor(self.vllm_config)
