@@ -124,6 +124,14 @@ def test_bad_requests_get_openai_errors(default_server, body, status, param):
     assert "Traceback" not in err["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_longer_than_the_model_is_400(client, stream):
+    long = [{"role": "user", "content": "weather " * 3000}]  # > max_model_len 2048 tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=long, max_tokens=4, stream=stream)
+    assert "limit is 2047" in str(err.value)
+
+
 def test_malformed_json_is_400(default_server):
     r = httpx.post(f"{default_server.base_url}/v1/chat/completions", content=b"{not json",
                    headers={"content-type": "application/json"}, timeout=30)

@@ -52,6 +52,11 @@ class ServerState:
         self.text = TextCodec(stage0.tokenizer or stage0.model)
         self.text_stage = next((s.id for s in cfg.stages if s.output == "text"), None)
         self.sampling_stage = self.text_stage if self.text_stage is not None else 0
+        # Reject over-long prompts before streaming starts (stage 0 would reject them anyway).
+        limits = [cfg.server.max_prompt_tokens] if cfg.server.max_prompt_tokens else []
+        if stage0.engine_args.get("max_model_len"):
+            limits.append(int(stage0.engine_args["max_model_len"]) - 1)  # room for one generated token
+        self.prompt_limit = min(limits, default=None)
         self.api_key = cfg.server.api_key or os.environ.get("OMNI_SERVER_API_KEY") or None
         self.created = int(time.time())
 
@@ -108,7 +113,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(404, f"The model `{body.model}` does not exist. Available: {state.cfg.model}",
                            param="model", code="model_not_found")
         prompt_ids = state.text.render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        limit = state.cfg.server.max_prompt_tokens
+        limit = state.prompt_limit
         if limit is not None and len(prompt_ids) > limit:
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param="messages")
         sampling = _sampling(state, body)
@@ -216,7 +221,7 @@ class _Run:
         text_stage = self.state.text_stage
         async for stage_id, delta in self.orch.deltas(self.req):
             if delta.error is not None:
-                raise APIError(503 if "unavailable" in delta.error else 500, delta.error)
+                raise APIError(delta.error_code if delta.error_code in (400, 503) else 500, delta.error)
             if stage_id == text_stage:
                 self.completion_tokens += len(delta.new_token_ids)
                 self.token_ids.extend(delta.new_token_ids)

@@ -119,7 +119,7 @@ class Orchestrator:
         for state in list(self.requests.values()):
             self._push(state, stage_id, RequestDelta(
                 request_id=state.request_id, finished=True, finish_reason="error",
-                error=f"stage {self.cfg.stage(stage_id).name} is unavailable: {reason}"))
+                error=f"stage {self.cfg.stage(stage_id).name} is unavailable: {reason}", error_code=503))
 
     async def close(self) -> None:
         # Stages are not told to stop: `serve` stops the ones it started, external ones outlive the api.

@@ -179,7 +179,7 @@ class ARStage:
             self.core.add_request(req, wave)
         except Exception as e:  # invalid request (too long, bad params): fail it, keep serving
             log.warning("stage %d: rejected %s: %s", self.stage_id, request_id, e)
-            self._fail(request_id, f"stage {self.stage.name}: {e}")
+            self._fail(request_id, f"stage {self.stage.name}: {e}", code=400)
             return
         self.in_engine.add(request_id)
         if forward_to:
@@ -205,10 +205,11 @@ class ARStage:
             self.tracked.pop(rid, None)
             self.waiting.pop(rid, None)
 
-    def _fail(self, request_id: str, error: str) -> None:
+    def _fail(self, request_id: str, error: str, code: int = 500) -> None:
         self._abort([request_id])
         self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=[
-            RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error)]))
+            RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error,
+                         error_code=code)]))
 
     # ---- engine step ------------------------------------------------------------------------
 

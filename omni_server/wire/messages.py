@@ -101,6 +101,8 @@ class RequestDelta(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     # vLLM's finish reason ("stop", "length", "abort") or "error".
     finish_reason: str | None = None
     error: str | None = None
+    # HTTP-like class of the error: 400 the request was invalid, 503 a stage is unavailable, 500 other.
+    error_code: int = 500
 
 
 class RequestOutputs(_Msg):
