@@ -58,6 +58,14 @@ def test_oversized_body_is_413(client):
     assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
 
 
+def test_oversized_chunked_body_without_length_is_413(client):
+    def chunks():
+        for _ in range(10):
+            yield b'{"model": "m", "pad": "' + b"x" * 1000 + b'", '
+    r = client.post("/v1/chat/completions", content=chunks(), headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413 and "exceeds 4096 bytes" in r.json()["error"]["message"]
+
+
 def test_unknown_route_is_openai_shaped_404(client):
     r = client.get("/v1/nothing", headers=AUTH)
     assert r.status_code == 404 and "error" in r.json()

@@ -12,7 +12,7 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from omni_server.api import errors
@@ -77,13 +77,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="omni-server", version="0.1.0", lifespan=lifespan)
     errors.install(app)
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > state.cfg.server.max_request_bytes):
-            return JSONResponse(errors.error_body(413, f"request body exceeds {state.cfg.server.max_request_bytes} bytes"),
-                                status_code=413)
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=state.cfg.server.max_request_bytes)
 
     async def require_key(request: Request) -> None:
         if state.api_key is None:
@@ -144,6 +138,34 @@ def create_app(state: ServerState) -> FastAPI:
                 "request_ids": s.request_ids, "steps": s.steps}
 
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: bodies over `limit` bytes get a 413, whether or not they declare a length
+    (chunked uploads are counted as they arrive, so nothing unbounded is buffered)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = HTTPException(413, f"request body exceeds {self.limit} bytes")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await JSONResponse(errors.error_body(413, too_large.detail), status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise too_large  # FastAPI passes HTTPExceptions raised while reading the body through
+            return message
+
+        await self.app(scope, counted, send)
 
 
 def _orch(state: ServerState) -> Orchestrator:
