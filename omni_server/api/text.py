@@ -70,7 +70,7 @@ class Detokenizer:
         if not final and not self.stopped:
             # Hold back a tail that could still become a stop string.
             for s in self._stop:
-                for k in range(min(len(s) - 1, end - self._emitted), 0, -1):
+                for k in range(min(len(s) - 1, len(self.text) - self._emitted), 0, -1):
                     if self.text.endswith(s[:k]):
                         end = min(end, len(self.text) - k)
                         break

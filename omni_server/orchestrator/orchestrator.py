@@ -158,6 +158,8 @@ class Orchestrator:
                 if delta.error is not None or (delta.finished and stage_id not in self.output_stages
                                                and delta.finish_reason in ("abort", "error")):
                     state.done = True
+                    # The other stages may still hold it (running, or expecting its input): drop it there.
+                    await self.abort(state.request_id)
                     yield stage_id, delta
                     return
                 if stage_id in self.output_stages:

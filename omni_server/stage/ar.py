@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 # Payloads that arrived before their ExpectRequest are kept, but not without bound.
 MAX_ORPHAN_PAYLOADS = 1024
+# Ids of aborted/failed requests remembered, so payloads still in flight for them are dropped.
+MAX_TOMBSTONES = 16384
 
 
 @dataclass
@@ -106,6 +109,7 @@ class ARStage:
         self.tracked: dict[str, _Tracked] = {}
         self.waiting: dict[str, _Waiting] = {}
         self.in_engine: set[str] = set()
+        self.aborted: OrderedDict[str, None] = OrderedDict()
         self.steps = 0
         self.running = True
         self.startup_s = time.monotonic() - t0
@@ -133,13 +137,16 @@ class ARStage:
             self._add(msg.request_id, {"type": "token", "prompt_token_ids": msg.prompt_token_ids},
                       msg.sampling, msg.forward_to, msg.prompt_token_ids)
         elif isinstance(msg, ExpectRequest):
+            if msg.request_id in self.aborted:
+                return
             w = self.waiting.setdefault(msg.request_id, _Waiting())
             w.expect = msg
             self._maybe_start(msg.request_id)
         elif isinstance(msg, StagePayload):
-            if msg.request_id not in self.waiting and len(self.waiting) >= MAX_ORPHAN_PAYLOADS:
-                log.warning("stage %d: dropping payload for %s (too many pending)", self.stage_id, msg.request_id)
+            if msg.request_id in self.aborted:  # aborted while its payload was on the way
                 return
+            if msg.request_id not in self.waiting:
+                self._bound_orphans()
             self.waiting.setdefault(msg.request_id, _Waiting()).payloads[msg.source_stage] = msg
             self._maybe_start(msg.request_id)
         elif isinstance(msg, AbortRequest):
@@ -155,6 +162,13 @@ class ARStage:
             self.running = False
         else:
             log.warning("stage %d: ignoring unexpected %s", self.stage_id, type(msg).__name__)
+
+    def _bound_orphans(self) -> None:
+        orphans = [rid for rid, w in self.waiting.items() if w.expect is None]
+        if len(orphans) >= MAX_ORPHAN_PAYLOADS:
+            oldest = orphans[0]
+            log.warning("stage %d: too many payloads without a request; failing %s", self.stage_id, oldest)
+            self._fail(oldest, f"stage {self.stage.name}: input dropped (too many pending payloads)", code=503)
 
     def _maybe_start(self, request_id: str) -> None:
         w = self.waiting[request_id]
@@ -190,7 +204,7 @@ class ARStage:
 
         return SamplingParams(
             max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-            top_k=spec.top_k if spec.top_k > 0 else 0, min_tokens=spec.min_tokens, seed=spec.seed,
+            top_k=spec.top_k, min_tokens=spec.min_tokens, seed=spec.seed,
             repetition_penalty=spec.repetition_penalty, stop_token_ids=list(spec.stop_token_ids),
             ignore_eos=spec.ignore_eos, detokenize=False,
             extra_args={EMIT_HIDDEN: True} if emit_hidden else None,
@@ -204,6 +218,9 @@ class ARStage:
             self.in_engine.discard(rid)
             self.tracked.pop(rid, None)
             self.waiting.pop(rid, None)
+            self.aborted[rid] = None
+        while len(self.aborted) > MAX_TOMBSTONES:
+            self.aborted.popitem(last=False)
 
     def _fail(self, request_id: str, error: str, code: int = 500) -> None:
         self._abort([request_id])
@@ -231,11 +248,13 @@ class ARStage:
                 if tracked is not None:
                     tracked.output_token_ids.extend(out.new_token_ids)
                 if self.send_tokens or finished:
+                    reason = str(out.finish_reason) if finished else None
                     deltas.append(RequestDelta(
                         request_id=rid,
                         new_token_ids=list(out.new_token_ids) if self.send_tokens else [],
                         finished=finished,
-                        finish_reason=str(out.finish_reason) if finished else None,
+                        finish_reason=reason,
+                        error=f"stage {self.stage.name}: engine error" if reason == "error" else None,
                     ))
                 if finished:
                     self.in_engine.discard(rid)

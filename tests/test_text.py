@@ -1,0 +1,55 @@
+"""Incremental detokenization with stop strings: never shows text of a stop string, loses nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_server.api.text import Detokenizer, TextCodec
+from tests.conftest import MODELS
+
+
+class _Pieces:
+    """Stands in for tokenizers' DecodeStream: token i decodes to pieces[i]."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def step(self, backend, token_id):
+        return self.pieces[token_id]
+
+
+def _run(pieces, stops):
+    d = Detokenizer(backend=None, stop=stops)
+    d._stream = _Pieces(pieces)
+    shown = [d.push([i]) for i in range(len(pieces)) if not d.stopped]
+    shown.append(d.flush())
+    return "".join(shown), shown, d
+
+
+@pytest.mark.parametrize("stops", [["e.", "the end."], ["the end.", "e."]])
+def test_stop_string_split_across_tokens_is_never_shown(stops):
+    text, shown, d = _run(["x", "the e", "nd.", " more"], stops)
+    assert text == "x" and d.stopped
+    assert all("the" not in piece for piece in shown)
+
+
+def test_held_back_prefix_is_released_when_it_does_not_become_a_stop():
+    text, shown, d = _run(["a", "b", "c", "x"], ["bcd"])
+    assert text == "abcx" and not d.stopped
+    assert shown[1] == ""  # "b" could start "bcd": held back until resolved
+
+
+def test_no_stop_strings_streams_everything():
+    text, _, _ = _run(["he", "llo", " wor", "ld"], [])
+    assert text == "hello world"
+
+
+def test_real_tokenizer_round_trip(tiny_models):
+    codec = TextCodec(str(MODELS / "tiny-qwen2_5-omni"))
+    sentence = "The weather is nice and warm, so we walk to the park."
+    ids = codec.tokenizer.encode(sentence, add_special_tokens=False)
+    d = codec.detokenizer([])
+    assert "".join(d.push([i]) for i in ids) + d.flush() == sentence
+    d = codec.detokenizer(["park"])
+    out = "".join(d.push([i]) for i in ids) + d.flush()
+    assert out == sentence[: sentence.index("park")] and d.stopped
