@@ -72,3 +72,26 @@ def test_stream_carries_follower_tokens_and_disconnect_clears_both_stages(two_st
     assert all(request_id not in two_stage_server.stats(i)["request_ids"] for i in (0, 1))
     assert httpx.get(f"{two_stage_server.base_url}/health").json()["stages"] == {
         "thinker": "ready", "follower": "ready"}
+
+
+def test_concurrent_requests_each_get_their_own_hidden_states(two_stage_server, record_dir):
+    """Batched steps share one host buffer between requests; each payload must hold only its rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=f"{two_stage_server.base_url}/v1", api_key="x", max_retries=0)
+    prompts = ["One.", "A longer question about the sea and the sky?", "Numbers: 1, 2, 3.", "Hello there."]
+
+    def ask(i):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompts[i]}], max_tokens=5 + i, temperature=0,
+            extra_body={"return_token_ids": True})
+
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(ask, range(4)))
+    thinker_dir = MODELS / "tiny-qwen2_5-omni"
+    for resp in responses:
+        hidden, prompt_ids, output_ids = _load_record(record_dir, resp.id)
+        assert output_ids == resp.choices[0].model_extra["token_ids"]
+        expected = reference.thinker_hidden(thinker_dir, prompt_ids + output_ids[:-1])
+        assert hidden.shape == expected.shape
+        assert (hidden - expected).abs().max().item() < 1e-4

@@ -53,7 +53,17 @@ class _Tracked:
     output_token_ids: list[int] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
     hidden_len: int = 0
-    captures: list[Any] = field(default_factory=list)
+    # Captures whose copy may still be in flight, with the index in `hidden` of this request's view
+    # and whether the capture's buffer also holds other requests' rows (then the view is cloned once
+    # the copy is done, so a long request does not pin every step buffer of its lifetime).
+    pending: list[tuple[Any, int, bool]] = field(default_factory=list)
+
+    def settle(self) -> None:
+        for capture, index, shared in self.pending:
+            capture.wait()
+            if shared:
+                self.hidden[index] = self.hidden[index].clone()
+        self.pending.clear()
 
 
 @dataclass
@@ -110,6 +120,7 @@ class ARStage:
         self.waiting: dict[str, _Waiting] = {}
         self.in_engine: set[str] = set()
         self.aborted: OrderedDict[str, None] = OrderedDict()
+        self._unsettled: list[_Tracked] = []
         self.steps = 0
         self.running = True
         self.startup_s = time.monotonic() - t0
@@ -234,8 +245,10 @@ class ARStage:
         outputs, executed = self.core.step_fn()
         self.core.post_step(executed)
         self.steps += 1
-        for capture in self.core.scheduler.hidden_captures:
-            self._collect_hidden(capture)
+        # Last step's copies are done by now (the engine waited for that step's tokens): settle them.
+        for tracked in self._unsettled:
+            tracked.settle()
+        self._unsettled = [t for c in self.core.scheduler.hidden_captures for t in self._collect_hidden(c)]
         self.core.scheduler.hidden_captures.clear()
         if not outputs:
             return
@@ -264,22 +277,27 @@ class ARStage:
         if deltas:
             self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=deltas))
 
-    def _collect_hidden(self, capture) -> None:
-        # Keep views into the step's host buffer; bytes are awaited only at forward time.
-        offset = 0
+    def _collect_hidden(self, capture) -> list[_Tracked]:
+        """Append each tracked request's rows (views: the copy may still be in flight)."""
+        shared = len(capture.req_ids) > 1
+        touched, offset = [], 0
         for rid, n, start in zip(capture.req_ids, capture.counts, capture.starts):
             tracked = self.tracked.get(rid)
             if tracked is not None:
                 if start < tracked.hidden_len:  # recomputed after preemption: drop the stale tail
+                    tracked.settle()
                     _truncate(tracked, start)
                 tracked.hidden.append(capture.hidden[offset : offset + n])
-                tracked.captures.append(capture)
+                tracked.pending.append((capture, len(tracked.hidden) - 1, shared))
                 tracked.hidden_len += n
+                touched.append(tracked)
             offset += n
+        return touched
 
     def _forward(self, request_id: str, tracked: _Tracked) -> None:
-        for capture in tracked.captures:
-            capture.wait()
+        for capture, _, _ in tracked.pending:
+            capture.wait()  # no clone needed: torch.cat below copies
+        tracked.pending.clear()
         hidden = torch.cat(tracked.hidden) if tracked.hidden else torch.empty(0)
         payload = StagePayload(
             request_id=request_id, source_stage=self.stage_id,
