@@ -61,6 +61,27 @@ def cmd_serve(args) -> int:
     return asyncio.run(serve(cfg, args.config, args.stage_arg, external_stages=args.external_stages))
 
 
+def cmd_bench(args) -> int:
+    import json
+
+    from omni_server.bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
+                      requests_per_level=args.requests, prompt_words=args.prompt_words,
+                      max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OMNI_SERVER_API_KEY"))
+    result = asyncio.run(run_bench(cfg))
+    text = json.dumps(result, indent=2)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    for lv in result["levels"]:
+        print(f"c={lv['concurrency']:<3} n={lv['requests']:<4} errors={lv['errors']:<3} "
+              f"out tok/s={lv['output_tok_s']}  TTFT p50/p90/p99 ms={lv['ttft_ms']['p50']}/"
+              f"{lv['ttft_ms']['p90']}/{lv['ttft_ms']['p99']}  latency p50/p90/p99 ms="
+              f"{lv['latency_ms']['p50']}/{lv['latency_ms']['p90']}/{lv['latency_ms']['p99']}")
+    return 1 if any(lv["errors"] for lv in result["levels"]) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-server", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -87,6 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     _config_args(p)
     p.set_defaults(fn=cmd_check)
+
+    p = sub.add_parser("bench", help="load a running server over HTTP and report latency/throughput")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", required=True)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--requests", type=int, help="requests per level (default: max(8, 4 x concurrency))")
+    p.add_argument("--prompt-words", type=int, default=75)
+    p.add_argument("--max-tokens", type=int, default=100)
+    p.add_argument("--api-key")
+    p.add_argument("--output", help="write the JSON result here")
+    p.set_defaults(fn=cmd_bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),

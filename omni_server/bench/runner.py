@@ -1,0 +1,133 @@
+"""HTTP load generator: fixed prompt set, concurrency levels, streaming chat requests.
+
+Per level it reports TTFT (first content delta), end-to-end latency (p50/p90/p99), output tokens/s
+(completion tokens from the usage chunk / wall time) and errors. Audio metrics (TTFP, RTF) join
+when the speech pipeline exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+_SENTENCES = [
+    "The quick brown fox jumps over the lazy dog while the sun sets behind the hills.",
+    "A small model can still be useful when it is used to test the plumbing of a large system.",
+    "The weather is nice and warm, so we decided to walk to the park near the river.",
+    "Speech synthesis turns written text into audio that people can listen to.",
+    "Yesterday it rained all afternoon, but this morning the sky was clear and blue.",
+]
+
+
+def prompt(i: int, words: int) -> str:
+    """Deterministic prompt number i of about `words` words."""
+    text, k = [], i
+    while sum(len(t.split()) for t in text) < words:
+        text.append(_SENTENCES[k % len(_SENTENCES)])
+        k += 1
+    return f"Request {i}. " + " ".join(text) + " Please answer at length."
+
+
+@dataclass
+class BenchConfig:
+    base_url: str
+    model: str
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 32])
+    requests_per_level: int | None = None  # default: max(8, 4 * concurrency)
+    prompt_words: int = 75  # ~100 tokens with a typical tokenizer
+    max_tokens: int = 100
+    ignore_eos: bool = True
+    api_key: str | None = None
+    timeout_s: float = 600.0
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
+    body = {"model": cfg.model, "messages": [{"role": "user", "content": prompt(i, cfg.prompt_words)}],
+            "max_tokens": cfg.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": cfg.ignore_eos}
+    t0 = time.perf_counter()
+    ttft, tokens, error = None, 0, None
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = chunk["error"].get("message", "error")
+                    continue
+                if ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, "tokens": tokens, "error": error}
+
+
+async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> dict:
+    n = cfg.requests_per_level or max(8, 4 * concurrency)
+    headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    sem = asyncio.Semaphore(concurrency)
+    done = 0
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=cfg.timeout_s,
+                                 limits=limits) as client:
+        async def task(i: int) -> dict:
+            nonlocal done
+            async with sem:
+                res = await _one(client, cfg, offset + i)
+            done += 1
+            progress(concurrency, done, n)
+            return res
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(task(i) for i in range(n)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if not r.get("error")]
+    ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    lat = [r["latency_s"] for r in ok]
+    tokens = sum(r["tokens"] for r in ok)
+    ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
+    return {
+        "concurrency": concurrency, "requests": n, "errors": n - len(ok),
+        "error_examples": sorted({r["error"] for r in results if r.get("error")})[:3],
+        "wall_s": round(wall, 3), "output_tokens": tokens,
+        "output_tok_s": round(tokens / wall, 1) if wall > 0 else None,
+        "ttft_ms": {"p50": ms(_pct(ttfts, 50)), "p90": ms(_pct(ttfts, 90)), "p99": ms(_pct(ttfts, 99)),
+                    "mean": ms(statistics.fmean(ttfts)) if ttfts else None},
+        "latency_ms": {"p50": ms(_pct(lat, 50)), "p90": ms(_pct(lat, 90)), "p99": ms(_pct(lat, 99))},
+    }
+
+
+def _progress(concurrency: int, done: int, total: int) -> None:
+    if sys.stderr.isatty():
+        width = 30
+        filled = width * done // total
+        sys.stderr.write(f"\rc={concurrency:<3} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+async def run_bench(cfg: BenchConfig, progress=_progress) -> dict:
+    levels, offset = [], 0
+    for c in cfg.concurrency:
+        levels.append(await _level(cfg, c, offset, progress))
+        offset += levels[-1]["requests"]
+    return {"config": asdict(cfg), "levels": levels}

@@ -1,0 +1,27 @@
+"""`omni-server bench` against the running tiny server: a real load run with sane numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_bench_reports_every_level(default_server, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_server.cli", "bench", "--base-url", default_server.base_url,
+         "--model", "omni-tiny", "--concurrency", "1", "4", "--requests", "4", "--max-tokens", "12",
+         "--prompt-words", "30", "--output", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 4]
+    for lv in result["levels"]:
+        assert lv["requests"] == 4 and lv["errors"] == 0
+        assert lv["output_tokens"] == 4 * 12  # ignore_eos: every request runs to max_tokens
+        assert lv["output_tok_s"] > 0
+        assert 0 < lv["ttft_ms"]["p50"] <= lv["latency_ms"]["p50"] <= lv["latency_ms"]["p99"]
+    assert "c=4" in proc.stdout
