@@ -38,6 +38,7 @@ stages:
     default_sampling: {{temperature: 0, max_tokens: 3}}
 server:
   output_address: tcp://127.0.0.1:{p2}
+  stage_timeout_s: 3
 """
 
 
@@ -45,6 +46,15 @@ def _stage(config, stage_id, log):
     return subprocess.Popen([sys.executable, "-m", "omni_server.cli", "stage", "--config", str(config),
                              "--stage", str(stage_id)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+
+
+def _wait_health(api, predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate(httpx.get(f"{api.base_url}/health", timeout=5).json()):
+            return True
+        time.sleep(0.25)
+    return False
 
 
 def test_external_stages_any_order(tiny_models, tmp_path):
@@ -64,6 +74,20 @@ def test_external_stages_any_order(tiny_models, tmp_path):
         assert resp.usage.completion_tokens >= 1
         assert len(resp.model_extra["omni_outputs"]["follower"]["token_ids"]) >= 1
         assert set(httpx.get(f"{api.base_url}/health").json()["pids"].values()) == {p.pid for p in stages.values()}
+
+        # A stage that stops answering (hung; here: stopped) is marked down, and back once it answers.
+        os.kill(stages[0].pid, signal.SIGSTOP)
+        try:
+            assert _wait_health(api, lambda h: h["stages"]["thinker"] == "down", 20), "hung stage not marked down"
+            r = httpx.post(f"{api.base_url}/v1/chat/completions", timeout=10,
+                           json={"model": "external", "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 503
+        finally:
+            os.kill(stages[0].pid, signal.SIGCONT)
+        assert _wait_health(api, lambda h: h["status"] == "ok", 30), "stage did not come back"
+        resp = client.chat.completions.create(model="external", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, temperature=0)
+        assert resp.usage.completion_tokens >= 1
 
         assert api.stop() == 0
         assert all(p.poll() is None for p in stages.values()), "stopping the api must not stop external stages"

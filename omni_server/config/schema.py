@@ -91,6 +91,8 @@ class ServerConfig(_Strict):
     max_tokens_limit: int = Field(4096, ge=1)
     # Requests in flight beyond this are answered 429 with Retry-After (bounded memory under overload).
     max_concurrent_requests: int = Field(256, ge=1)
+    # A ready stage that answers nothing (not even the api's 1 s pings) this long is marked down.
+    stage_timeout_s: float = Field(30.0, gt=0)
     # On SIGTERM: stop taking requests, let those in flight finish for up to this long, then stop.
     shutdown_timeout_s: float = Field(30.0, ge=0)
     # Where the api process binds its PULL socket for stage outputs; None = ipc in the runtime dir.

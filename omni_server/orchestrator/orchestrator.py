@@ -70,6 +70,7 @@ class Orchestrator:
         self.requests: dict[str, RequestState] = {}
         self.ready: dict[int, StageReady] = {}
         self.down: dict[int, str] = {}
+        self.last_seen: dict[int, float] = {}
         self._ready_event = asyncio.Event()
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._nonce = itertools.count(1)
@@ -85,19 +86,27 @@ class Orchestrator:
         self._probe_task = loop.create_task(self._probe_loop())
 
     async def _probe_loop(self) -> None:
-        """Ask stages that are not ready for stats: an answer means ready. A stage started before
-        the api (by hand, docker) sent its StageReady to nobody; this is how it is found."""
+        """Ping every stage each second (stats with nonce 0). An answer from a stage that is not
+        ready makes it ready: a stage started before the api (by hand, docker) sent its StageReady
+        to nobody. A ready stage silent for `stage_timeout_s` (hung, or an external stage that died)
+        is marked down, failing its requests; it comes back when it answers again."""
+        timeout = self.cfg.server.stage_timeout_s
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            for stage_id in [s.id for s in self.cfg.stages if s.id not in self.ready and s.id not in self.down]:
-                try:
-                    stats = await self.stats(stage_id, timeout=PROBE_INTERVAL_S)
-                except (asyncio.TimeoutError, zmq.ZMQError):
-                    continue
-                if stage_id not in self.ready and stage_id not in self.down:
-                    self._on_ready(StageReady(stage_id=stage_id, pid=stats.pid, startup_s=stats.startup_s))
+            now = time.monotonic()
+            for s in self.cfg.stages:
+                silent = now - self.last_seen.get(s.id, now)
+                if s.id in self.ready and silent > timeout:
+                    log.error("stage %d (%s) has not answered for %.0f s", s.id, s.name, silent)
+                    self.mark_down(s.id, f"no answer for {silent:.0f} s")
+                if s.id not in self.ready or silent >= PROBE_INTERVAL_S:
+                    try:
+                        await self._send(self.stage_socks[s.id], StatsQuery(nonce=0))
+                    except zmq.ZMQError:
+                        pass
 
     def _on_ready(self, msg: StageReady) -> None:
+        self.last_seen[msg.stage_id] = time.monotonic()
         self.ready[msg.stage_id] = msg
         self.down.pop(msg.stage_id, None)
         log.info("stage %d (%s) ready: engine start %.1f s, %.1f s since the api started", msg.stage_id,
@@ -198,12 +207,19 @@ class Orchestrator:
         while True:
             frames = await self.out.recv_multipart(copy=False)
             msg = decode_or_none(self.decoder, frames, "api")
+            stage_id = getattr(msg, "stage_id", None)
+            if stage_id in self.stage_socks:
+                self.last_seen[stage_id] = time.monotonic()
             if isinstance(msg, RequestOutputs):
                 for delta in msg.deltas:
                     state = self.requests.get(delta.request_id)
                     if state is not None:
                         self._push(state, msg.stage_id, delta)
             elif isinstance(msg, StageStats):
+                if msg.nonce == 0:  # a probe's answer
+                    if msg.stage_id in self.stage_socks and msg.stage_id not in self.ready:
+                        self._on_ready(StageReady(stage_id=msg.stage_id, pid=msg.pid, startup_s=msg.startup_s))
+                    continue
                 fut = self._stats_waiters.get(msg.nonce)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
