@@ -14,7 +14,7 @@ import uvicorn
 from omni_server.api.app import ServerState, create_app
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.launcher import Launcher
-from omni_server.orchestrator.orchestrator import Orchestrator
+from omni_server.orchestrator.orchestrator import HUNG, Orchestrator
 from omni_server.wire.transport import make_runtime_dir, stage_address
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,13 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
                 restart_at[stage_id] = now + delay
                 log.warning("restarting stage %d (%s) in %.0f s (restart %d of at most %d per %.0f s)",
                             stage_id, name, delay, len(recent) + 1, MAX_RESTARTS, RESTART_WINDOW_S)
+            if orch is not None and announced:
+                for stage_id, reason in list(orch.down.items()):
+                    proc = launcher.procs.get(stage_id)
+                    if reason.startswith(HUNG) and proc is not None and proc.poll() is None:
+                        log.error("stage %d (%s) is hung (%s); killing it to restart it", stage_id,
+                                  cfg.stage(stage_id).name, reason)
+                        launcher.kill(stage_id)
             for stage_id, at in list(restart_at.items()):
                 if now >= at:
                     del restart_at[stage_id]

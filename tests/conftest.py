@@ -104,8 +104,8 @@ def servers(request, tiny_models, record_dir, tmp_path_factory):
     specs = {
         "default": (REPO / "configs" / "default.yaml", {}),
         "two_stage": (REPO / "tests" / "configs" / "two_stage.yaml", {"OMNI_TEST_RECORD_DIR": str(record_dir)}),
-        # Its own copy of the default pipeline: crash tests kill its stages.
-        "crash": (REPO / "configs" / "default.yaml", {}),
+        # Its own copy of the default pipeline: lifecycle tests kill its stages.
+        "crash": (REPO / "tests" / "configs" / "lifecycle.yaml", {}),
     }
     used = {f for item in request.session.items for f in item.fixturenames}
     specs = {name: spec for name, spec in specs.items() if f"{name}_server" in used}

@@ -50,9 +50,32 @@ def test_killed_stage_fails_requests_then_restarts(crash_server):
     assert resp.usage.completion_tokens >= 1
 
 
+def _wait_health(base, predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = httpx.get(f"{base}/health", timeout=5).json()
+        if predicate(h):
+            return h
+        time.sleep(0.5)
+    raise AssertionError(f"health never matched: {h}")
+
+
+def test_hung_stage_is_killed_and_restarted(crash_server):
+    base = crash_server.base_url
+    pid = httpx.get(f"{base}/health").json()["pids"]["thinker"]
+    os.kill(pid, signal.SIGSTOP)  # alive but silent
+    _wait_health(base, lambda h: h["stages"]["thinker"] != "ready", 30)
+    h = _wait_health(base, lambda h: h["status"] == "ok", 240)
+    assert h["pids"]["thinker"] != pid
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the hung process was killed, not left behind
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3).usage.completion_tokens >= 1
+
+
 def test_sigterm_finishes_in_flight_requests_then_stops(crash_server):
     base = crash_server.base_url
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 600, "ignore_eos": True}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1500, "ignore_eos": True}
     result = {}
     worker = threading.Thread(target=lambda: result.update(
         r=httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)))
@@ -60,10 +83,10 @@ def test_sigterm_finishes_in_flight_requests_then_stops(crash_server):
     deadline = time.monotonic() + 30
     while crash_server.stats(0)["num_running"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert crash_server.stats(0)["num_running"] == 1
+    assert crash_server.stats(0)["num_running"] == 1, result
     crash_server.proc.send_signal(signal.SIGTERM)
     worker.join(120)
     r = result["r"]
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 600
+    assert r.json()["usage"]["completion_tokens"] == 1500
     assert crash_server.proc.wait(60) == 0

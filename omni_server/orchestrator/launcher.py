@@ -61,6 +61,13 @@ class Launcher:
         """Stage id -> exit code, for stage processes that are no longer running."""
         return {i: p.returncode for i, p in self.procs.items() if p.poll() is not None}
 
+    def kill(self, stage_id: int) -> None:
+        """SIGKILL a stage and its children (its own process group)."""
+        try:
+            os.killpg(self.procs[stage_id].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def stop_all(self, timeout: float = 10.0) -> None:
         """SIGTERM every stage, wait, then SIGKILL what is left (and its children)."""
         for p in self.procs.values():

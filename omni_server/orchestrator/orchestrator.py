@@ -36,6 +36,7 @@ from omni_server.wire.transport import SEND_HWM, api_address, decode_or_none, st
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 1.0
+HUNG = "no answer"  # mark_down reason prefix for a stage that stopped answering pings
 
 
 class StageUnavailable(RuntimeError):
@@ -98,7 +99,7 @@ class Orchestrator:
                 silent = now - self.last_seen.get(s.id, now)
                 if s.id in self.ready and silent > timeout:
                     log.error("stage %d (%s) has not answered for %.0f s", s.id, s.name, silent)
-                    self.mark_down(s.id, f"no answer for {silent:.0f} s")
+                    self.mark_down(s.id, f"{HUNG} for {silent:.0f} s")
                 if s.id not in self.ready or silent >= PROBE_INTERVAL_S:
                     try:
                         await self._send(self.stage_socks[s.id], StatsQuery(nonce=0))
