@@ -326,10 +326,8 @@ def _omni_config() -> Any:
         "tokens_per_second": 25,
         "initializer_range": _INIT_STD,
     }
-    thinker_config = {
-        "text_config": text_config,
-        "audio_config": audio_config,
-        "vision_config": vision_config,
+    # Multimodal placeholder ids, the same in the thinker and the talker configs.
+    media_ids = {
         "audio_token_index": AUDIO_TOKEN_ID,
         "image_token_index": IMAGE_TOKEN_ID,
         "video_token_index": VIDEO_TOKEN_ID,
@@ -337,6 +335,12 @@ def _omni_config() -> Any:
         "audio_end_token_id": AUDIO_EOS_ID,
         "vision_start_token_id": VISION_BOS_ID,
         "vision_end_token_id": VISION_EOS_ID,
+    }
+    thinker_config = {
+        "text_config": text_config,
+        "audio_config": audio_config,
+        "vision_config": vision_config,
+        **media_ids,
         "vision_token_id": VISION_PAD_ID,
         "bos_token_id": IM_START_ID,
         "eos_token_id": IM_END_ID,
@@ -370,13 +374,7 @@ def _omni_config() -> Any:
         "tts_text_start_token_id": TTS_BOS_ID,
         "tts_text_end_token_id": TTS_EOS_ID,
         "tts_text_pad_token_id": TTS_PAD_ID,
-        "audio_token_index": AUDIO_TOKEN_ID,
-        "image_token_index": IMAGE_TOKEN_ID,
-        "video_token_index": VIDEO_TOKEN_ID,
-        "audio_start_token_id": AUDIO_BOS_ID,
-        "audio_end_token_id": AUDIO_EOS_ID,
-        "vision_start_token_id": VISION_BOS_ID,
-        "vision_end_token_id": VISION_EOS_ID,
+        **media_ids,
         "position_id_per_seconds": 25,
         "seconds_per_chunk": 2,
         "spatial_merge_size": 2,

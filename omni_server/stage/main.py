@@ -38,7 +38,7 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
 
     if current_platform.device_type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # The GPU does the math; many host threads only add contention to the step loop's small
-        # tensor ops (vLLM's GPU worker processes make the same choice).
+        # tensor ops (vLLM's multiproc executor sets the same for its GPU workers).
         torch.set_num_threads(1)
 
     from omni_server.wire.transport import StageSockets
