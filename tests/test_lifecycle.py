@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import httpx
@@ -74,19 +73,16 @@ def test_hung_stage_is_killed_and_restarted(crash_server):
 
 
 def test_sigterm_finishes_in_flight_requests_then_stops(crash_server):
-    base = crash_server.base_url
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1500, "ignore_eos": True}
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(
-        r=httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)))
-    worker.start()
-    deadline = time.monotonic() + 30
-    while crash_server.stats(0)["num_running"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert crash_server.stats(0)["num_running"] == 1, result
+    # Streamed so the test knows the request is in flight (first delta seen) before it sends SIGTERM;
+    # polling stats raced a fast CI machine that finished 1500 tokens between polls.
+    client = openai.OpenAI(base_url=f"{crash_server.base_url}/v1", api_key="x", max_retries=0)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1500, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
     crash_server.proc.send_signal(signal.SIGTERM)
-    worker.join(120)
-    r = result["r"]
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 1500
+    rest = list(chunks)
+    assert rest[-1].usage.completion_tokens == 1500
+    assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
     assert crash_server.proc.wait(60) == 0
