@@ -102,10 +102,15 @@ def servers(request, tiny_models, record_dir, tmp_path_factory):
 
     logs = tmp_path_factory.mktemp("server-logs")
     specs = {
-        "default": (REPO / "configs" / "default.yaml", {}),
-        "two_stage": (REPO / "tests" / "configs" / "two_stage.yaml", {"OMNI_TEST_RECORD_DIR": str(record_dir)}),
+        "text": (REPO / "tests" / "configs" / "text.yaml", {}, []),
+        # The embedded default (speech) pipeline, greedy talker with its codec ids in `omni_outputs`.
+        "speech": (REPO / "configs" / "default.yaml", {}, [
+            "--stage-arg", "talker.output=tokens",
+            "--stage-arg", "talker.default_sampling.temperature=0",
+            "--stage-arg", "talker.default_sampling.repetition_penalty=1.0"]),
+        "two_stage": (REPO / "tests" / "configs" / "two_stage.yaml", {"OMNI_TEST_RECORD_DIR": str(record_dir)}, []),
         # Its own copy of the default pipeline: lifecycle tests kill its stages.
-        "crash": (REPO / "tests" / "configs" / "lifecycle.yaml", {}),
+        "crash": (REPO / "tests" / "configs" / "lifecycle.yaml", {}, []),
     }
     used = {f for item in request.session.items for f in item.fixturenames}
     specs = {name: spec for name, spec in specs.items() if f"{name}_server" in used}
@@ -115,8 +120,8 @@ def servers(request, tiny_models, record_dir, tmp_path_factory):
     pids: dict[str, list[int]] = {}
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
-        for name, (config, env) in specs.items():
-            started[name] = Server(config, logs / f"{name}.log", env=env)
+        for name, (config, env, args) in specs.items():
+            started[name] = Server(config, logs / f"{name}.log", env=env, args=args)
             if one_by_one:
                 started[name].wait_ready(deadline)
         for s in started.values():
@@ -141,8 +146,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="session")
-def default_server(servers) -> Server:
-    return servers["default"]
+def text_server(servers) -> Server:
+    return servers["text"]
+
+
+@pytest.fixture(scope="session")
+def speech_server(servers) -> Server:
+    return servers["speech"]
 
 
 @pytest.fixture(scope="session")

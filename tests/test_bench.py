@@ -9,10 +9,10 @@ import sys
 from tests.conftest import REPO
 
 
-def test_bench_reports_every_level(default_server, tmp_path):
+def test_bench_reports_every_level(text_server, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "omni_server.cli", "bench", "--base-url", default_server.base_url,
+        [sys.executable, "-m", "omni_server.cli", "bench", "--base-url", text_server.base_url,
          "--model", "omni-tiny", "--concurrency", "1", "4", "--requests", "4", "--max-tokens", "12",
          "--prompt-words", "30", "--output", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300)

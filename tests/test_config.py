@@ -175,8 +175,24 @@ BROKEN = [
     ),
     (
         "bad-output",
+        "model: m\nstages:\n  - {id: 0, name: thinker, model: m, output: speech}\n",
+        "stage 0 (thinker): output: Input should be 'text', 'tokens' or 'audio' (got 'speech')",
+    ),
+    (
+        "audio-from-ar",
         "model: m\nstages:\n  - {id: 0, name: thinker, model: m, output: audio}\n",
-        "stage 0 (thinker): output: Input should be 'text' or 'tokens' (got 'audio')",
+        "stage 0 (thinker): `output: audio` needs a `generation` stage",
+    ),
+    (
+        "generation-without-generator",
+        "model: m\nstages:\n  - {id: 0, name: a, model: m, output: text}\n"
+        "  - {id: 1, name: b, kind: generation, model: m, inputs: [0], input_processor: p, output: audio}\n",
+        "stage 1 (b): a `generation` stage needs a `generator`",
+    ),
+    (
+        "generator-on-ar",
+        "model: m\nstages:\n  - {id: 0, name: a, model: m, output: text, generator: g}\n",
+        "stage 0 (a): `generator` is only for `kind: generation` stages",
     ),
     (
         "no-stage-with-output",
@@ -377,7 +393,8 @@ def test_overrides_set_stage_fields():
             "1.output=null",
             "0.startup_timeout_s=30",
             "1.env.FOO=bar",
-            "thinker.kind=generation",
+            "talker.kind=generation",
+            "talker.generator=fam.gen",
         ],
     )
     thinker, talker = cfg.stages
@@ -388,7 +405,7 @@ def test_overrides_set_stage_fields():
     assert talker.output is None
     assert thinker.startup_timeout_s == 30.0
     assert talker.env == {"FOO": "bar"}
-    assert thinker.kind == "generation"
+    assert talker.kind == "generation" and talker.generator == "fam.gen"
     # None of these leaked into engine_args.
     assert "devices" not in thinker.engine_args and "model" not in thinker.engine_args
     assert talker.engine_args == {}

@@ -16,8 +16,8 @@ MESSAGES = [{"role": "user", "content": "Tell me about the weather in the city t
 
 
 @pytest.fixture(scope="module")
-def client(default_server):
-    return openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0)
+def client(text_server):
+    return openai.OpenAI(base_url=f"{text_server.base_url}/v1", api_key="unused", max_retries=0)
 
 
 def _thinker_dir():
@@ -82,26 +82,26 @@ def _wait_until_dropped(server, request_id: str, stages: list[int], timeout: flo
     raise AssertionError(f"{request_id} still known to a stage: {[server.stats(i) for i in stages]}")
 
 
-def test_disconnect_mid_stream_aborts_in_every_stage(default_server, client):
+def test_disconnect_mid_stream_aborts_in_every_stage(text_server, client):
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2000, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True})
     first = next(iter(stream))
     request_id = first.id
-    assert request_id in default_server.stats(0)["request_ids"]
+    assert request_id in text_server.stats(0)["request_ids"]
     stream.close()
-    _wait_until_dropped(default_server, request_id, [0])
-    assert default_server.stats(0)["num_running"] == 0
+    _wait_until_dropped(text_server, request_id, [0])
+    assert text_server.stats(0)["num_running"] == 0
 
 
-def test_disconnect_non_stream_aborts(default_server):
+def test_disconnect_non_stream_aborts(text_server):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{default_server.base_url}/v1/chat/completions", json=body, timeout=1.5)
+        httpx.post(f"{text_server.base_url}/v1/chat/completions", json=body, timeout=1.5)
     deadline = time.monotonic() + 20
-    while default_server.stats(0)["num_running"] and time.monotonic() < deadline:
+    while text_server.stats(0)["num_running"] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert default_server.stats(0)["num_running"] == 0
-    assert default_server.stats(0)["request_ids"] == []
+    assert text_server.stats(0)["num_running"] == 0
+    assert text_server.stats(0)["request_ids"] == []
 
 
 @pytest.mark.parametrize("body,status,param", [
@@ -115,8 +115,8 @@ def test_disconnect_non_stream_aborts(default_server):
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ({"model": MODEL, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
 ])
-def test_bad_requests_get_openai_errors(default_server, body, status, param):
-    r = httpx.post(f"{default_server.base_url}/v1/chat/completions", json=body, timeout=30)
+def test_bad_requests_get_openai_errors(text_server, body, status, param):
+    r = httpx.post(f"{text_server.base_url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"}
@@ -132,8 +132,8 @@ def test_prompt_longer_than_the_model_is_400(client, stream):
     assert "limit is 2047" in str(err.value)
 
 
-def test_malformed_json_is_400(default_server):
-    r = httpx.post(f"{default_server.base_url}/v1/chat/completions", content=b"{not json",
+def test_malformed_json_is_400(text_server):
+    r = httpx.post(f"{text_server.base_url}/v1/chat/completions", content=b"{not json",
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 

@@ -35,12 +35,12 @@ def _rss(server) -> int:
     return sum(p.memory_info().rss for p in procs)
 
 
-def test_soak_every_request_answered_nothing_left_behind(default_server):
-    codes = asyncio.run(_run(default_server.base_url, range(WARMUP)))
-    rss_warm = _rss(default_server)
-    codes += asyncio.run(_run(default_server.base_url, range(WARMUP, TOTAL)))
-    rss_end = _rss(default_server)
+def test_soak_every_request_answered_nothing_left_behind(text_server):
+    codes = asyncio.run(_run(text_server.base_url, range(WARMUP)))
+    rss_warm = _rss(text_server)
+    codes += asyncio.run(_run(text_server.base_url, range(WARMUP, TOTAL)))
+    rss_end = _rss(text_server)
     assert codes == [200] * TOTAL
-    stats = default_server.stats(0)
+    stats = text_server.stats(0)
     assert stats["request_ids"] == [] and stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert rss_end < rss_warm * 1.05, (rss_warm, rss_end)

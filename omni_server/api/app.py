@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import logging
@@ -13,11 +14,13 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omni_server.api import errors
+from omni_server.api import audio, errors
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import (
+    AudioDelta,
+    AudioResponse,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -27,7 +30,9 @@ from omni_server.api.protocol import (
     ModelCard,
     ModelList,
     ResponseMessage,
+    SpeechRequest,
     Usage,
+    VoiceList,
 )
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
@@ -37,6 +42,11 @@ from omni_server.wire.messages import SamplingSpec
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+# Request option names the stages understand (see the model family's input processors).
+VOICE_OPTION = "voice"
+REPLY_FROM_OPTION = "reply_from"
+# How long a returned audio id is said to stay valid (nothing is stored server-side).
+AUDIO_TTL_S = 3600
 
 
 class ServerState:
@@ -51,6 +61,8 @@ class ServerState:
         stage0 = cfg.stage(0)
         self.text = TextCodec(stage0.tokenizer or stage0.model)
         self.text_stage = next((s.id for s in cfg.stages if s.output == "text"), None)
+        audio_stage = cfg.output_stage("audio")
+        self.audio_stage = audio_stage.id if audio_stage else None
         self.sampling_stage = self.text_stage if self.text_stage is not None else 0
         # Reject over-long prompts before streaming starts (stage 0 would reject them anyway).
         limits = [cfg.server.max_prompt_tokens] if cfg.server.max_prompt_tokens else []
@@ -59,6 +71,31 @@ class ServerState:
         self.prompt_limit = min(limits, default=None)
         self.api_key = cfg.server.api_key or os.environ.get("OMNI_SERVER_API_KEY") or None
         self.created = int(time.time())
+
+    def voices(self) -> list[str]:
+        """Voices of the audio stage (reported by the stage when it is ready)."""
+        if self.audio_stage is None or self.orch is None or self.audio_stage not in self.orch.ready:
+            return []
+        listed = self.orch.ready[self.audio_stage].info.get("voices", "")
+        return [v for v in listed.split(",") if v]
+
+    def check_voice(self, voice: str | None, param: str) -> str:
+        voices = self.voices()
+        if not voices:
+            raise APIError(503, "the audio stage is not ready")
+        if voice is None:
+            return voices[0]
+        if voice not in voices:
+            raise APIError(400, f"unknown voice {voice!r}; available voices: {', '.join(voices)}", param=param)
+        return voice
+
+
+def _check_format(fmt: str, param: str) -> str:
+    try:
+        audio.content_type(fmt)
+    except audio.AudioError as e:
+        raise APIError(400, str(e), param=param) from None
+    return fmt.lower()
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -107,23 +144,71 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(404, f"The model `{body.model}` does not exist. Available: {state.cfg.model}",
                            param="model", code="model_not_found")
         prompt_ids = state.text.render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        limit = state.prompt_limit
-        if limit is not None and len(prompt_ids) > limit:
-            raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param="messages")
+        _check_prompt(state, prompt_ids)
+        outputs = _modalities(state, body)
+        options: dict[str, str] = {}
+        audio_format = None
+        if "audio" in outputs:
+            options[VOICE_OPTION] = state.check_voice(body.audio.voice if body.audio else None, "audio.voice")
+            audio_format = _check_format(body.audio.format if body.audio else "wav", "audio.format")
         sampling = _sampling(state, body)
         orch = _orch(state)
-        if len(orch.requests) >= state.cfg.server.max_concurrent_requests:
-            raise APIError(429, f"server is at its limit of {state.cfg.server.max_concurrent_requests} "
-                                "concurrent requests; retry shortly", headers={"Retry-After": "1"})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        try:
-            req = await orch.submit(request_id, prompt_ids, sampling)
-        except StageUnavailable as e:
-            raise APIError(503, f"pipeline unavailable: {e}") from None
-        run = _Run(state, orch, req, body, prompt_ids)
+        req = await _submit(state, orch, request_id, prompt_ids, sampling, outputs, options)
+        run = _Run(state, orch, req, body, prompt_ids, audio_format)
         if body.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream")
         return await _until_disconnect(request, run.collect(), orch, request_id)
+
+    @app.post("/v1/audio/speech", dependencies=[Depends(require_key)])
+    async def speech(body: SpeechRequest, request: Request):
+        """Speak `input` through the pipeline: the text stage reads it as its own reply (one
+        prefill, nothing generated), the later stages turn that into audio."""
+        if body.model != state.cfg.model:
+            raise APIError(404, f"The model `{body.model}` does not exist. Available: {state.cfg.model}",
+                           param="model", code="model_not_found")
+        if state.audio_stage is None:
+            raise APIError(400, f"model `{state.cfg.model}` has no audio output", param="model")
+        if body.speed != 1.0:
+            raise APIError(400, "only speed 1.0 is supported", param="speed")
+        fmt = _check_format(body.response_format, "response_format")
+        voice = state.check_voice(body.voice, "voice")
+        prefix = state.text.render_chat([{"role": "user", "content": body.input}])
+        reply = state.text.encode(body.input)
+        if not reply:
+            raise APIError(400, "input has no speakable text", param="input")
+        prompt_ids = prefix + reply
+        _check_prompt(state, prompt_ids)
+        sampling = _sampling(state, None)
+        first = state.cfg.stage(0).id
+        sampling[first].max_tokens, sampling[first].ignore_eos = 1, True
+        if body.seed is not None:
+            sampling[state.audio_stage].seed = body.seed
+        orch = _orch(state)
+        request_id = f"speech-{uuid.uuid4().hex}"
+        req = await _submit(state, orch, request_id, prompt_ids, sampling, {"audio"},
+                            {VOICE_OPTION: voice, REPLY_FROM_OPTION: str(len(prefix))})
+
+        async def synthesize() -> Response:
+            wave, rate = None, 0
+            async for stage_id, delta in orch.deltas(req):
+                if delta.error is not None:
+                    raise APIError(delta.error_code if delta.error_code in (400, 503) else 500, delta.error)
+                if stage_id == state.audio_stage and "audio" in delta.tensors:
+                    wave, rate = delta.tensors["audio"], delta.sample_rate
+            if wave is None:
+                raise APIError(500, "the pipeline returned no audio")
+            data = await asyncio.to_thread(audio.encode_audio, wave, rate, fmt)
+            return Response(content=data, media_type=audio.content_type(fmt))
+
+        return await _until_disconnect(request, synthesize(), orch, request_id)
+
+    @app.get("/v1/audio/voices", dependencies=[Depends(require_key)])
+    async def voices() -> VoiceList:
+        names = state.voices()
+        if state.audio_stage is not None and not names:
+            raise APIError(503, "the audio stage is not ready")
+        return VoiceList(voices=names, default=names[0] if names else None)
 
     @app.get("/v1/omni/stages/{stage_id}/stats", dependencies=[Depends(require_key)])
     async def stage_stats(stage_id: int):
@@ -174,7 +259,37 @@ def _orch(state: ServerState) -> Orchestrator:
     return state.orch
 
 
-def _sampling(state: ServerState, body: ChatCompletionRequest) -> dict[int, SamplingSpec]:
+def _check_prompt(state: ServerState, prompt_ids: list[int]) -> None:
+    limit = state.prompt_limit
+    if limit is not None and len(prompt_ids) > limit:
+        raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param="messages")
+
+
+def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:
+    """The output kinds of this request: the requested modalities, or all the pipeline has."""
+    available = {s.output for s in state.cfg.stages if s.output in ("text", "audio")}
+    if body.modalities is None:
+        return {s.output for s in state.cfg.stages if s.output}
+    wanted = set(body.modalities)
+    missing = wanted - available
+    if missing:
+        raise APIError(400, f"model `{state.cfg.model}` cannot output {', '.join(sorted(missing))}; "
+                            f"it outputs {', '.join(sorted(available))}", param="modalities")
+    return wanted
+
+
+async def _submit(state: ServerState, orch: Orchestrator, request_id: str, prompt_ids: list[int],
+                  sampling: dict[int, SamplingSpec], outputs: set[str], options: dict[str, str]):
+    if len(orch.requests) >= state.cfg.server.max_concurrent_requests:
+        raise APIError(429, f"server is at its limit of {state.cfg.server.max_concurrent_requests} "
+                            "concurrent requests; retry shortly", headers={"Retry-After": "1"})
+    try:
+        return await orch.submit(request_id, prompt_ids, sampling, outputs, options)
+    except StageUnavailable as e:
+        raise APIError(503, f"pipeline unavailable: {e}") from None
+
+
+def _sampling(state: ServerState, body: ChatCompletionRequest | None) -> dict[int, SamplingSpec]:
     out: dict[int, SamplingSpec] = {}
     cap = state.cfg.server.max_tokens_limit
     for s in state.cfg.stages:
@@ -182,8 +297,11 @@ def _sampling(state: ServerState, body: ChatCompletionRequest) -> dict[int, Samp
         spec = SamplingSpec(
             max_tokens=d.max_tokens or 256, temperature=1.0 if d.temperature is None else d.temperature,
             top_p=d.top_p or 1.0, top_k=d.top_k or 0, seed=d.seed,
-            repetition_penalty=d.repetition_penalty or 1.0, stop_token_ids=list(d.stop_token_ids or []))
-        if s.id == state.sampling_stage:
+            repetition_penalty=d.repetition_penalty or 1.0, stop_token_ids=list(d.stop_token_ids or []),
+            suppress_token_ids=list(d.suppress_token_ids or []))
+        if body is not None and s.id == state.audio_stage and body.seed is not None:
+            spec.seed = body.seed  # the vocoder's noise: same seed, same waveform
+        if body is not None and s.id == state.sampling_stage:
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is not None:
                 if max_tokens > cap:
@@ -227,8 +345,11 @@ class _Run:
     """One chat request's outputs, gathered for a JSON response or streamed as SSE."""
 
     def __init__(self, state: ServerState, orch: Orchestrator, req, body: ChatCompletionRequest,
-                 prompt_ids: list[int]):
+                 prompt_ids: list[int], audio_format: str | None = None):
         self.state, self.orch, self.req, self.body = state, orch, req, body
+        # With audio out, the text is the audio's transcript (OpenAI's shape: content stays null).
+        self.audio_format = audio_format
+        self.audio: tuple[Any, int] | None = None
         self.prompt_ids = prompt_ids
         self.n_prompt = len(prompt_ids)
         self.token_ids: list[int] = []
@@ -262,6 +383,16 @@ class _Run:
                 self.tokens[stage_id].extend(delta.new_token_ids)
                 if delta.finished and text_stage is None:
                     self.finish_reason = _FINISH.get(delta.finish_reason or "", "stop")
+            elif stage_id == self.state.audio_stage and "audio" in delta.tensors:
+                self.audio = (delta.tensors["audio"], delta.sample_rate)
+
+    async def _audio(self, transcript: str) -> AudioResponse:
+        if self.audio is None:
+            raise APIError(500, "the pipeline returned no audio")
+        wave, rate = self.audio
+        data = await asyncio.to_thread(audio.encode_audio, wave, rate, self.audio_format)
+        return AudioResponse(id=f"audio_{uuid.uuid4().hex}", data=base64.b64encode(data).decode(),
+                             expires_at=int(time.time()) + AUDIO_TTL_S, transcript=transcript)
 
     def _usage(self) -> Usage:
         return Usage(prompt_tokens=self.n_prompt, completion_tokens=self.completion_tokens,
@@ -274,9 +405,13 @@ class _Run:
 
     async def collect(self) -> ChatCompletion:
         text = "".join([piece async for piece in self._events()])
+        content = text if self.state.text_stage is not None else None
+        message = ResponseMessage(content=content)
+        if self.audio_format is not None:
+            message = ResponseMessage(content=None, audio=await self._audio(text))
         return ChatCompletion(
             id=self.req.request_id, model=self.state.cfg.model,
-            choices=[Choice(message=ResponseMessage(content=text if self.state.text_stage is not None else None),
+            choices=[Choice(message=message,
                             finish_reason=self.finish_reason or "stop",
                             token_ids=self.token_ids if self.body.return_token_ids else None)],
             usage=self._usage(), omni_outputs=self._omni_outputs(),
@@ -291,8 +426,17 @@ class _Run:
         finished = False
         try:
             yield self._chunk(DeltaMessage(role="assistant", content=""))
+            transcript = []
             async for piece in self._events():
-                yield self._chunk(DeltaMessage(content=piece))
+                if self.audio_format is None:
+                    yield self._chunk(DeltaMessage(content=piece))
+                else:
+                    transcript.append(piece)
+                    yield self._chunk(DeltaMessage(audio=AudioDelta(transcript=piece)))
+            if self.audio_format is not None:
+                full = await self._audio("".join(transcript))
+                yield self._chunk(DeltaMessage(audio=AudioDelta(id=full.id, data=full.data,
+                                                                expires_at=full.expires_at)))
             yield self._chunk(DeltaMessage(), finish=self.finish_reason or "stop", omni_outputs=self._omni_outputs())
             opts = self.body.stream_options
             if opts is not None and opts.include_usage:

@@ -31,6 +31,13 @@ class ChatMessage(_Lenient):
         return "".join(p.text for p in self.content)
 
 
+class AudioOutputParam(_Lenient):
+    """`audio` of a chat request: the voice and encoding of the spoken reply."""
+
+    voice: str | None = None
+    format: str = "wav"
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -52,6 +59,9 @@ class ChatCompletionRequest(_Lenient):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     user: str | None = None
+    # Output kinds; None = every output the pipeline has (text and audio for a speech pipeline).
+    modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)
+    audio: AudioOutputParam | None = None
     # Extensions (vLLM-compatible names), passed by the openai client through `extra_body`.
     ignore_eos: bool = False
     return_token_ids: bool = False
@@ -73,9 +83,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class AudioResponse(BaseModel):
+    id: str
+    data: str  # base64 of the encoded audio
+    expires_at: int
+    transcript: str
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    audio: AudioResponse | None = None
 
 
 class Choice(BaseModel):
@@ -98,9 +116,17 @@ class ChatCompletion(BaseModel):
     omni_outputs: dict[str, dict[str, Any]] | None = None
 
 
+class AudioDelta(BaseModel):
+    id: str | None = None
+    data: str | None = None
+    transcript: str | None = None
+    expires_at: int | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    audio: AudioDelta | None = None
 
 
 class ChunkChoice(BaseModel):
@@ -118,6 +144,22 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     omni_outputs: dict[str, dict[str, Any]] | None = None
+
+
+class SpeechRequest(_Lenient):
+    model: str
+    input: str = Field(min_length=1, max_length=4096)
+    voice: str | None = None
+    response_format: str = "mp3"  # OpenAI's default
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    instructions: str | None = None
+    # Extension: seed of the vocoder's sampling noise (same seed, same waveform).
+    seed: int | None = None
+
+
+class VoiceList(BaseModel):
+    voices: list[str]
+    default: str | None
 
 
 class ModelCard(BaseModel):

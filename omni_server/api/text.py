@@ -28,6 +28,10 @@ class TextCodec:
             ids = ids["input_ids"]
         return list(ids)
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens added)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def detokenizer(self, stop: list[str]) -> "Detokenizer":
         return Detokenizer(self._backend, stop)
 

@@ -21,6 +21,8 @@ class SamplingDefaults(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0)
     seed: int | None = None
     stop_token_ids: list[int] | None = None
+    # Token ids never sampled (e.g. a talker's codec start token).
+    suppress_token_ids: list[int] | None = None
 
 
 class StageConfig(_Strict):
@@ -32,6 +34,11 @@ class StageConfig(_Strict):
     tokenizer: str | None = None
     # Passed through to vllm.EngineArgs (AR stages) unchanged.
     engine_args: dict[str, Any] = {}
+    # AR stages: one of our vLLM model classes by registered name (e.g. `qwen2_5_omni.talker`);
+    # None = whatever vLLM serves for the checkpoint.
+    model_class: str | None = None
+    # Generation stages: the registered generator that runs (e.g. `qwen2_5_omni.token2wav`).
+    generator: str | None = None
     # CUDA_VISIBLE_DEVICES for the stage process, e.g. "0" or "0,1"; None inherits.
     devices: str | None = None
     env: dict[str, str] = {}
@@ -40,8 +47,9 @@ class StageConfig(_Strict):
     # Registered name that turns upstream payloads into this stage's engine input.
     input_processor: str | None = None
     # What this stage returns to the client: "text" (detokenized message content),
-    # "tokens" (token ids in the response's `omni_outputs`), or nothing.
-    output: Literal["text", "tokens"] | None = None
+    # "tokens" (token ids in the response's `omni_outputs`), "audio" (a generation stage's
+    # waveform), or nothing.
+    output: Literal["text", "tokens", "audio"] | None = None
     default_sampling: SamplingDefaults = SamplingDefaults()
     # The stage's input socket; None = ipc in the runtime dir. The stage binds it.
     address: str | None = None
@@ -78,6 +86,17 @@ class StageConfig(_Strict):
             raise ValueError("`input_processor` is set but the stage has no `inputs`")
         if self.id in self.inputs:
             raise ValueError("a stage cannot take its own output as input")
+        if self.kind == "generation":
+            if not self.generator:
+                raise ValueError("a `generation` stage needs a `generator`")
+            if not self.inputs:
+                raise ValueError("a `generation` stage needs `inputs` (it runs on upstream outputs)")
+            if self.model_class or self.engine_args:
+                raise ValueError("`model_class` / `engine_args` are for `ar` stages")
+        elif self.generator:
+            raise ValueError("`generator` is only for `kind: generation` stages")
+        if self.output == "audio" and self.kind != "generation":
+            raise ValueError("`output: audio` needs a `generation` stage")
         return self
 
 
@@ -124,9 +143,10 @@ class PipelineConfig(_Strict):
                     )
         if not self.stages[0].inputs == []:
             raise ValueError("stage 0 must take the client's prompt (no `inputs`)")
-        text = [s.id for s in self.stages if s.output == "text"]
-        if len(text) > 1:
-            raise ValueError(f"at most one stage can have `output: text`, got stages {text}")
+        for kind in ("text", "audio"):
+            outs = [s.id for s in self.stages if s.output == kind]
+            if len(outs) > 1:
+                raise ValueError(f"at most one stage can have `output: {kind}`, got stages {outs}")
         if not any(s.output for s in self.stages):
             raise ValueError("no stage has an `output` for the client")
         return self
@@ -136,3 +156,18 @@ class PipelineConfig(_Strict):
 
     def consumers(self, stage_id: int) -> list[int]:
         return [s.id for s in self.stages if stage_id in s.inputs]
+
+    def output_stage(self, kind: str) -> StageConfig | None:
+        return next((s for s in self.stages if s.output == kind), None)
+
+    def route(self, outputs: set[str]) -> list[int]:
+        """Ids of the stages a request needs for these output kinds: their stages and every
+        stage upstream of them. Kinds this pipeline has no stage for are ignored."""
+        need: set[int] = set()
+        todo = [s.id for s in self.stages if s.output in outputs]
+        while todo:
+            i = todo.pop()
+            if i not in need:
+                need.add(i)
+                todo.extend(self.stage(i).inputs)
+        return sorted(need)

@@ -1,1 +1,22 @@
-"""Model checkpoints the server builds or loads locally."""
+"""Model families: everything model-specific, plugged into stages by name from the YAML.
+
+A family `omni_server.models.<family>` registers on import its stage input processors, its vLLM model
+classes (`model_class:` in the YAML) and its generators (`generator:`). Generic code imports a family
+only through a `family.thing` name, or all of them through `register_vllm_models()`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# Families with vLLM model classes; imported in every vLLM worker process so vLLM can resolve them.
+FAMILIES = ("qwen2_5_omni",)
+
+
+def register_vllm_models() -> None:
+    """Make every family's vLLM model classes known to vLLM's ModelRegistry in this process."""
+    from omni_server.stage import model_classes
+
+    for family in FAMILIES:
+        importlib.import_module(f"omni_server.models.{family}")
+    model_classes.register_with_vllm()

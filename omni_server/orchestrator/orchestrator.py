@@ -48,6 +48,8 @@ class RequestState:
     request_id: str
     # Client-facing stages that have not finished yet.
     pending: set[int]
+    # Client-facing stages on this request's route.
+    outputs: set[int] = field(default_factory=set)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
 
@@ -140,24 +142,31 @@ class Orchestrator:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     sampling: dict[int, SamplingSpec]) -> RequestState:
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: dict[int, SamplingSpec],
+                     outputs: set[str] | None = None, options: dict[str, str] | None = None) -> RequestState:
+        """Start a request on the stages its `outputs` kinds need (None: every output stage).
+        Stages with `output: tokens` report whenever the route passes through them."""
         if self.down:
             raise StageUnavailable(", ".join(f"stage {i}: {r}" for i, r in self.down.items()))
         if not self.all_ready:
             raise StageUnavailable("the pipeline is still starting")
-        state = RequestState(request_id, set(self.output_stages))
+        kinds = outputs if outputs is not None else {self.cfg.stage(i).output for i in self.output_stages}
+        route = self.cfg.route(kinds)
+        wanted = {i for i in route if self.cfg.stage(i).output in kinds or self.cfg.stage(i).output == "tokens"}
+        state = RequestState(request_id, set(wanted), outputs=set(wanted))
         self.requests[request_id] = state
+        opts = dict(options or {})
         # Downstream stages first, so they know the request before payloads arrive (either order works).
-        for s in reversed(self.cfg.stages):
-            fwd = self.cfg.consumers(s.id)
+        for i in reversed(route):
+            s = self.cfg.stage(i)
+            fwd = [c for c in self.cfg.consumers(i) if c in route]
             if s.inputs:
-                msg: Message = ExpectRequest(request_id=request_id, sampling=sampling[s.id],
-                                             sources=list(s.inputs), forward_to=fwd)
+                msg: Message = ExpectRequest(request_id=request_id, sampling=sampling[i], sources=list(s.inputs),
+                                             forward_to=fwd, options=opts)
             else:
-                msg = AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                 sampling=sampling[s.id], forward_to=fwd)
-            await self._send(self.stage_socks[s.id], msg)
+                msg = AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling[i],
+                                 forward_to=fwd, options=opts)
+            await self._send(self.stage_socks[i], msg)
         return state
 
     async def deltas(self, state: RequestState) -> AsyncIterator[tuple[int, RequestDelta]]:
@@ -165,14 +174,14 @@ class Orchestrator:
         try:
             while not state.done:
                 stage_id, delta = await state.queue.get()
-                if delta.error is not None or (delta.finished and stage_id not in self.output_stages
+                if delta.error is not None or (delta.finished and stage_id not in state.outputs
                                                and delta.finish_reason in ("abort", "error")):
                     state.done = True
                     # The other stages may still hold it (running, or expecting its input): drop it there.
                     await self.abort(state.request_id)
                     yield stage_id, delta
                     return
-                if stage_id in self.output_stages:
+                if stage_id in state.outputs:
                     if delta.finished:
                         state.pending.discard(stage_id)
                         state.done = not state.pending
@@ -219,7 +228,8 @@ class Orchestrator:
             elif isinstance(msg, StageStats):
                 if msg.nonce == 0:  # a probe's answer
                     if msg.stage_id in self.stage_socks and msg.stage_id not in self.ready:
-                        self._on_ready(StageReady(stage_id=msg.stage_id, pid=msg.pid, startup_s=msg.startup_s))
+                        self._on_ready(StageReady(stage_id=msg.stage_id, pid=msg.pid, startup_s=msg.startup_s,
+                                                  info=msg.info))
                     continue
                 fut = self._stats_waiters.get(msg.nonce)
                 if fut is not None and not fut.done():

@@ -1,47 +1,35 @@
-"""AR stage: vLLM's EngineCore in this process, driven by our loop.
+"""AR stage: vLLM's EngineCore in this process, driven by our loop (see base.Stage).
 
-Loop: drain the input socket (add / expect / payload / abort / stats), run one engine step, send
-per-request deltas to the api and, when a request with downstream consumers finishes, its tokens
-and hidden states straight to those stages.
+Each step sends per-request deltas to the api and, when a request with downstream consumers
+finishes, its tokens and hidden states straight to those stages.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import zmq
 
 from omni_server.config.schema import PipelineConfig
-from omni_server.stage import processors
-from omni_server.stage.hidden import EMIT_HIDDEN
+from omni_server.stage import model_classes
+from omni_server.stage.base import Stage
+from omni_server.stage.hidden import EMIT_HIDDEN, STEP_EMBEDS
+from omni_server.stage.processors import StageInput
 from omni_server.stage.scheduler import scheduler_cls_for
 from omni_server.wire.transport import StageSockets
 from omni_server.wire.messages import (
-    AbortRequest,
     AddRequest,
     ExpectRequest,
     RequestDelta,
     RequestOutputs,
     SamplingSpec,
-    Shutdown,
     StagePayload,
-    StageReady,
-    StageStats,
-    StatsQuery,
 )
 
 log = logging.getLogger(__name__)
-
-# Payloads that arrived before their ExpectRequest are kept, but not without bound.
-MAX_ORPHAN_PAYLOADS = 1024
-# Ids of aborted/failed requests remembered, so payloads still in flight for them are dropped.
-MAX_TOMBSTONES = 16384
 
 
 @dataclass
@@ -66,20 +54,15 @@ class _Tracked:
         self.pending.clear()
 
 
-@dataclass
-class _Waiting:
-    """A request announced by the api whose upstream payloads are not all here yet."""
-
-    expect: ExpectRequest | None = None
-    payloads: dict[int, StagePayload] = field(default_factory=dict)
-
-
 def build_engine_args(cfg: PipelineConfig, stage_id: int):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
     stage = cfg.stage(stage_id)
     args: dict[str, Any] = dict(stage.engine_args)
+    if stage.model_class:
+        mc = model_classes.get(stage.model_class)
+        args = {**mc.engine_defaults, **args, "hf_overrides": model_classes.hf_overrides(mc)}
     args.setdefault("model", stage.model)
     if stage.tokenizer:
         args.setdefault("tokenizer", stage.tokenizer)
@@ -95,17 +78,14 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
     return EngineArgs(**args)
 
 
-class ARStage:
+class ARStage(Stage):
     def __init__(self, cfg: PipelineConfig, stage_id: int, sockets: StageSockets):
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.engine.input_processor import InputProcessor
         from vllm.v1.executor import Executor
 
         t0 = time.monotonic()
-        self.cfg = cfg
-        self.stage_id = stage_id
-        self.stage = cfg.stage(stage_id)
-        self.sockets = sockets
+        super().__init__(cfg, stage_id, sockets)
         self.vllm_config = build_engine_args(cfg, stage_id).create_engine_config()
         sched = self.vllm_config.scheduler_config
         # Chosen after the platform settled async scheduling (on for GPUs, off on CPU).
@@ -114,137 +94,82 @@ class ARStage:
         self.core = EngineCore(self.vllm_config, Executor.get_class(self.vllm_config), log_stats=False)
         self.inputs = InputProcessor(self.vllm_config)
         self.tasks = self.core.get_supported_tasks()
-        self.processor = processors.get(self.stage.input_processor) if self.stage.input_processor else None
         self.send_tokens = self.stage.output is not None
         self.tracked: dict[str, _Tracked] = {}
-        self.waiting: dict[str, _Waiting] = {}
         self.in_engine: set[str] = set()
-        self.aborted: OrderedDict[str, None] = OrderedDict()
         self._unsettled: list[_Tracked] = []
-        self.steps = 0
-        self.running = True
         self.startup_s = time.monotonic() - t0
 
-    # ---- lifecycle --------------------------------------------------------------------------
+    # ---- base.Stage hooks ---------------------------------------------------------------------
 
-    def run(self) -> None:
-        self.sockets.send_api(
-            StageReady(stage_id=self.stage_id, pid=os.getpid(), startup_s=round(self.startup_s, 2))
-        )
-        try:
-            while self.running:
-                busy = self.core.scheduler.has_requests()
-                for msg in self.sockets.recv_inputs(timeout_ms=0 if busy else 50):
-                    self._handle(msg)
-                if self.running and self.core.scheduler.has_requests():
-                    self._step()
-        finally:
-            self.core.shutdown()
+    def has_work(self) -> bool:
+        return self.core.scheduler.has_requests()
 
-    # ---- inputs -------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.core.shutdown()
 
-    def _handle(self, msg) -> None:
-        if isinstance(msg, AddRequest):
-            self._add(msg.request_id, {"type": "token", "prompt_token_ids": msg.prompt_token_ids},
-                      msg.sampling, msg.forward_to, msg.prompt_token_ids)
-        elif isinstance(msg, ExpectRequest):
-            if msg.request_id in self.aborted:
-                return
-            w = self.waiting.setdefault(msg.request_id, _Waiting())
-            w.expect = msg
-            self._maybe_start(msg.request_id)
-        elif isinstance(msg, StagePayload):
-            if msg.request_id in self.aborted:  # aborted while its payload was on the way
-                return
-            if msg.request_id not in self.waiting:
-                self._bound_orphans()
-            self.waiting.setdefault(msg.request_id, _Waiting()).payloads[msg.source_stage] = msg
-            self._maybe_start(msg.request_id)
-        elif isinstance(msg, AbortRequest):
-            self._abort(msg.request_ids)
-        elif isinstance(msg, StatsQuery):
-            sched = self.core.scheduler
-            known = sorted(self.in_engine | set(self.waiting) | set(self.tracked))
-            self.sockets.send_api(StageStats(
-                stage_id=self.stage_id, nonce=msg.nonce, num_running=len(sched.running),
-                num_waiting=len(sched.waiting), request_ids=known, steps=self.steps, pid=os.getpid(),
-                startup_s=round(self.startup_s, 2)))
-        elif isinstance(msg, Shutdown):
-            self.running = False
-        else:
-            log.warning("stage %d: ignoring unexpected %s", self.stage_id, type(msg).__name__)
+    def known_requests(self) -> set[str]:
+        return self.in_engine | set(self.waiting) | set(self.tracked)
 
-    def _bound_orphans(self) -> None:
-        orphans = [rid for rid, w in self.waiting.items() if w.expect is None]
-        if len(orphans) >= MAX_ORPHAN_PAYLOADS:
-            oldest = orphans[0]
-            log.warning("stage %d: too many payloads without a request; failing %s", self.stage_id, oldest)
-            self._fail(oldest, f"stage {self.stage.name}: input dropped (too many pending payloads)", code=503)
+    def counts(self) -> tuple[int, int]:
+        sched = self.core.scheduler
+        return len(sched.running), len(sched.waiting)
 
-    def _maybe_start(self, request_id: str) -> None:
-        w = self.waiting[request_id]
-        if w.expect is None or any(src not in w.payloads for src in w.expect.sources):
-            return
-        del self.waiting[request_id]
-        try:
-            stage_input = self.processor(w.payloads, self)
-        except Exception as e:  # a bad payload fails this request only
-            log.exception("stage %d: input processor failed for %s", self.stage_id, request_id)
-            self._fail(request_id, f"stage {self.stage.name}: input processing failed: {e}")
-            return
+    def add_prompt(self, msg: AddRequest) -> None:
+        self._add(msg.request_id, {"type": "token", "prompt_token_ids": msg.prompt_token_ids},
+                  msg.sampling, msg.forward_to, msg.prompt_token_ids)
+
+    def start(self, expect: ExpectRequest, stage_input: StageInput) -> None:
         prompt_ids = stage_input.prompt.get("prompt_token_ids") or []
-        self._add(request_id, stage_input.prompt, w.expect.sampling, w.expect.forward_to, prompt_ids)
+        self._add(expect.request_id, stage_input.prompt, expect.sampling, expect.forward_to, prompt_ids,
+                  step_embeds=stage_input.step_embeds)
 
     def _add(self, request_id: str, prompt: dict, spec: SamplingSpec, forward_to: list[int],
-             prompt_token_ids: list[int]) -> None:
+             prompt_token_ids: list[int], step_embeds: torch.Tensor | None = None) -> None:
         try:
-            params = self._sampling_params(spec, emit_hidden=bool(forward_to))
+            params = self._sampling_params(spec, emit_hidden=bool(forward_to), step_embeds=step_embeds)
             request = self.inputs.process_inputs(request_id, prompt, params, supported_tasks=self.tasks)
             req, wave = self.core.preprocess_add_request(request)
             self.core.add_request(req, wave)
         except Exception as e:  # invalid request (too long, bad params): fail it, keep serving
             log.warning("stage %d: rejected %s: %s", self.stage_id, request_id, e)
-            self._fail(request_id, f"stage {self.stage.name}: {e}", code=400)
+            self.fail(request_id, f"stage {self.stage.name}: {e}", code=400)
             return
         self.in_engine.add(request_id)
         if forward_to:
             self.tracked[request_id] = _Tracked(list(prompt_token_ids), list(forward_to))
 
-    def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool):
+    def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool, step_embeds: torch.Tensor | None = None):
         from vllm import SamplingParams
 
+        extra: dict[str, Any] = {}
+        if emit_hidden:
+            extra[EMIT_HIDDEN] = True
+        if step_embeds is not None:
+            extra[STEP_EMBEDS] = step_embeds
         return SamplingParams(
             max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
             top_k=spec.top_k, min_tokens=spec.min_tokens, seed=spec.seed,
             repetition_penalty=spec.repetition_penalty, stop_token_ids=list(spec.stop_token_ids),
             ignore_eos=spec.ignore_eos, detokenize=False,
-            extra_args={EMIT_HIDDEN: True} if emit_hidden else None,
+            # Suppressed tokens can never be sampled (a -inf bias; vLLM clamps only OpenAI-API biases).
+            logit_bias={t: float("-inf") for t in spec.suppress_token_ids} or None,
+            extra_args=extra or None,
         )
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def drop(self, request_ids: list[str]) -> None:
         in_engine = [r for r in request_ids if r in self.in_engine]
         if in_engine:
             self.core.abort_requests(in_engine)
         for rid in request_ids:
             self.in_engine.discard(rid)
             self.tracked.pop(rid, None)
-            self.waiting.pop(rid, None)
-            self.aborted[rid] = None
-        while len(self.aborted) > MAX_TOMBSTONES:
-            self.aborted.popitem(last=False)
-
-    def _fail(self, request_id: str, error: str, code: int = 500) -> None:
-        self._abort([request_id])
-        self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=[
-            RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error,
-                         error_code=code)]))
 
     # ---- engine step ------------------------------------------------------------------------
 
-    def _step(self) -> None:
+    def step(self) -> None:
         outputs, executed = self.core.step_fn()
         self.core.post_step(executed)
-        self.steps += 1
         # Last step's copies are done by now (the engine waited for that step's tokens): settle them.
         for tracked in self._unsettled:
             tracked.settle()

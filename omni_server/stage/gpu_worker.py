@@ -13,6 +13,10 @@ import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from omni_server.stage.runner import GPUOmniModelRunner
+from omni_server.models import register_vllm_models
+
+# Worker processes are fresh interpreters: vLLM resolves our model classes here too.
+register_vllm_models()
 
 
 def require_v1(worker) -> None:

@@ -14,6 +14,8 @@ import torch
 
 # SamplingParams.extra_args key the stage loop sets on requests whose output feeds a later stage.
 EMIT_HIDDEN = "omni_emit_hidden"
+# SamplingParams.extra_args key carrying a request's per-step input embeddings (StageInput.step_embeds).
+STEP_EMBEDS = "omni_step_embeds"
 
 
 @dataclass

@@ -44,11 +44,16 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
     from omni_server.wire.transport import StageSockets
 
     sockets = StageSockets(cfg, stage_id, runtime_dir)
-    if stage.kind != "ar":
-        raise SystemExit(f"stage {stage_id} ({stage.name}): kind {stage.kind!r} is not implemented yet")
-    from omni_server.stage.ar import ARStage
+    if stage.kind == "ar":
+        from omni_server.models import register_vllm_models
+        from omni_server.stage.ar import ARStage
 
-    engine = ARStage(cfg, stage_id, sockets)
+        register_vllm_models()
+        engine = ARStage(cfg, stage_id, sockets)
+    else:
+        from omni_server.stage.generation import GenerationStage
+
+        engine = GenerationStage(cfg, stage_id, sockets)
 
     def _stop(signum, frame):
         engine.running = False

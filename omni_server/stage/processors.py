@@ -18,12 +18,19 @@ from omni_server.wire.messages import StagePayload
 
 @dataclass
 class StageInput:
-    """What a processor returns: a vLLM engine input plus optional per-request side data."""
+    """What a processor returns: an engine input plus optional per-request side data."""
 
-    prompt: dict[str, Any]  # vllm TokensInput / EmbedsInput dict (`type` key set)
+    # AR stages: a vllm TokensInput / EmbedsInput dict (`type` key set).
+    prompt: dict[str, Any] | None = None
+    # AR stages: [rows, hidden] added to the input embedding of output token k (row min(k, rows-1)),
+    # for models fed a per-step signal from upstream (e.g. a talker reading the thinker's reply).
+    step_embeds: torch.Tensor | None = None
+    # Generation stages: the generator's keyword inputs.
+    data: dict[str, Any] | None = None
 
 
-Processor = Callable[[dict[int, StagePayload], Any], StageInput]
+# (payloads by source stage, the stage object, the request's options such as {"voice": ...})
+Processor = Callable[[dict[int, StagePayload], Any, dict[str, str]], StageInput]
 _REGISTRY: dict[str, Processor] = {}
 
 
@@ -47,7 +54,7 @@ def get(name: str) -> Processor:
 
 
 @register("hidden_to_embeds")
-def hidden_to_embeds(payloads: dict[int, StagePayload], ctx: Any) -> StageInput:
+def hidden_to_embeds(payloads: dict[int, StagePayload], ctx: Any, options: dict[str, str]) -> StageInput:
     """The upstream stage's final hidden states (prompt + generated positions) as prompt embeddings."""
     (payload,) = payloads.values()
     hidden = payload.tensors.get("hidden")

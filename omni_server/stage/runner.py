@@ -13,7 +13,7 @@ import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from omni_server.stage.hidden import EMIT_HIDDEN, HiddenCapture
+from omni_server.stage.hidden import EMIT_HIDDEN, STEP_EMBEDS, HiddenCapture
 
 
 class _AsyncWithHidden(AsyncModelRunnerOutput):
@@ -103,5 +103,50 @@ class HiddenStatesEmitter:
         return HiddenCapture(req_ids, counts, starts, host, event)
 
 
-class GPUOmniModelRunner(HiddenStatesEmitter, GPUModelRunner):
+class StepEmbedsAdder:
+    """Mixin over a vLLM V1 model runner: adds each request's per-step embeddings (sent with the
+    request as SamplingParams.extra_args[STEP_EMBEDS], [rows, hidden]) to the input embedding of
+    its output tokens: output token k gets row min(k, rows - 1). The add happens on vLLM's input
+    embedding buffer before the forward, outside any CUDA graph."""
+
+    def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
+        result = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
+        inputs_embeds = result[1]
+        cache = self.__dict__.setdefault("_step_embeds", {})
+        for rid in scheduler_output.finished_req_ids:
+            cache.pop(rid, None)
+        if inputs_embeds is None:
+            return result
+        num_sched = scheduler_output.num_scheduled_tokens
+        batch = self.input_batch
+        offset = 0
+        for i, rid in enumerate(batch.req_ids):
+            n = num_sched.get(rid, 0)
+            if n == 0:
+                continue
+            rows = cache.get(rid)
+            if rows is None:
+                params = self.requests[rid].sampling_params
+                extra = params.extra_args if params is not None else None
+                host = extra.get(STEP_EMBEDS) if extra else None
+                if host is not None:
+                    rows = cache[rid] = host.to(inputs_embeds.device, inputs_embeds.dtype, non_blocking=True)
+            if rows is not None and len(rows):
+                start = int(batch.num_computed_tokens_cpu[i])
+                prompt_len = int(batch.num_prompt_tokens[i])
+                first = max(start, prompt_len)
+                if first < start + n:
+                    k = first - prompt_len
+                    dst = inputs_embeds[offset + first - start: offset + n]
+                    if len(dst) == 1:  # decode: one row, no index tensor
+                        k = min(k, len(rows) - 1)
+                        dst += rows[k: k + 1]
+                    else:
+                        ks = torch.arange(k, k + len(dst), device=rows.device).clamp_(max=len(rows) - 1)
+                        dst += rows[ks]
+            offset += n
+        return result
+
+
+class GPUOmniModelRunner(StepEmbedsAdder, HiddenStatesEmitter, GPUModelRunner):
     pass

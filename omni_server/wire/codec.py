@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import msgspec
 import torch
 
-from omni_server.wire.messages import WIRE_VERSION, Message
+from omni_server.wire.messages import WIRE_VERSION, Message, RequestOutputs
 
 _PREFIX = b"OMNI" + bytes([WIRE_VERSION])
 _TENSOR_EXT = 1
@@ -51,10 +51,10 @@ class Encoder:
 
     def encode(self, msg: Message) -> list[Any]:
         """Return the frames for `msg`: bytes for frame 0, then buffers (no copies) for tensors."""
-        tensors = getattr(msg, "tensors", None)
-        for key, value in (tensors or {}).items():
-            if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-                raise TypeError(f"tensors needs str keys and torch.Tensor values, got {key!r}: {type(value).__name__}")
+        for tensors in _tensor_fields(msg):
+            for key, value in tensors.items():
+                if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+                    raise TypeError(f"tensors needs str keys and torch.Tensor values, got {key!r}: {type(value).__name__}")
         self._frames = [b""]
         try:
             header = self._enc.encode(msg)
@@ -157,10 +157,16 @@ def _buf(frame: Any) -> memoryview:
         raise WireError(f"frame of type {type(frame).__name__} is not a contiguous buffer: {e}") from None
 
 
-def _check_tensor_fields(msg: Message) -> None:
+def _tensor_fields(msg: Message) -> list[dict]:
+    """The `tensors` dicts of a message: its own, or its deltas'."""
+    if isinstance(msg, RequestOutputs):
+        return [d.tensors for d in msg.deltas if d.tensors]
     tensors = getattr(msg, "tensors", None)
-    if tensors is None:
-        return
-    for key, value in tensors.items():
-        if not isinstance(value, torch.Tensor):
-            raise WireError(f"payload value {key!r} is not a tensor")
+    return [tensors] if tensors else []
+
+
+def _check_tensor_fields(msg: Message) -> None:
+    for tensors in _tensor_fields(msg):
+        for key, value in tensors.items():
+            if not isinstance(value, torch.Tensor):
+                raise WireError(f"payload value {key!r} is not a tensor")

@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import msgspec
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 
 class _Msg(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -31,6 +31,8 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Token ids that must never be sampled.
+    suppress_token_ids: list[int] = []
 
 
 # ---- api -> stage ------------------------------------------------------------------------------
@@ -44,6 +46,8 @@ class AddRequest(_Msg):
     sampling: SamplingSpec
     # Stage ids that consume this stage's per-request payload (tokens + hidden states).
     forward_to: list[int] = []
+    # Per-request choices for the stage's input processor / generator, e.g. {"voice": "Ethan"}.
+    options: dict[str, str] = {}
 
 
 class ExpectRequest(_Msg):
@@ -53,6 +57,7 @@ class ExpectRequest(_Msg):
     sampling: SamplingSpec
     sources: list[int]
     forward_to: list[int] = []
+    options: dict[str, str] = {}
 
 
 class AbortRequest(_Msg):
@@ -103,6 +108,9 @@ class RequestDelta(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     error: str | None = None
     # HTTP-like class of the error: 400 the request was invalid, 503 a stage is unavailable, 500 other.
     error_code: int = 500
+    # Generation stages: e.g. "audio": float32 [samples] at `sample_rate`.
+    tensors: dict[str, Any] = {}
+    sample_rate: int = 0
 
 
 class RequestOutputs(_Msg):
@@ -120,6 +128,7 @@ class StageStats(_Msg):
     steps: int = 0
     pid: int = 0
     startup_s: float = 0.0
+    info: dict[str, str] = {}
 
 
 Message = Union[

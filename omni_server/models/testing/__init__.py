@@ -15,7 +15,7 @@ RECORD_DIR_ENV = "OMNI_TEST_RECORD_DIR"
 
 
 @processors.register("testing.record_hidden_to_embeds")
-def record_hidden_to_embeds(payloads, ctx) -> StageInput:
+def record_hidden_to_embeds(payloads, ctx, options) -> StageInput:
     """`hidden_to_embeds`, after saving each received payload so a test can inspect it."""
     out_dir = os.environ.get(RECORD_DIR_ENV)
     if out_dir:
@@ -24,4 +24,4 @@ def record_hidden_to_embeds(payloads, ctx) -> StageInput:
             meta = {"prompt_token_ids": ",".join(map(str, p.prompt_token_ids)),
                     "output_token_ids": ",".join(map(str, p.output_token_ids))}
             save_file(tensors, str(Path(out_dir) / f"{p.request_id}.from{src}.safetensors"), metadata=meta)
-    return hidden_to_embeds(payloads, ctx)
+    return hidden_to_embeds(payloads, ctx, options)

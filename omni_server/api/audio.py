@@ -1,0 +1,186 @@
+"""Audio in and out of the HTTP front-end: encode model output for responses, decode client uploads.
+
+Both directions go through libsndfile (bundled in the `soundfile` wheel). Decoding is CPU-bound and
+blocking: call it from a worker thread, not the event loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import io
+import math
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import soundfile as sf
+
+if TYPE_CHECKING:
+    import torch
+
+_CONTENT_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "pcm16": "audio/pcm", "flac": "audio/flac",
+                  "mp3": "audio/mpeg", "opus": "audio/ogg"}
+# fmt -> (libsndfile container, subtype) for the formats written through libsndfile.
+_SF_FORMATS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"),
+               "opus": ("OGG", "OPUS")}
+# The codecs only accept these rates; anything else is resampled up to the next one.
+_CODEC_RATES = {"mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000),
+                "opus": (8000, 12000, 16000, 24000, 48000)}
+# Containers accepted on input. libsndfile opens many more; keep the parser surface to what we promise.
+_INPUT_CONTAINERS = {"WAV", "WAVEX", "RF64", "FLAC", "MP3", "OGG"}
+# Bounds memory (rate x max_seconds) and the resampler's filter size.
+_MIN_INPUT_RATE, _MAX_INPUT_RATE = 4000, 192000
+_MAX_RESAMPLE_FACTOR = 1000  # largest up/down factor handed to the polyphase resampler
+
+
+class AudioError(ValueError):
+    """Bad audio or an unsupported format. The message is safe to show to API clients."""
+
+
+def _canonical(fmt: str) -> str:
+    fmt = fmt.strip().lower()
+    return "pcm" if fmt == "pcm16" else fmt
+
+
+@functools.cache
+def supported_output_formats() -> tuple[str, ...]:
+    """Formats `encode_audio` can write here; mp3/opus depend on how libsndfile was built."""
+    out = ["wav", "pcm", "pcm16"]
+    for fmt in ("flac", "mp3", "opus"):
+        container, subtype = _SF_FORMATS[fmt]
+        try:
+            buf = io.BytesIO()
+            sf.write(buf, np.zeros(480, dtype=np.float32), 24000, format=container, subtype=subtype)
+            if buf.getvalue():
+                out.append(fmt)
+        except Exception:  # noqa: BLE001 - any failure means "not available"
+            pass
+    return tuple(out)
+
+
+def __getattr__(name: str) -> Any:
+    # SUPPORTED_OUTPUT_FORMATS is probed on first access, not at import.
+    if name == "SUPPORTED_OUTPUT_FORMATS":
+        return supported_output_formats()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _check_format(fmt: str) -> str:
+    canon = _canonical(fmt)
+    if canon not in supported_output_formats():
+        raise AudioError(f"unsupported audio format {fmt!r}; supported: {', '.join(supported_output_formats())}")
+    return canon
+
+
+def content_type(fmt: str) -> str:
+    return _CONTENT_TYPES[_check_format(fmt)]
+
+
+def _to_numpy(wave: torch.Tensor | np.ndarray) -> np.ndarray:
+    if not isinstance(wave, np.ndarray):  # torch tensor (any device / dtype, incl. bf16)
+        wave = wave.detach().to("cpu").float().numpy()
+    wave = np.squeeze(np.asarray(wave, dtype=np.float32))
+    if wave.ndim != 1:
+        raise AudioError(f"expected a 1-D waveform, got shape {wave.shape}")
+    # NaN would become an arbitrary int16; a diverging vocoder should not produce that.
+    return np.clip(np.nan_to_num(wave, nan=0.0, posinf=1.0, neginf=-1.0), -1.0, 1.0)
+
+
+def _to_int16(wave: np.ndarray) -> np.ndarray:
+    return np.round(wave * 32767.0).astype("<i2")
+
+
+def encode_audio(wave: torch.Tensor | np.ndarray, sample_rate: int, fmt: str) -> bytes:
+    """Encode a mono float waveform in [-1, 1] as `fmt` (see `supported_output_formats()`)."""
+    fmt = _check_format(fmt)
+    wave = _to_numpy(wave)
+    if fmt == "pcm":
+        return _to_int16(wave).tobytes()
+    if fmt in _CODEC_RATES:
+        if wave.size == 0:
+            return b""  # libsndfile writes nothing (mp3) or a malformed stream (opus) for no samples
+        rates = _CODEC_RATES[fmt]
+        if sample_rate not in rates:
+            target = next((r for r in rates if r >= sample_rate), rates[-1])
+            wave, sample_rate = _resample(wave, sample_rate, target), target
+        data = np.ascontiguousarray(wave)
+    else:
+        data = _to_int16(wave)  # write exactly what pcm16 would carry
+    container, subtype = _SF_FORMATS[fmt]
+    buf = io.BytesIO()
+    sf.write(buf, data, sample_rate, format=container, subtype=subtype)
+    return buf.getvalue()
+
+
+def _resample(wave: np.ndarray, orig: int, new: int) -> np.ndarray:
+    if orig == new or wave.size == 0:
+        return wave
+    import torch
+    import torchaudio.functional as AF
+
+    # The polyphase filter bank is (new/g) x (orig/g) taps, so a rate like 44101 Hz would build a
+    # multi-GB kernel. Cap both factors; the rate error this introduces is a few ppm at most.
+    ratio = Fraction(new, orig)
+    if max(ratio.numerator, ratio.denominator) > _MAX_RESAMPLE_FACTOR:
+        ratio = ratio.limit_denominator(max(1, int(_MAX_RESAMPLE_FACTOR / max(1.0, float(ratio)))))
+    out = AF.resample(torch.from_numpy(np.ascontiguousarray(wave)), ratio.denominator, ratio.numerator)
+    return out.numpy().astype(np.float32, copy=False)
+
+
+def _size_error(n: int, max_bytes: int, approx: bool = False) -> AudioError:
+    return AudioError(f"audio is {'about ' if approx else ''}{n} bytes; the limit is {max_bytes} bytes")
+
+
+def _duration_error(seconds: float, max_seconds: float) -> AudioError:
+    return AudioError(f"audio is {seconds:.1f} s long; the limit is {max_seconds:g} s")
+
+
+def decode_audio(data: bytes, *, target_rate: int = 16000, max_bytes: int, max_seconds: float) -> np.ndarray:
+    """Decode WAV / MP3 / FLAC / Ogg bytes to mono float32 at `target_rate`."""
+    if len(data) > max_bytes:
+        raise _size_error(len(data), max_bytes)
+    if not data:
+        raise AudioError("audio is empty")
+    try:
+        f = sf.SoundFile(io.BytesIO(data))
+    except Exception:  # noqa: BLE001 - libsndfile's messages name internals; say what we accept
+        raise AudioError("could not decode audio; expected WAV, MP3, FLAC or Ogg (Vorbis/Opus) data") from None
+    with f:
+        if f.format not in _INPUT_CONTAINERS:
+            raise AudioError(f"unsupported audio container {f.format}; expected WAV, MP3, FLAC or Ogg")
+        rate = f.samplerate
+        if not _MIN_INPUT_RATE <= rate <= _MAX_INPUT_RATE:
+            raise AudioError(f"unsupported sample rate {rate} Hz; expected {_MIN_INPUT_RATE}-{_MAX_INPUT_RATE} Hz")
+        max_frames = math.floor(max_seconds * rate)
+        # Header length first, so an over-long upload is refused without decoding it.
+        if f.frames > max_frames:
+            raise _duration_error(f.frames / rate, max_seconds)
+        try:
+            # Downmix block by block so many-channel input never sits in memory whole; stop one past the
+            # limit in case the header understated the length.
+            blocks = [b.mean(axis=1) for b in f.blocks(blocksize=1 << 16, dtype="float32", always_2d=True,
+                                                       frames=max_frames + 1)]
+        except Exception:  # noqa: BLE001
+            raise AudioError("could not decode audio; the data is corrupt") from None
+    wave = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
+    if wave.size > max_frames:
+        raise _duration_error(wave.size / rate, max_seconds)
+    if wave.size == 0:
+        raise AudioError("audio contains no samples")
+    wave = np.nan_to_num(wave, nan=0.0, posinf=1.0, neginf=-1.0)  # float WAV may carry NaN/inf
+    return np.ascontiguousarray(_resample(wave, rate, target_rate), dtype=np.float32)
+
+
+def decode_base64_audio(b64: str | bytes, *, target_rate: int = 16000, max_bytes: int,
+                        max_seconds: float) -> np.ndarray:
+    """`decode_audio` for base64 text (strict: no whitespace, no URL-safe alphabet, correct padding)."""
+    # Refuse oversized payloads before allocating their decoded copy.
+    if len(b64) > 4 * -(-max_bytes // 3):
+        raise _size_error(len(b64) * 3 // 4, max_bytes, approx=True)
+    try:
+        data = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise AudioError("audio is not valid base64") from None
+    return decode_audio(data, target_rate=target_rate, max_bytes=max_bytes, max_seconds=max_seconds)

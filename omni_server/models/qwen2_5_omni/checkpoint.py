@@ -1,0 +1,47 @@
+"""Reading a (possibly sharded) Qwen2.5-Omni safetensors checkpoint one sub-model at a time."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_config(model_dir: str):
+    """The checkpoint's transformers `Qwen2_5OmniConfig`."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def load_tensors(model_dir: str, prefix: str) -> dict[str, torch.Tensor]:
+    """CPU tensors whose names start with `prefix`, keyed by the rest of the name.
+
+    With a sharded checkpoint only the shards holding such tensors are opened, so loading e.g. the
+    token2wav of a 7B checkpoint does not touch the thinker's shards.
+    """
+    root = Path(model_dir)
+    if (root / SINGLE_FILE).is_file():
+        shards: dict[str, list[str] | None] = {SINGLE_FILE: None}  # None: filter while reading
+    elif (root / INDEX_FILE).is_file():
+        weight_map = json.loads((root / INDEX_FILE).read_text())["weight_map"]
+        shards = defaultdict(list)
+        for name, shard in weight_map.items():
+            if name.startswith(prefix):
+                shards[shard].append(name)
+    else:
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+
+    tensors = {}
+    for shard, names in shards.items():
+        with safe_open(root / shard, framework="pt", device="cpu") as f:
+            for name in names if names is not None else f.keys():
+                if name.startswith(prefix):
+                    tensors[name[len(prefix):]] = f.get_tensor(name)
+    return tensors

@@ -1,0 +1,175 @@
+"""What every stage process does around its engine: the input socket and per-request bookkeeping.
+
+Loop: drain the input socket (add / expect / payload / abort / stats / shutdown), then let the
+engine do one step if it has work. A request with upstream inputs starts once the api announced it
+(ExpectRequest) and every source's payload arrived; the stage's input processor turns those payloads
+into the engine's input. Subclasses (AR, generation) implement the engine side.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from omni_server.config.schema import PipelineConfig
+from omni_server.stage import processors
+from omni_server.stage.processors import StageInput
+from omni_server.wire.messages import (
+    AbortRequest,
+    AddRequest,
+    ExpectRequest,
+    RequestDelta,
+    RequestOutputs,
+    Shutdown,
+    StagePayload,
+    StageReady,
+    StageStats,
+    StatsQuery,
+)
+from omni_server.wire.transport import StageSockets
+
+log = logging.getLogger(__name__)
+
+# Payloads that arrived before their ExpectRequest are kept, but not without bound.
+MAX_ORPHAN_PAYLOADS = 1024
+# Ids of aborted/failed requests remembered, so payloads still in flight for them are dropped.
+MAX_TOMBSTONES = 16384
+
+
+@dataclass
+class _Waiting:
+    """A request announced by the api whose upstream payloads are not all here yet."""
+
+    expect: ExpectRequest | None = None
+    payloads: dict[int, StagePayload] = field(default_factory=dict)
+
+
+class Stage:
+    def __init__(self, cfg: PipelineConfig, stage_id: int, sockets: StageSockets):
+        self.cfg = cfg
+        self.stage_id = stage_id
+        self.stage = cfg.stage(stage_id)
+        self.sockets = sockets
+        self.processor = processors.get(self.stage.input_processor) if self.stage.input_processor else None
+        self.waiting: dict[str, _Waiting] = {}
+        self.aborted: OrderedDict[str, None] = OrderedDict()
+        self.steps = 0
+        self.running = True
+        self.startup_s = 0.0
+
+    # ---- engine side (subclasses) ----------------------------------------------------------
+
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def add_prompt(self, msg: AddRequest) -> None:
+        self.fail(msg.request_id, f"stage {self.stage.name} takes no client prompt", code=400)
+
+    def start(self, expect: ExpectRequest, stage_input: StageInput) -> None:
+        raise NotImplementedError
+
+    def drop(self, request_ids: list[str]) -> None:
+        """Remove these requests from the engine (aborted or failed)."""
+
+    def known_requests(self) -> set[str]:
+        return set(self.waiting)
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) for stats."""
+        return 0, len(self.waiting)
+
+    def info(self) -> dict[str, str]:
+        """Facts the api may need about this stage (e.g. a generator's voices)."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    # ---- loop ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.sockets.send_api(StageReady(stage_id=self.stage_id, pid=os.getpid(),
+                                         startup_s=round(self.startup_s, 2), info=self.info()))
+        try:
+            while self.running:
+                busy = self.has_work()
+                for msg in self.sockets.recv_inputs(timeout_ms=0 if busy else 50):
+                    self._handle(msg)
+                if self.running and self.has_work():
+                    self.step()
+                    self.steps += 1
+        finally:
+            self.close()
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            self.add_prompt(msg)
+        elif isinstance(msg, ExpectRequest):
+            if msg.request_id in self.aborted:
+                return
+            w = self.waiting.setdefault(msg.request_id, _Waiting())
+            w.expect = msg
+            self._maybe_start(msg.request_id)
+        elif isinstance(msg, StagePayload):
+            if msg.request_id in self.aborted:  # aborted while its payload was on the way
+                return
+            if msg.request_id not in self.waiting:
+                self._bound_orphans()
+            self.waiting.setdefault(msg.request_id, _Waiting()).payloads[msg.source_stage] = msg
+            self._maybe_start(msg.request_id)
+        elif isinstance(msg, AbortRequest):
+            self.abort(msg.request_ids)
+        elif isinstance(msg, StatsQuery):
+            running, waiting = self.counts()
+            self.sockets.send_api(StageStats(
+                stage_id=self.stage_id, nonce=msg.nonce, num_running=running, num_waiting=waiting,
+                request_ids=sorted(self.known_requests()), steps=self.steps, pid=os.getpid(),
+                startup_s=round(self.startup_s, 2), info=self.info()))
+        elif isinstance(msg, Shutdown):
+            self.running = False
+        else:
+            log.warning("stage %d: ignoring unexpected %s", self.stage_id, type(msg).__name__)
+
+    def _bound_orphans(self) -> None:
+        orphans = [rid for rid, w in self.waiting.items() if w.expect is None]
+        if len(orphans) >= MAX_ORPHAN_PAYLOADS:
+            oldest = orphans[0]
+            log.warning("stage %d: too many payloads without a request; failing %s", self.stage_id, oldest)
+            self.fail(oldest, f"stage {self.stage.name}: input dropped (too many pending payloads)", code=503)
+
+    def _maybe_start(self, request_id: str) -> None:
+        w = self.waiting[request_id]
+        if w.expect is None or any(src not in w.payloads for src in w.expect.sources):
+            return
+        del self.waiting[request_id]
+        try:
+            stage_input = self.processor(w.payloads, self, dict(w.expect.options))
+        except ValueError as e:  # the request's own input is unusable (e.g. unknown voice)
+            log.warning("stage %d: input of %s rejected: %s", self.stage_id, request_id, e)
+            self.fail(request_id, f"stage {self.stage.name}: {e}", code=400)
+            return
+        except Exception as e:  # a bad payload fails this request only
+            log.exception("stage %d: input processor failed for %s", self.stage_id, request_id)
+            self.fail(request_id, f"stage {self.stage.name}: input processing failed: {e}")
+            return
+        self.start(w.expect, stage_input)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.drop(request_ids)
+        for rid in request_ids:
+            self.waiting.pop(rid, None)
+            self.aborted[rid] = None
+        while len(self.aborted) > MAX_TOMBSTONES:
+            self.aborted.popitem(last=False)
+
+    def fail(self, request_id: str, error: str, code: int = 500) -> None:
+        self.abort([request_id])
+        self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=[
+            RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error,
+                         error_code=code)]))
+

@@ -1,0 +1,31 @@
+"""Generators: the torch modules that generation (non-AR) stages run, by registered name.
+
+A generator is a class `Gen(model_dir, device)` with `sample_rate`, `voices` and
+`__call__(**inputs, voice=..., seed=...) -> 1-D float32 waveform`, where `inputs` come from the
+stage's input processor (StageInput.data), `voice` from the request (None: the default voice) and
+`seed` from its sampling settings (None: random). Families
+register a lazy "module:Class" reference, so the module loads only in the stage that runs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_REGISTRY: dict[str, str] = {}
+
+
+def register(name: str, target: str) -> None:
+    if _REGISTRY.get(name, target) != target:
+        raise ValueError(f"generator {name!r} registered twice")
+    _REGISTRY[name] = target
+
+
+def load(name: str):
+    """The generator class registered as `name` (imports its family, then its module)."""
+    if name not in _REGISTRY and "." in name:
+        importlib.import_module(f"omni_server.models.{name.split('.', 1)[0]}")
+    try:
+        module, cls = _REGISTRY[name].split(":")
+    except KeyError:
+        raise KeyError(f"unknown generator {name!r}; known: {sorted(_REGISTRY)}") from None
+    return getattr(importlib.import_module(module), cls)

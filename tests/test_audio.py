@@ -1,0 +1,196 @@
+"""Audio encode/decode for the HTTP front-end: round trips, resampling, and every rejection path."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from omni_server.api import audio
+from omni_server.api.audio import AudioError, content_type, decode_audio, decode_base64_audio, encode_audio
+
+LIMITS = dict(max_bytes=10_000_000, max_seconds=30.0)
+INT16_STEP = 1 / 32767
+
+
+def sine(rate: int, seconds: float = 1.0, freq: float = 440.0, amp: float = 0.5) -> np.ndarray:
+    t = np.arange(int(rate * seconds)) / rate
+    return (amp * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def peak_hz(wave: np.ndarray, rate: int) -> float:
+    spec = np.abs(np.fft.rfft(wave * np.hanning(len(wave))))
+    return float(np.fft.rfftfreq(len(wave), 1 / rate)[np.argmax(spec)])
+
+
+def lossy_formats():
+    return [f for f in ("mp3", "opus") if f in audio.supported_output_formats()]
+
+
+def test_supported_formats_always_include_the_basics():
+    fmts = audio.SUPPORTED_OUTPUT_FORMATS
+    assert isinstance(fmts, tuple)
+    assert {"wav", "pcm", "pcm16", "flac"} <= set(fmts)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+@pytest.mark.parametrize("rate", [16000, 24000])
+def test_lossless_round_trip(fmt, rate):
+    x = sine(rate)
+    data = encode_audio(torch.from_numpy(x), rate, fmt)
+    y = decode_audio(data, target_rate=rate, **LIMITS)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    assert np.max(np.abs(y - x)) <= 2 * INT16_STEP
+
+
+def test_wav_is_16_bit_pcm():
+    info = sf.info(io.BytesIO(encode_audio(sine(24000), 24000, "wav")))
+    assert (info.format, info.subtype, info.samplerate, info.channels) == ("WAV", "PCM_16", 24000, 1)
+
+
+@pytest.mark.parametrize("name", ["pcm", "pcm16", "PCM"])
+def test_pcm16_is_raw_little_endian_int16(name):
+    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -3.0, np.nan], dtype=np.float32)
+    data = encode_audio(x, 24000, name)
+    assert len(data) == 2 * len(x)
+    got = np.frombuffer(data, dtype="<i2")
+    assert got.tolist() == [0, 16384, -16384, 32767, -32767, 32767, -32767, 0]  # clipped, NaN -> 0
+
+
+def test_torch_tensor_input_on_any_dtype():
+    x = sine(24000, 0.1)
+    ref = encode_audio(x, 24000, "pcm")
+    assert encode_audio(torch.from_numpy(x).unsqueeze(0), 24000, "pcm") == ref  # (1, N) is fine
+    bf16 = encode_audio(torch.from_numpy(x).bfloat16(), 24000, "pcm")
+    assert len(bf16) == len(ref)
+
+
+@pytest.mark.parametrize("rate", [24000, 22050])  # 22050 is not an Opus rate: resampled on the way out
+def test_lossy_round_trip(rate):
+    if not lossy_formats():
+        pytest.skip("no mp3/opus encoder in this libsndfile")
+    x = sine(rate)
+    for fmt in lossy_formats():
+        y = decode_audio(encode_audio(x, rate, fmt), target_rate=16000, **LIMITS)
+        assert abs(len(y) / 16000 - 1.0) < 0.1, fmt
+        assert np.sqrt(np.mean(y**2)) > 0.2, fmt  # sine of amplitude 0.5 has RMS 0.35
+        assert abs(peak_hz(y, 16000) - 440) < 5, fmt
+
+
+@pytest.mark.parametrize("rate", [24000, 44100, 48000, 8000])
+def test_resample_to_16k_keeps_length_and_pitch(rate):
+    x = sine(rate, 1.0)
+    y = decode_audio(encode_audio(x, rate, "wav"), target_rate=16000, **LIMITS)
+    assert len(y) == 16000
+    assert abs(peak_hz(y, 16000) - 440) < 2
+
+
+def test_odd_input_rate_is_resampled_without_a_huge_filter():
+    rate = 44101  # gcd(44101, 16000) == 1: exact polyphase would need a multi-GB kernel
+    buf = io.BytesIO()
+    sf.write(buf, sine(rate, 0.5), rate, format="WAV", subtype="PCM_16")
+    y = decode_audio(buf.getvalue(), target_rate=16000, **LIMITS)
+    assert abs(len(y) - 8000) <= 2
+    assert abs(peak_hz(y, 16000) - 440) < 3
+
+
+def test_stereo_is_downmixed():
+    left, right = sine(16000, 0.5, 440, 0.4), sine(16000, 0.5, 440, 0.2)
+    buf = io.BytesIO()
+    sf.write(buf, np.stack([left, right], axis=1), 16000, format="FLAC", subtype="PCM_16")
+    y = decode_audio(buf.getvalue(), target_rate=16000, **LIMITS)
+    assert y.ndim == 1 and len(y) == 8000
+    assert np.max(np.abs(y - (left + right) / 2)) < 1e-3
+
+
+def test_content_types():
+    assert content_type("wav") == "audio/wav"
+    assert content_type("pcm") == content_type("pcm16") == "audio/pcm"
+    assert content_type("flac") == "audio/flac"
+    if "mp3" in audio.SUPPORTED_OUTPUT_FORMATS:
+        assert content_type("mp3") == "audio/mpeg"
+    if "opus" in audio.SUPPORTED_OUTPUT_FORMATS:
+        assert content_type("opus") == "audio/ogg"
+
+
+# --- rejections -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [lambda: encode_audio(sine(16000, 0.1), 16000, "aac"),
+                                  lambda: content_type("ogg-vorbis")])
+def test_unsupported_output_format_lists_supported(call):
+    with pytest.raises(AudioError) as e:
+        call()
+    assert "unsupported audio format" in str(e.value)
+    for fmt in audio.SUPPORTED_OUTPUT_FORMATS:
+        assert fmt in str(e.value)
+
+
+def test_too_many_bytes():
+    data = encode_audio(sine(16000, 1.0), 16000, "wav")
+    with pytest.raises(AudioError, match=r"the limit is 1000 bytes"):
+        decode_audio(data, max_bytes=1000, max_seconds=30)
+
+
+def test_too_many_bytes_of_base64_is_refused_before_decoding():
+    b64 = base64.b64encode(encode_audio(sine(16000, 1.0), 16000, "wav")).decode()
+    with pytest.raises(AudioError, match=r"the limit is 1000 bytes"):
+        decode_base64_audio(b64, max_bytes=1000, max_seconds=30)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+def test_too_long(fmt):
+    data = encode_audio(sine(16000, 3.0), 16000, fmt)
+    with pytest.raises(AudioError, match=r"3\.0 s long; the limit is 2\.5 s"):
+        decode_audio(data, max_bytes=10_000_000, max_seconds=2.5)
+
+
+@pytest.mark.parametrize("data", [b"garbage" * 50, b"RIFF\x00\x00\x00\x00WAVE", bytes(range(256)) * 8,
+                                  encode_audio(sine(16000), 16000, "flac")[:40]])
+def test_undecodable_bytes(data):
+    with pytest.raises(AudioError, match=r"could not decode audio") as e:
+        decode_audio(data, **LIMITS)
+    assert "BytesIO" not in str(e.value) and "Error opening" not in str(e.value)  # no libsndfile internals
+
+
+@pytest.mark.parametrize("b64", ["not base64!!", "QUJD\nREVG", "QUJDRA", "QUJD-_==", "ÄÖÜ="])
+def test_bad_base64(b64):
+    with pytest.raises(AudioError, match=r"not valid base64"):
+        decode_base64_audio(b64, **LIMITS)
+
+
+def test_good_base64():
+    x = sine(16000, 0.25)
+    y = decode_base64_audio(base64.b64encode(encode_audio(x, 16000, "wav")).decode(), **LIMITS)
+    assert len(y) == len(x)
+
+
+def test_empty_bytes():
+    with pytest.raises(AudioError, match=r"audio is empty"):
+        decode_audio(b"", **LIMITS)
+    with pytest.raises(AudioError, match=r"audio is empty"):
+        decode_base64_audio("", **LIMITS)
+
+
+def test_zero_length_audio():
+    data = encode_audio(np.zeros(0, dtype=np.float32), 16000, "wav")
+    with pytest.raises(AudioError, match=r"no samples"):
+        decode_audio(data, **LIMITS)
+
+
+def test_unsupported_container():
+    buf = io.BytesIO()
+    sf.write(buf, sine(16000, 0.1), 16000, format="AIFF", subtype="PCM_16")
+    with pytest.raises(AudioError, match=r"unsupported audio container AIFF"):
+        decode_audio(buf.getvalue(), **LIMITS)
+
+
+def test_unsupported_input_rate():
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(100, dtype=np.float32), 1000, format="WAV", subtype="PCM_16")
+    with pytest.raises(AudioError, match=r"sample rate 1000 Hz; expected 4000-192000 Hz"):
+        decode_audio(buf.getvalue(), **LIMITS)

@@ -1,0 +1,124 @@
+"""Token2Wav against transformers' Qwen2.5-Omni token2wav, on the tiny checkpoint, CPU float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
+from omni_server.models.tiny_checkpoints import TINY_OMNI
+
+VOICES = ["Chelsie", "Ethan"]
+# Ordinary codec ids, below the talker's special ids (8292 pad .. 8296 mask), as a talker emits them.
+CODES = torch.randint(0, 8292, (32,), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models) -> str:
+    return str(tiny_models[TINY_OMNI])
+
+
+@pytest.fixture(scope="module")
+def t2w(model_dir) -> Token2Wav:
+    return Token2Wav(model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    return Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def reference_wav(reference, codes: torch.Tensor, voice: str, seed: int, **kwargs) -> torch.Tensor:
+    """What `generate()` does for one sample once the talker is done, with the global RNG seeded."""
+    speaker = reference.speaker_map[voice]
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        wav = reference.token2wav(codes[None], conditioning=speaker["cond"].float().expand(1, -1),
+                                  reference_mel=speaker["ref_mel"].float().expand(1, -1, -1), **kwargs)
+    return wav.reshape(-1).float()
+
+
+@pytest.mark.parametrize("voice", VOICES)
+def test_matches_transformers(t2w, reference, voice):
+    ref = reference_wav(reference, CODES, voice, seed=7)
+    out = t2w(CODES, voice, seed=7)
+    assert out.dtype == torch.float32 and out.device.type == "cpu" and out.ndim == 1
+    assert out.shape == ref.shape
+    assert ref.abs().max() > 0  # a silent reference would make the comparison vacuous
+    assert (out - ref).abs().max().item() < 1e-3
+
+
+def test_matches_transformers_without_guidance_or_sway(t2w, reference):
+    settings = dict(num_steps=4, guidance_scale=0.0, sway_coefficient=None)
+    ref = reference_wav(reference, CODES[:20], "Ethan", seed=3, **settings)
+    out = t2w(CODES[:20], "Ethan", seed=3, **settings)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() < 1e-3
+
+
+def test_seed_decides_output(t2w):
+    a = t2w(CODES, "Chelsie", seed=11)
+    assert torch.equal(a, t2w(CODES, "Chelsie", seed=11))
+    assert not torch.equal(a, t2w(CODES, "Chelsie", seed=12))
+    assert not torch.equal(t2w(CODES, "Chelsie"), t2w(CODES, "Chelsie"))  # no seed: fresh noise
+
+
+def test_leaves_global_rng_alone(t2w):
+    before = torch.get_rng_state()
+    t2w(CODES[:20], "Ethan", seed=5)
+    t2w(CODES[:20], "Ethan")
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_batch_of_one_accepted(t2w):
+    assert torch.equal(t2w(CODES[None, :20], "Ethan", seed=1), t2w(CODES[:20], "Ethan", seed=1))
+
+
+def test_unknown_voice(t2w):
+    assert t2w.voices == VOICES
+    with pytest.raises(ValueError, match="Chelsie, Ethan"):
+        t2w(CODES, "Nobody", seed=0)
+
+
+def test_empty_codes(t2w):
+    out = t2w(torch.zeros(0, dtype=torch.long), "Ethan", seed=0)
+    assert out.shape == (0,) and out.dtype == torch.float32
+
+
+def test_limits(t2w):
+    assert t2w.sample_rate == 24000
+    with pytest.raises(ValueError, match=str(t2w.max_codes)):
+        t2w(torch.zeros(t2w.max_codes + 1, dtype=torch.long), "Ethan", seed=0)
+    with pytest.raises(ValueError, match="codec ids"):
+        t2w(torch.tensor([1, 2, 100_000]), "Ethan", seed=0)
+
+
+def test_sharded_checkpoint_reads_only_needed_shards(model_dir, tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from omni_server.models.qwen2_5_omni.checkpoint import load_tensors
+
+    full = load_file(f"{model_dir}/model.safetensors")
+    shards = {"a.safetensors": {k: v for k, v in full.items() if not k.startswith("token2wav.")},
+              "b.safetensors": {k: v for k, v in full.items() if k.startswith("token2wav.")}}
+    for name, tensors in shards.items():
+        save_file(tensors, tmp_path / name)
+    weight_map = {k: name for name, tensors in shards.items() for k in tensors}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "a.safetensors").write_bytes(b"not read")  # would fail if opened
+
+    sharded = load_tensors(str(tmp_path), "token2wav.")
+    single = load_tensors(model_dir, "token2wav.")
+    assert sharded.keys() == single.keys() and len(single) > 0
+    assert all(torch.equal(sharded[k], single[k]) for k in single)
+
+
+def test_missing_speakers_file(tmp_path):
+    from omni_server.models.qwen2_5_omni.speakers import load_speakers
+
+    with pytest.raises(FileNotFoundError, match="spk_dict.pt"):
+        load_speakers(str(tmp_path))
