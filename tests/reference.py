@@ -55,3 +55,59 @@ def tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+@lru_cache(maxsize=None)
+def omni(model_dir: Path):
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    return Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def omni_speech(model_dir: Path, prompt_ids: list[int], thinker_max_new_tokens: int, talker_max_new_tokens: int,
+                voice: str, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """transformers' whole pipeline, greedy: (thinker tokens, talker codes, waveform). The codes are
+    what generate() hands token2wav (cut before the codec end token); the vocoder's starting noise
+    comes from the global RNG, seeded with `seed` (nothing before it draws random numbers)."""
+    model = omni(model_dir)
+    codes: list[list[int]] = []
+    hook = model.token2wav.register_forward_pre_hook(lambda m, args: codes.append(args[0][0].tolist()))
+    try:
+        ids = torch.tensor([prompt_ids])
+        torch.manual_seed(seed)
+        sequences, wave = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice,
+            thinker_max_new_tokens=thinker_max_new_tokens, thinker_do_sample=False,
+            talker_max_new_tokens=talker_max_new_tokens, talker_do_sample=False, talker_repetition_penalty=1.0)
+    finally:
+        hook.remove()
+    return sequences[0, len(prompt_ids):].tolist(), codes[0], wave.reshape(-1).float()
+
+
+@torch.inference_mode()
+def omni_speech_of_reply(model_dir: Path, prompt_ids: list[int], reply_ids: list[int], talker_max_new_tokens: int,
+                         voice: str, seed: int) -> torch.Tensor:
+    """transformers' pipeline speaking a given thinker reply: its thinker is replaced by a
+    teacher-forced forward over prompt + reply, shaped like what its generate() returns (the
+    states greedy generation of that reply would produce); talker and token2wav run unchanged."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    model = omni(model_dir)
+    full = torch.tensor([prompt_ids + reply_ids])
+    fed = full[:, :-1]  # the last reply token is sampled, never fed
+    layers = model.thinker(input_ids=fed, attention_mask=torch.ones_like(fed), output_hidden_states=True).hidden_states
+    n = len(prompt_ids)
+    steps = [tuple(h[:, :n] for h in layers)]
+    steps += [tuple(h[:, n + j:n + j + 1] for h in layers) for j in range(len(reply_ids) - 1)]
+    forced = GenerateDecoderOnlyOutput(sequences=full, hidden_states=tuple(steps))
+    model.thinker.generate = lambda *args, **kwargs: forced
+    try:
+        ids = torch.tensor([prompt_ids])
+        torch.manual_seed(seed)
+        _, wave = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice,
+                                 talker_max_new_tokens=talker_max_new_tokens, talker_do_sample=False,
+                                 talker_repetition_penalty=1.0)
+    finally:
+        del model.thinker.generate
+    return wave.reshape(-1).float()

@@ -1,0 +1,175 @@
+"""The embedded default pipeline (tiny Qwen2.5-Omni: thinker -> talker -> token2wav) through the real
+server and the official openai client, against transformers' own generate() on the same checkpoint:
+thinker tokens and talker codes identical, waveform within 1e-3 (float32, greedy, seeded vocoder).
+
+The speech server runs configs/default.yaml with a greedy talker whose codes come back in
+`omni_outputs` (see conftest)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+import torch
+
+from tests import reference
+
+MODEL = "omni-tiny"
+TALKER_MAX_TOKENS = 64  # configs/default.yaml: talker default_sampling.max_tokens
+CODEC_STOPS = {8292, 8294}
+SAMPLE_RATE = 24000
+WAVE_TOL = 1e-3 + 1 / 32768  # the parity bound plus 16-bit quantization of the returned wav
+
+
+@pytest.fixture(scope="module")
+def client(speech_server):
+    return openai.OpenAI(base_url=f"{speech_server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def _chat(client, text: str, voice: str, seed: int, max_tokens: int = 12, fmt: str = "wav"):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0, seed=seed,
+        modalities=["text", "audio"], audio={"voice": voice, "format": fmt},
+        extra_body={"return_token_ids": True})
+
+
+def _wave(b64: str) -> tuple[np.ndarray, int]:
+    data, rate = sf.read(io.BytesIO(base64.b64decode(b64)), dtype="float32")
+    return data, rate
+
+
+def _outputs(resp):
+    choice = resp.choices[0]
+    wave, rate = _wave(choice.message.audio.data)
+    return {
+        "prompt": resp.model_extra["prompt_token_ids"],
+        "thinker": choice.model_extra["token_ids"],
+        "talker": resp.model_extra["omni_outputs"]["talker"]["token_ids"],
+        "wave": wave, "rate": rate, "transcript": choice.message.audio.transcript,
+    }
+
+
+def _same_codes(ours: list[int], ref: list[int]) -> bool:
+    """Ours include the stop token the talker sampled; the reference's are cut before it."""
+    return ours[:len(ref)] == ref and (len(ours) == len(ref) or (len(ours) == len(ref) + 1 and ours[-1] in CODEC_STOPS))
+
+
+@pytest.mark.parametrize("voice,seed", [("Chelsie", 0), ("Ethan", 1234)])
+def test_chat_audio_matches_transformers(client, tiny_models, voice, seed):
+    resp = _chat(client, "Say something about the sea.", voice, seed)
+    ours = _outputs(resp)
+    assert resp.choices[0].message.content is None  # OpenAI's shape: the text is the transcript
+    assert ours["transcript"] and ours["rate"] == SAMPLE_RATE
+
+    ref_tokens, ref_codes, ref_wave = reference.omni_speech(
+        tiny_models["tiny-qwen2_5-omni"], ours["prompt"], 12, TALKER_MAX_TOKENS, voice, seed)
+    assert ours["thinker"] == ref_tokens
+    assert len(ref_codes) > 0 and _same_codes(ours["talker"], ref_codes), (ours["talker"], ref_codes)
+    assert ours["wave"].shape == ref_wave.shape
+    diff = np.abs(ours["wave"] - ref_wave.clamp(-1, 1).numpy()).max()
+    assert diff < WAVE_TOL, diff
+
+
+def test_concurrent_requests_equal_each_alone(client):
+    cases = [("Tell me a story.", "Chelsie", 1), ("What is two plus two?", "Ethan", 2),
+             ("Describe a cat.", "Chelsie", 3), ("Sing.", "Ethan", 4)]
+    alone = [_outputs(_chat(client, *c)) for c in cases]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        together = list(pool.map(lambda c: _outputs(_chat(client, *c)), cases))
+    for a, b in zip(alone, together):
+        assert a["thinker"] == b["thinker"] and a["talker"] == b["talker"]
+        assert a["wave"].shape == b["wave"].shape
+        assert np.abs(a["wave"] - b["wave"]).max() < WAVE_TOL
+
+
+def test_stream_carries_transcript_then_audio(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0, seed=5,
+        modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"}, stream=True,
+        stream_options={"include_usage": True})
+    transcript, data, finish, usage = [], [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            audio = choice.delta.audio  # the openai client's ChoiceDeltaAudio
+            if audio:
+                transcript.append(audio.transcript or "")
+                if audio.data:
+                    data.append(audio.data)
+            finish = choice.finish_reason or finish
+    assert len(data) == 1 and finish == "length" and usage.completion_tokens == 8
+    whole = _outputs(_chat(client, "Hello", "Ethan", 5, max_tokens=8))
+    wave, rate = _wave(data[0])
+    assert rate == SAMPLE_RATE and "".join(transcript) == whole["transcript"]
+    assert np.array_equal(wave, whole["wave"])
+
+
+def test_text_only_request_skips_talker_and_vocoder(client, speech_server):
+    before = [speech_server.stats(i)["steps"] for i in (1, 2)]
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          modalities=["text"])
+    assert resp.choices[0].message.content and resp.choices[0].message.audio is None
+    assert [speech_server.stats(i)["steps"] for i in (1, 2)] == before
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "pcm"])
+def test_speech_endpoint_returns_24khz_audio(client, fmt):
+    r = client.audio.speech.create(model=MODEL, input="Hello there, how are you today?", voice="Ethan",
+                                   response_format=fmt, extra_body={"seed": 7})
+    data = r.read()
+    if fmt == "pcm":
+        wave = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768
+    else:
+        wave, rate = sf.read(io.BytesIO(data), dtype="float32")
+        assert rate == SAMPLE_RATE
+    assert wave.ndim == 1 and len(wave) > SAMPLE_RATE // 10 and np.abs(wave).max() > 0
+
+
+def test_speech_is_deterministic_per_seed_and_voice(client):
+    def speak(voice, seed):
+        return client.audio.speech.create(model=MODEL, input="One two three.", voice=voice, response_format="wav",
+                                          extra_body={"seed": seed}).read()
+
+    a = speak("Chelsie", 3)
+    assert speak("Chelsie", 3) == a
+    assert speak("Ethan", 3) != a
+
+
+def test_speech_matches_transformers_speaking_that_reply(client, tiny_models):
+    """/v1/audio/speech: the thinker reads the input as its own reply; the audio equals transformers'
+    pipeline given that reply (thinker teacher-forced, talker and token2wav unchanged)."""
+    text, voice, seed = "The quick brown fox jumps over the lazy dog.", "Chelsie", 21
+    wav = client.audio.speech.create(model=MODEL, input=text, voice=voice, response_format="wav",
+                                     extra_body={"seed": seed}).read()
+    ours, rate = sf.read(io.BytesIO(wav), dtype="float32")
+    tok = reference.tokenizer(tiny_models["tiny-qwen2_5-omni"])
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    reply = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    ref = reference.omni_speech_of_reply(tiny_models["tiny-qwen2_5-omni"], list(prompt), reply, TALKER_MAX_TOKENS,
+                                         voice, seed)
+    assert rate == SAMPLE_RATE and ours.shape == ref.shape
+    diff = np.abs(ours - ref.clamp(-1, 1).numpy()).max()
+    assert diff < WAVE_TOL, diff
+
+
+def test_bad_audio_requests_are_400(client, speech_server):
+    with pytest.raises(openai.BadRequestError, match="Chelsie, Ethan"):
+        _chat(client, "x", "Nobody", 0)
+    with pytest.raises(openai.BadRequestError, match="format"):
+        _chat(client, "x", "Ethan", 0, fmt="aiff")
+    with pytest.raises(openai.BadRequestError, match="Chelsie, Ethan"):
+        client.audio.speech.create(model=MODEL, input="x", voice="Nobody")
+    with pytest.raises(openai.BadRequestError, match="speed"):
+        client.audio.speech.create(model=MODEL, input="x", voice="Ethan", speed=2.0)
+    with pytest.raises(openai.NotFoundError):
+        client.audio.speech.create(model="nope", input="x", voice="Ethan")
+    r = httpx.get(f"{speech_server.base_url}/v1/audio/voices")
+    assert r.json() == {"voices": ["Chelsie", "Ethan"], "default": "Chelsie"}
