@@ -64,25 +64,44 @@ def omni(model_dir: Path):
     return Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+@lru_cache(maxsize=None)
+def processor(model_dir: Path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def omni_inputs(model_dir: Path, messages: list[dict], audios: list) -> dict:
+    """transformers' processor on chat messages with audio parts (16 kHz float arrays)."""
+    proc = processor(model_dir)
+    text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return dict(proc(text=text, audio=audios, return_tensors="pt", padding=True))
+
+
 @torch.inference_mode()
-def omni_speech(model_dir: Path, prompt_ids: list[int], thinker_max_new_tokens: int, talker_max_new_tokens: int,
-                voice: str, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
-    """transformers' whole pipeline, greedy: (thinker tokens, talker codes, waveform). The codes are
-    what generate() hands token2wav (cut before the codec end token); the vocoder's starting noise
-    comes from the global RNG, seeded with `seed` (nothing before it draws random numbers)."""
+def omni_speech(model_dir: Path, prompt_ids: list[int] | None, thinker_max_new_tokens: int,
+                talker_max_new_tokens: int, voice: str, seed: int,
+                inputs: dict | None = None) -> tuple[list[int], list[int], torch.Tensor]:
+    """transformers' whole pipeline, greedy: (thinker tokens, talker codes, waveform) for token ids,
+    or for processor `inputs` (omni_inputs). The codes are what generate() hands token2wav (cut
+    before the codec end token); the vocoder's starting noise comes from the global RNG, seeded
+    with `seed` (nothing before it draws random numbers)."""
     model = omni(model_dir)
     codes: list[list[int]] = []
+    if inputs is None:
+        ids = torch.tensor([prompt_ids])
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     hook = model.token2wav.register_forward_pre_hook(lambda m, args: codes.append(args[0][0].tolist()))
     try:
-        ids = torch.tensor([prompt_ids])
+        ids = inputs["input_ids"]
         torch.manual_seed(seed)
         sequences, wave = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice,
+            **inputs, speaker=voice,
             thinker_max_new_tokens=thinker_max_new_tokens, thinker_do_sample=False,
             talker_max_new_tokens=talker_max_new_tokens, talker_do_sample=False, talker_repetition_penalty=1.0)
     finally:
         hook.remove()
-    return sequences[0, len(prompt_ids):].tolist(), codes[0], wave.reshape(-1).float()
+    return sequences[0, ids.shape[1]:].tolist(), codes[0], wave.reshape(-1).float()
 
 
 @torch.inference_mode()

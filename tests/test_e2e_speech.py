@@ -76,6 +76,50 @@ def test_chat_audio_matches_transformers(client, tiny_models, voice, seed):
     assert diff < WAVE_TOL, diff
 
 
+def _tone_wav(seconds: float = 1.5, rate: int = 16000) -> tuple[str, np.ndarray]:
+    t = np.arange(int(seconds * rate)) / rate
+    wave = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * np.sin(2 * np.pi * 1250 * t)).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, wave, rate, format="WAV", subtype="PCM_16")
+    data = buf.getvalue()
+    decoded, _ = sf.read(io.BytesIO(data), dtype="float32")  # what both sides actually hear
+    return base64.b64encode(data).decode(), decoded
+
+
+def test_chat_with_audio_input_matches_transformers(client, tiny_models):
+    b64, heard = _tone_wav()
+    content = [{"type": "text", "text": "What do you hear?"},
+               {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=10, temperature=0, seed=9,
+        modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"}, extra_body={"return_token_ids": True})
+    ours = _outputs(resp)
+    model_dir = tiny_models["tiny-qwen2_5-omni"]
+    inputs = reference.omni_inputs(model_dir, [{"role": "user", "content": [
+        {"type": "text", "text": "What do you hear?"}, {"type": "audio"}]}], [heard])
+    ref_tokens, ref_codes, ref_wave = reference.omni_speech(model_dir, None, 10, TALKER_MAX_TOKENS, "Ethan", 9,
+                                                            inputs=inputs)
+    assert ours["thinker"] == ref_tokens
+    assert len(ref_codes) > 0 and _same_codes(ours["talker"], ref_codes), (ours["talker"], ref_codes)
+    assert ours["wave"].shape == ref_wave.shape
+    assert np.abs(ours["wave"] - ref_wave.clamp(-1, 1).numpy()).max() < WAVE_TOL
+
+
+def test_bad_audio_input_is_400(client):
+    def ask(data: str):
+        content = [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                              max_tokens=2, modalities=["text"])
+
+    with pytest.raises(openai.BadRequestError, match="input_audio 0"):
+        ask("not base64!")
+    with pytest.raises(openai.BadRequestError, match="input_audio 0"):
+        ask(base64.b64encode(b"RIFF garbage").decode())
+    long_b64, _ = _tone_wav(seconds=121)  # server.max_audio_seconds defaults to 120
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        ask(long_b64)
+
+
 def test_concurrent_requests_equal_each_alone(client):
     cases = [("Tell me a story.", "Chelsie", 1), ("What is two plus two?", "Ethan", 2),
              ("Describe a cat.", "Chelsie", 3), ("Sing.", "Ethan", 4)]

@@ -37,7 +37,7 @@ from omni_server.api.protocol import (
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.orchestrator import Orchestrator, StageUnavailable
-from omni_server.wire.messages import SamplingSpec
+from omni_server.wire.messages import AUDIO_SAMPLE_RATE, SamplingSpec
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,8 @@ def create_app(state: ServerState) -> FastAPI:
         if body.model != state.cfg.model:
             raise APIError(404, f"The model `{body.model}` does not exist. Available: {state.cfg.model}",
                            param="model", code="model_not_found")
-        prompt_ids = state.text.render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        media = await _decode_media(state, body)
+        prompt_ids = state.text.render_chat([_template_message(m) for m in body.messages])
         _check_prompt(state, prompt_ids)
         outputs = _modalities(state, body)
         options: dict[str, str] = {}
@@ -154,7 +155,7 @@ def create_app(state: ServerState) -> FastAPI:
         sampling = _sampling(state, body)
         orch = _orch(state)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        req = await _submit(state, orch, request_id, prompt_ids, sampling, outputs, options)
+        req = await _submit(state, orch, request_id, prompt_ids, sampling, outputs, options, media)
         run = _Run(state, orch, req, body, prompt_ids, audio_format)
         if body.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream")
@@ -278,13 +279,39 @@ def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:
     return wanted
 
 
+def _template_message(m) -> dict[str, Any]:
+    """A message as the chat template reads it (audio parts become placeholders)."""
+    if not m.audio_parts():
+        return {"role": m.role, "content": m.text()}
+    parts = [{"type": "text", "text": p.text} if p.type == "text" else {"type": "audio"} for p in m.content]
+    return {"role": m.role, "content": parts}
+
+
+async def _decode_media(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
+    """Decoded `input_audio` parts, in prompt order, as the first stage reads them."""
+    import torch
+
+    parts = [p for m in body.messages for p in m.audio_parts()]
+    out: dict[str, Any] = {}
+    for i, part in enumerate(parts):
+        try:
+            wave = await asyncio.to_thread(
+                audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
+                max_bytes=state.cfg.server.max_request_bytes, max_seconds=state.cfg.server.max_audio_seconds)
+        except audio.AudioError as e:
+            raise APIError(400, f"input_audio {i}: {e}", param="messages") from None
+        out[f"audio.{i}"] = torch.from_numpy(wave)
+    return out
+
+
 async def _submit(state: ServerState, orch: Orchestrator, request_id: str, prompt_ids: list[int],
-                  sampling: dict[int, SamplingSpec], outputs: set[str], options: dict[str, str]):
+                  sampling: dict[int, SamplingSpec], outputs: set[str], options: dict[str, str],
+                  media: dict[str, Any] | None = None):
     if len(orch.requests) >= state.cfg.server.max_concurrent_requests:
         raise APIError(429, f"server is at its limit of {state.cfg.server.max_concurrent_requests} "
                             "concurrent requests; retry shortly", headers={"Retry-After": "1"})
     try:
-        return await orch.submit(request_id, prompt_ids, sampling, outputs, options)
+        return await orch.submit(request_id, prompt_ids, sampling, outputs, options, media)
     except StageUnavailable as e:
         raise APIError(503, f"pipeline unavailable: {e}") from None
 

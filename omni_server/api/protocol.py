@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -18,9 +18,22 @@ class TextPart(_Lenient):
     text: str
 
 
+class InputAudio(_Lenient):
+    data: str  # base64
+    format: str | None = None  # wav / mp3 / flac / ogg; the bytes are sniffed either way
+
+
+class InputAudioPart(_Lenient):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[Union[TextPart, InputAudioPart], Field(discriminator="type")]
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -28,7 +41,10 @@ class ChatMessage(_Lenient):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def audio_parts(self) -> list[InputAudioPart]:
+        return [p for p in self.content or [] if isinstance(p, InputAudioPart)] if isinstance(self.content, list) else []
 
 
 class AudioOutputParam(_Lenient):

@@ -143,7 +143,8 @@ class Orchestrator:
     # ---- requests ---------------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: dict[int, SamplingSpec],
-                     outputs: set[str] | None = None, options: dict[str, str] | None = None) -> RequestState:
+                     outputs: set[str] | None = None, options: dict[str, str] | None = None,
+                     media: dict | None = None) -> RequestState:
         """Start a request on the stages its `outputs` kinds need (None: every output stage).
         Stages with `output: tokens` report whenever the route passes through them."""
         if self.down:
@@ -165,7 +166,7 @@ class Orchestrator:
                                              forward_to=fwd, options=opts)
             else:
                 msg = AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling[i],
-                                 forward_to=fwd, options=opts)
+                                 forward_to=fwd, options=opts, tensors=dict(media or {}))
             await self._send(self.stage_socks[i], msg)
         return state
 

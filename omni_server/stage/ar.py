@@ -25,6 +25,7 @@ from omni_server.wire.messages import (
     ExpectRequest,
     RequestDelta,
     RequestOutputs,
+    AUDIO_SAMPLE_RATE,
     SamplingSpec,
     StagePayload,
 )
@@ -116,19 +117,27 @@ class ARStage(Stage):
         return len(sched.running), len(sched.waiting)
 
     def add_prompt(self, msg: AddRequest) -> None:
-        self._add(msg.request_id, {"type": "token", "prompt_token_ids": msg.prompt_token_ids},
-                  msg.sampling, msg.forward_to, msg.prompt_token_ids)
+        # A typed dict is input vLLM takes as already processed; a prompt with media must go through
+        # vLLM's multimodal processor (features, placeholder expansion), which an untyped one does.
+        prompt: dict[str, Any] = {"type": "token", "prompt_token_ids": msg.prompt_token_ids}
+        audio = [msg.tensors[k] for k in sorted(msg.tensors, key=_media_index) if k.startswith("audio.")]
+        if audio:
+            # Frames are read-only zmq memory; vLLM's processor gets its own float32 arrays.
+            prompt = {"prompt_token_ids": msg.prompt_token_ids,
+                      "multi_modal_data": {"audio": [(a.numpy().copy(), AUDIO_SAMPLE_RATE) for a in audio]}}
+        self._add(msg.request_id, prompt, msg.sampling, msg.forward_to)
 
     def start(self, expect: ExpectRequest, stage_input: StageInput) -> None:
-        prompt_ids = stage_input.prompt.get("prompt_token_ids") or []
-        self._add(expect.request_id, stage_input.prompt, expect.sampling, expect.forward_to, prompt_ids,
+        self._add(expect.request_id, stage_input.prompt, expect.sampling, expect.forward_to,
                   step_embeds=stage_input.step_embeds)
 
     def _add(self, request_id: str, prompt: dict, spec: SamplingSpec, forward_to: list[int],
-             prompt_token_ids: list[int], step_embeds: torch.Tensor | None = None) -> None:
+             step_embeds: torch.Tensor | None = None) -> None:
         try:
             params = self._sampling_params(spec, emit_hidden=bool(forward_to), step_embeds=step_embeds)
             request = self.inputs.process_inputs(request_id, prompt, params, supported_tasks=self.tasks)
+            # The engine's prompt: multimodal placeholders expanded to one token per embedding row.
+            prompt_token_ids = list(request.prompt_token_ids or [])
             req, wave = self.core.preprocess_add_request(request)
             self.core.add_request(req, wave)
         except Exception as e:  # invalid request (too long, bad params): fail it, keep serving
@@ -137,7 +146,7 @@ class ARStage(Stage):
             return
         self.in_engine.add(request_id)
         if forward_to:
-            self.tracked[request_id] = _Tracked(list(prompt_token_ids), list(forward_to))
+            self.tracked[request_id] = _Tracked(prompt_token_ids, list(forward_to))
 
     def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool, step_embeds: torch.Tensor | None = None):
         from vllm import SamplingParams
@@ -231,6 +240,11 @@ class ARStage(Stage):
         )
         for dst in tracked.forward_to:
             self.sockets.send_stage(dst, payload)
+
+
+def _media_index(name: str) -> int:
+    tail = name.rpartition(".")[2]
+    return int(tail) if tail.isdigit() else 0
 
 
 def _truncate(tracked: _Tracked, length: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Union
 import msgspec
 
 WIRE_VERSION = 2
+AUDIO_SAMPLE_RATE = 16000
 
 
 class _Msg(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -48,6 +49,9 @@ class AddRequest(_Msg):
     forward_to: list[int] = []
     # Per-request choices for the stage's input processor / generator, e.g. {"voice": "Ethan"}.
     options: dict[str, str] = {}
+    # Media of the prompt, in placeholder order: "audio.0", "audio.1", ...: mono float32 at
+    # AUDIO_SAMPLE_RATE.
+    tensors: dict[str, Any] = {}
 
 
 class ExpectRequest(_Msg):
