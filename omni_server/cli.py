@@ -68,7 +68,8 @@ def cmd_bench(args) -> int:
 
     cfg = BenchConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
                       requests_per_level=args.requests, prompt_words=args.prompt_words,
-                      max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OMNI_SERVER_API_KEY"))
+                      max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OMNI_SERVER_API_KEY"),
+                      audio=args.audio, voice=args.voice)
     result = asyncio.run(run_bench(cfg))
     text = json.dumps(result, indent=2)
     if args.output:
@@ -78,7 +79,9 @@ def cmd_bench(args) -> int:
         print(f"c={lv['concurrency']:<3} n={lv['requests']:<4} errors={lv['errors']:<3} "
               f"out tok/s={lv['output_tok_s']}  TTFT p50/p90/p99 ms={lv['ttft_ms']['p50']}/"
               f"{lv['ttft_ms']['p90']}/{lv['ttft_ms']['p99']}  latency p50/p90/p99 ms="
-              f"{lv['latency_ms']['p50']}/{lv['latency_ms']['p90']}/{lv['latency_ms']['p99']}")
+              f"{lv['latency_ms']['p50']}/{lv['latency_ms']['p90']}/{lv['latency_ms']['p99']}"
+              + (f"  TTFP p50 ms={lv['ttfp_ms']['p50']}  audio s/wall s={lv['audio_s_per_wall_s']}  "
+                 f"RTF p50={lv['rtf']['p50']}" if args.audio else ""))
     return 1 if any(lv["errors"] for lv in result["levels"]) else 0
 
 
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--api-key")
     p.add_argument("--output", help="write the JSON result here")
+    p.add_argument("--audio", action="store_true", help="ask for speech too: adds TTFP, audio s/wall s, RTF")
+    p.add_argument("--voice")
     p.set_defaults(fn=cmd_bench)
 
     args = parser.parse_args(argv)

@@ -25,3 +25,21 @@ def test_bench_reports_every_level(text_server, tmp_path):
         assert lv["output_tok_s"] > 0
         assert 0 < lv["ttft_ms"]["p50"] <= lv["latency_ms"]["p50"] <= lv["latency_ms"]["p99"]
     assert "c=4" in proc.stdout
+
+
+def test_bench_audio_reports_ttfp_and_rtf(speech_server, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_server.cli", "bench", "--base-url", speech_server.base_url,
+         "--model", "omni-tiny", "--concurrency", "2", "--requests", "2", "--max-tokens", "8",
+         "--prompt-words", "20", "--audio", "--voice", "Ethan", "--output", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (lv,) = json.loads(out.read_text())["levels"]
+    assert lv["errors"] == 0 and lv["output_tokens"] == 2 * 8
+    # Each codec token -> 2 mel frames -> 2 * 240 samples at 24 kHz; the tiny talker stops by 64 tokens.
+    samples = round(lv["audio_s"] * 24000)
+    assert 0 < samples <= 2 * 64 * 480 and samples % 480 == 0
+    assert 0 < lv["ttft_ms"]["p50"] <= lv["ttfp_ms"]["p50"] <= lv["latency_ms"]["p99"]
+    assert lv["rtf"]["p50"] > 0 and lv["audio_s_per_wall_s"] > 0
+    assert "TTFP" in proc.stdout

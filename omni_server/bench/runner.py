@@ -1,17 +1,20 @@
 """HTTP load generator: fixed prompt set, concurrency levels, streaming chat requests.
 
-Per level it reports TTFT (first content delta), end-to-end latency (p50/p90/p99), output tokens/s
-(completion tokens from the usage chunk / wall time) and errors. Audio metrics (TTFP, RTF) join
-when the speech pipeline exists.
+Per level it reports TTFT (first text delta), end-to-end latency (p50/p90/p99), output tokens/s
+(completion tokens from the usage chunk / wall time) and errors; with `audio`, also TTFP (first
+audio data delta), seconds of audio per wall second and RTF (request latency / its audio duration).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import statistics
 import sys
 import time
+import wave
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -45,6 +48,9 @@ class BenchConfig:
     ignore_eos: bool = True
     api_key: str | None = None
     timeout_s: float = 600.0
+    # Ask for speech too (modalities text + audio, wav); voice None = the server's default.
+    audio: bool = False
+    voice: str | None = None
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -58,8 +64,11 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
     body = {"model": cfg.model, "messages": [{"role": "user", "content": prompt(i, cfg.prompt_words)}],
             "max_tokens": cfg.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": cfg.ignore_eos}
+    if cfg.audio:
+        body["modalities"] = ["text", "audio"]
+        body["audio"] = {"format": "wav", **({"voice": cfg.voice} if cfg.voice else {})}
     t0 = time.perf_counter()
-    ttft, tokens, error = None, 0, None
+    ttft, ttfp, audio_s, tokens, error = None, None, 0.0, 0, None
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -71,13 +80,27 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
                 if "error" in chunk:
                     error = chunk["error"].get("message", "error")
                     continue
-                if ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                deltas = [c.get("delta", {}) for c in chunk.get("choices", [])]
+                if ttft is None and any(d.get("content") or (d.get("audio") or {}).get("transcript") for d in deltas):
                     ttft = time.perf_counter() - t0
+                for d in deltas:
+                    data = (d.get("audio") or {}).get("data")
+                    if data:
+                        ttfp = ttfp if ttfp is not None else time.perf_counter() - t0
+                        audio_s += _wav_seconds(data)
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
-    return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, "tokens": tokens, "error": error}
+    if cfg.audio and error is None and not audio_s:
+        error = "no audio in the response"
+    return {"ttft_s": ttft, "ttfp_s": ttfp, "audio_s": audio_s, "latency_s": time.perf_counter() - t0,
+            "tokens": tokens, "error": error}
+
+
+def _wav_seconds(b64: str) -> float:
+    with wave.open(io.BytesIO(base64.b64decode(b64))) as w:
+        return w.getnframes() / w.getframerate()
 
 
 async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> dict:
@@ -104,6 +127,18 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
     lat = [r["latency_s"] for r in ok]
     tokens = sum(r["tokens"] for r in ok)
     ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
+    audio = {}
+    if cfg.audio:
+        ttfps = [r["ttfp_s"] for r in ok if r["ttfp_s"] is not None]
+        rtfs = [r["latency_s"] / r["audio_s"] for r in ok if r["audio_s"]]
+        total_audio = sum(r["audio_s"] for r in ok)
+        audio = {
+            "ttfp_ms": {"p50": ms(_pct(ttfps, 50)), "p90": ms(_pct(ttfps, 90)), "p99": ms(_pct(ttfps, 99))},
+            "audio_s": round(total_audio, 2),
+            "audio_s_per_wall_s": round(total_audio / wall, 3) if wall > 0 else None,
+            "rtf": {"p50": _round(_pct(rtfs, 50)), "p90": _round(_pct(rtfs, 90)),
+                    "mean": _round(statistics.fmean(rtfs)) if rtfs else None},
+        }
     return {
         "concurrency": concurrency, "requests": n, "errors": n - len(ok),
         "error_examples": sorted({r["error"] for r in results if r.get("error")})[:3],
@@ -112,7 +147,12 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
         "ttft_ms": {"p50": ms(_pct(ttfts, 50)), "p90": ms(_pct(ttfts, 90)), "p99": ms(_pct(ttfts, 99)),
                     "mean": ms(statistics.fmean(ttfts)) if ttfts else None},
         "latency_ms": {"p50": ms(_pct(lat, 50)), "p90": ms(_pct(lat, 90)), "p99": ms(_pct(lat, 99))},
+        **audio,
     }
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
 
 
 def _progress(concurrency: int, done: int, total: int) -> None:
