@@ -58,6 +58,22 @@ def test_matches_transformers_without_guidance_or_sway(t2w, reference):
     assert (out - ref).abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("guidance_scale", [0.5, 0.0])
+def test_batch_equals_each_alone(t2w, guidance_scale):
+    """Different lengths and voices in one DiT pass: padding is never attended, so each result is
+    the request decoded alone; a bad request fails alone."""
+    requests = [{"codes": CODES[:12], "voice": "Ethan", "seed": 1}, {"codes": CODES, "voice": "Chelsie", "seed": 2},
+                {"codes": CODES[:5], "voice": "Nobody", "seed": 3}, {"codes": CODES[:0], "voice": None, "seed": 4},
+                {"codes": CODES[3:25], "voice": None, "seed": 5}]
+    out = t2w.batch(requests, guidance_scale=guidance_scale)
+    assert isinstance(out[2], ValueError) and "Nobody" in str(out[2])
+    assert out[3].numel() == 0
+    for i in (0, 1, 4):
+        alone = t2w(**requests[i], guidance_scale=guidance_scale)
+        assert out[i].shape == alone.shape and alone.abs().max() > 0
+        assert (out[i] - alone).abs().max().item() < 1e-4
+
+
 def test_seed_decides_output(t2w):
     a = t2w(CODES, "Chelsie", seed=11)
     assert torch.equal(a, t2w(CODES, "Chelsie", seed=11))

@@ -37,8 +37,10 @@ class StageConfig(_Strict):
     # AR stages: one of our vLLM model classes by registered name (e.g. `qwen2_5_omni.talker`);
     # None = whatever vLLM serves for the checkpoint.
     model_class: str | None = None
-    # Generation stages: the registered generator that runs (e.g. `qwen2_5_omni.token2wav`).
+    # Generation stages: the registered generator that runs (e.g. `qwen2_5_omni.token2wav`), and
+    # how many ready requests it takes in one pass.
     generator: str | None = None
+    max_batch_size: int = Field(8, ge=1)
     # CUDA_VISIBLE_DEVICES for the stage process, e.g. "0" or "0,1"; None inherits.
     devices: str | None = None
     env: dict[str, str] = {}

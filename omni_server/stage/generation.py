@@ -1,7 +1,8 @@
 """Generation stage: a registered generator (e.g. a vocoder) run on requests whose inputs are ready.
 
-Requests run one per step, oldest first; between steps the loop drains the socket, so aborts and new
-inputs are seen after every request. The result goes to the api as one delta carrying the waveform.
+Each step takes the oldest ready requests, up to the stage's `max_batch_size`, in one generator pass
+(one at a time if the generator has no `batch`); between steps the loop drains the socket, so aborts
+and new inputs are seen after every pass. Each result goes to the api as one delta with the waveform.
 """
 
 from __future__ import annotations
@@ -54,18 +55,33 @@ class GenerationStage(Stage):
             self.ready.pop(rid, None)
 
     def step(self) -> None:
-        rid, (expect, stage_input) = self.ready.popitem(last=False)
+        take = self.stage.max_batch_size if hasattr(self.generator, "batch") else 1
+        batch = [self.ready.popitem(last=False) for _ in range(min(take, len(self.ready)))]
+        requests = [{**(inp.data or {}), "voice": exp.options.get(VOICE_OPTION), "seed": exp.sampling.seed}
+                    for _, (exp, inp) in batch]
         try:
-            wave = self.generator(**(stage_input.data or {}), voice=expect.options.get(VOICE_OPTION),
-                                  seed=expect.sampling.seed)
-        except ValueError as e:  # this request's input or options are invalid
-            self.fail(rid, f"stage {self.stage.name}: {e}", code=400)
+            if hasattr(self.generator, "batch"):
+                waves = self.generator.batch(requests)
+            else:
+                waves = [self._one(requests[0])]
+        except Exception as e:  # the pass itself failed: every request in it fails
+            log.exception("stage %d: generator failed on %d requests", self.stage_id, len(batch))
+            for rid, _ in batch:
+                self.fail(rid, f"stage {self.stage.name}: generation failed: {e}")
             return
-        except Exception as e:
-            log.exception("stage %d: generator failed for %s", self.stage_id, rid)
-            self.fail(rid, f"stage {self.stage.name}: generation failed: {e}")
-            return
-        wave = wave.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=[RequestDelta(
-            request_id=rid, finished=True, finish_reason="stop", tensors={"audio": wave},
-            sample_rate=self.generator.sample_rate)]))
+        deltas = []
+        for (rid, _), wave in zip(batch, waves):
+            if isinstance(wave, ValueError):  # this request's input or options are invalid
+                self.fail(rid, f"stage {self.stage.name}: {wave}", code=400)
+                continue
+            wave = wave.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+            deltas.append(RequestDelta(request_id=rid, finished=True, finish_reason="stop", tensors={"audio": wave},
+                                       sample_rate=self.generator.sample_rate))
+        if deltas:
+            self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=deltas))
+
+    def _one(self, request: dict):
+        try:
+            return self.generator(**request)
+        except ValueError as e:
+            return e

@@ -26,7 +26,7 @@ _TWO_THIRDS = 2 / 3
 
 
 class Token2Wav:
-    """Decodes one talker code sequence at a time, in float32, with a chosen voice."""
+    """Decodes talker code sequences to waveforms in float32, several at a time (`batch`)."""
 
     def __init__(self, model_dir: str, device: str | torch.device = "cpu"):
         from transformers.initialization import no_init_weights
@@ -56,12 +56,51 @@ class Token2Wav:
             for name, s in load_speakers(model_dir).items()
         }
         self.voices: list[str] = sorted(self._speakers)
+        # The DiT's speaker encoder sees only the voice's reference mel (or, for the unconditioned
+        # half of guidance, zeros of its shape): encode both once per voice.
+        with torch.inference_mode():
+            encode = self.dit.input_embed.spk_encoder
+            self._voice_codes = {name: (encode(mel), encode(torch.zeros_like(mel)))
+                                 for name, (_, mel) in self._speakers.items()}
 
     @torch.inference_mode()
     def __call__(self, codes: torch.Tensor, voice: str | None = None, seed: int | None = None, num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float | None = -1.0) -> torch.Tensor:
         """1-D float32 CPU waveform at `sample_rate` for `codes` ([n] or [1, n] codec ids);
         `voice` None is the first voice."""
+        out = self.batch([{"codes": codes, "voice": voice, "seed": seed}], num_steps=num_steps,
+                         guidance_scale=guidance_scale, sway_coefficient=sway_coefficient)[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    @torch.inference_mode()
+    def batch(self, requests: list[dict], num_steps: int = 10, guidance_scale: float = 0.5,
+              sway_coefficient: float | None = -1.0) -> list[torch.Tensor | ValueError]:
+        """Waveforms for several requests ({"codes", "voice", "seed"}) decoded together: one DiT pass
+        over the batch (padded; padding never attended), then the vocoder per request. Each result
+        equals the request decoded alone up to float rounding; an invalid request gets its
+        ValueError in its place and does not affect the others."""
+        grid = self._time_grid(num_steps, sway_coefficient)
+        results: list = [None] * len(requests)
+        todo = []
+        for i, req in enumerate(requests):
+            try:
+                todo.append((i, *self._check(req.get("codes"), req.get("voice")), req.get("seed")))
+            except ValueError as e:
+                results[i] = e
+        for i, codes, _, _ in todo:
+            if codes.numel() == 0:
+                results[i] = torch.zeros(0, dtype=torch.float32)
+        todo = [t for t in todo if t[1].numel()]
+        if todo:
+            mels = self._sample_mels([t[1] for t in todo], [t[2] for t in todo], [t[3] for t in todo], grid,
+                                     guidance_scale)
+            for (i, *_), mel in zip(todo, mels):
+                results[i] = self.vocoder(mel).reshape(-1).float().cpu()
+        return results
+
+    def _check(self, codes, voice: str | None) -> tuple[torch.Tensor, str]:
         voice = self.voices[0] if voice is None else voice
         if voice not in self._speakers:
             raise ValueError(f"unknown voice {voice!r}; valid voices: {', '.join(self.voices)}")
@@ -70,19 +109,14 @@ class Token2Wav:
             codes = codes[0]
         if codes.ndim != 1:
             raise ValueError(f"codes must have shape [n] or [1, n], got {list(codes.shape)}")
-        if codes.numel() == 0:
-            return torch.zeros(0, dtype=torch.float32)
         if codes.numel() > self.max_codes:
             raise ValueError(f"{codes.numel()} codes exceed the token2wav limit of {self.max_codes} per call")
-        # Checked here: an out-of-range embedding index on a GPU is a device assert that kills the process.
-        low, high = int(codes.min()), int(codes.max())
-        if low < 0 or high > self._num_embeds:
-            raise ValueError(f"codec ids must lie in [0, {self._num_embeds}], got [{low}, {high}]")
-
-        cond, ref_mel = self._speakers[voice]
-        mel = self._sample_mel(codes.to(self.device, torch.long)[None], cond, ref_mel, seed, num_steps,
-                               guidance_scale, sway_coefficient)
-        return self.vocoder(mel).reshape(-1).float().cpu()
+        if codes.numel():
+            # Checked here: an out-of-range embedding index on a GPU is a device assert that kills the process.
+            low, high = int(codes.min()), int(codes.max())
+            if low < 0 or high > self._num_embeds:
+                raise ValueError(f"codec ids must lie in [0, {self._num_embeds}], got [{low}, {high}]")
+        return codes.to(self.device, torch.long), voice
 
     def _time_grid(self, num_steps: int, sway_coefficient: float | None) -> torch.Tensor:
         if num_steps < 2:
@@ -97,26 +131,51 @@ class Token2Wav:
             raise ValueError(f"sway_coefficient {sway_coefficient} makes the time grid non-monotonic")
         return grid
 
-    def _sample_mel(self, codes: torch.Tensor, cond: torch.Tensor, ref_mel: torch.Tensor, seed: int | None,
-                    num_steps: int, guidance_scale: float, sway_coefficient: float | None) -> torch.Tensor:
-        """Mel spectrogram [1, mel_dim, frames]: transformers' DiT `sample`, with seeded noise."""
-        frames = codes.shape[1] * self.dit.repeats
-        grid = self._time_grid(num_steps, sway_coefficient)
+    def _sample_mels(self, codes: list[torch.Tensor], voices: list[str], seeds: list[int | None],
+                     grid: torch.Tensor, guidance_scale: float) -> list[torch.Tensor]:
+        """Mel spectrograms [1, mel_dim, frames_i]: transformers' DiT `sample` (flow matching, RK4
+        3/8 rule, classifier-free guidance) over a padded batch, with seeded per-request noise."""
+        dit, repeats = self.dit, self.dit.repeats
+        lengths = [c.numel() * repeats for c in codes]
+        frames, n = max(lengths), len(codes)
+        code_batch = torch.zeros(n, frames // repeats, dtype=torch.long, device=self.device)
+        x = torch.zeros(n, frames, dit.mel_dim, device=self.device)
+        for b, (c, seed) in enumerate(zip(codes, seeds)):
+            code_batch[b, :c.numel()] = c
+            # Drawn on CPU so that a seed means the same noise on every device.
+            g = torch.Generator(device="cpu").manual_seed(secrets.randbits(63) if seed is None else seed)
+            x[b, :lengths[b]] = torch.randn([lengths[b], dit.mel_dim], generator=g).to(self.device)
 
-        # Drawn on CPU so that a seed means the same noise on every device.
-        generator = torch.Generator(device="cpu").manual_seed(secrets.randbits(63) if seed is None else seed)
-        x = torch.randn([1, frames, self.dit.mel_dim], generator=generator, dtype=ref_mel.dtype).to(self.device)
-        speaker = cond.unsqueeze(1).repeat(1, frames, 1)
+        cfg = guidance_scale >= 1e-5
+        halves = 2 if cfg else 1
+        speaker = torch.cat([self._speakers[v][0] for v in voices])  # [n, enc_emb_dim]
+        ref = torch.cat([self._voice_codes[v][0] for v in voices])
+        code_emb = dit.text_embed(code_batch)
+        if cfg:  # second half: voice, reference and codes dropped
+            speaker = torch.cat([speaker, torch.zeros_like(speaker)])
+            ref = torch.cat([ref, torch.cat([self._voice_codes[v][1] for v in voices])])
+            code_emb = torch.cat([code_emb, dit.text_embed(code_batch, drop_code=True)])
+        fixed = torch.cat([ref.unsqueeze(1).expand(-1, frames, -1), code_emb,
+                           speaker.unsqueeze(1).expand(-1, frames, -1)], dim=-1)
+        positions = torch.arange(frames, device=self.device)[None].expand(n * halves, -1)
+        rotary = dit.rotary_embed(fixed, positions)
+        block_diff = dit._create_block_diff(fixed[:, :, :1])
+        valid = torch.arange(frames, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
+        if not bool(valid.all()):
+            # A real frame never attends padding: those keys fall outside every layer's block window.
+            valid = valid.repeat(halves, 1)
+            hide = valid[:, None, :, None] & ~valid[:, None, None, :]
+            block_diff = block_diff.masked_fill(hide, float(frames + dit.block_size))
 
         def velocity(t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-            if guidance_scale < 1e-5:
-                return self.dit(hidden_states=state, speaker_embedding=speaker, condition_vector=ref_mel,
-                                quantized_code=codes, time_step=t, drop_audio_conditioning=False,
-                                drop_code=False, apply_cfg=False)
-            # One batched pass: conditioned half, then the half with voice and codes dropped.
-            both = self.dit(hidden_states=state, quantized_code=codes, speaker_embedding=speaker,
-                            condition_vector=ref_mel, time_step=t, apply_cfg=True)
-            guided, null = torch.chunk(both, 2, dim=0)
+            temb = dit.time_embed(t.repeat(n * halves))
+            h = dit.input_embed.proj(torch.cat([state.repeat(halves, 1, 1), fixed], dim=-1))
+            for block in dit.transformer_blocks:
+                h = block(h, temb, position_embeddings=rotary, block_diff=block_diff)
+            out = dit.proj_out(dit.norm_out(h, temb))
+            if not cfg:
+                return out
+            guided, null = torch.chunk(out, 2, dim=0)
             return guided + (guided - null) * guidance_scale
 
         # RK4 "3/8 rule", operand order as in transformers so float32 rounding matches.
@@ -127,4 +186,4 @@ class Token2Wav:
             k3 = velocity(t0 + dt * _TWO_THIRDS, x + dt * (k2 - k1 * _ONE_THIRD))
             k4 = velocity(t1, x + dt * (k1 - k2 + k3))
             x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
-        return x.permute(0, 2, 1)
+        return [x[b:b + 1, :lengths[b]].permute(0, 2, 1) for b in range(n)]
