@@ -155,6 +155,26 @@ def test_stream_carries_transcript_then_audio(client):
     assert np.array_equal(wave, whole["wave"])
 
 
+def test_stop_string_ends_text_and_speech_still_arrives(client, speech_server):
+    """A stop string cuts the thinker short (FinishRequest): the talker and vocoder speak what came
+    before it instead of the request being dropped."""
+    messages = [{"role": "user", "content": "Count for me."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                          modalities=["text"], extra_body={"ignore_eos": True})
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip() and len(text) > 6
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0, stop=[stop],
+                                          audio={"voice": "Ethan", "format": "wav"}, extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.audio.transcript == text[:text.index(stop)]
+    wave, rate = _wave(choice.message.audio.data)
+    assert rate == SAMPLE_RATE and len(wave) > 0
+    for i in range(3):
+        assert resp.id not in speech_server.stats(i)["request_ids"]
+
+
 def test_text_only_request_skips_talker_and_vocoder(client, speech_server):
     before = [speech_server.stats(i)["steps"] for i in (1, 2)]
     resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,

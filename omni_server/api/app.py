@@ -393,14 +393,20 @@ class _Run:
             if delta.error is not None:
                 raise APIError(delta.error_code if delta.error_code in (400, 503) else 500, delta.error)
             if stage_id == text_stage:
+                if self.detok.stopped:
+                    continue  # tokens the stage made before it heard of the stop string
                 self.completion_tokens += len(delta.new_token_ids)
                 self.token_ids.extend(delta.new_token_ids)
                 piece = self.detok.push(delta.new_token_ids)
                 if self.detok.stopped:
                     self.finish_reason = "stop"
-                    await self.orch.abort(self.req.request_id)
                     yield piece + self.detok.flush()
-                    return
+                    if self.req.pending == {text_stage}:
+                        await self.orch.abort(self.req.request_id)
+                        return
+                    # Later stages (speech) still finish, on the text up to the stop.
+                    await self.orch.finish(self.req.request_id, text_stage)
+                    continue
                 if delta.finished:
                     self.finish_reason = _FINISH.get(delta.finish_reason or "", "stop")
                     piece += self.detok.flush()

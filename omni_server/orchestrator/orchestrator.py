@@ -23,6 +23,7 @@ from omni_server.wire.messages import (
     AbortRequest,
     AddRequest,
     ExpectRequest,
+    FinishRequest,
     Message,
     RequestDelta,
     RequestOutputs,
@@ -189,6 +190,10 @@ class Orchestrator:
                     yield stage_id, delta
         finally:
             self.requests.pop(state.request_id, None)
+
+    async def finish(self, request_id: str, stage_id: int) -> None:
+        """Cut one stage's generation short; stages downstream still get its output so far."""
+        await self._send(self.stage_socks[stage_id], FinishRequest(request_id=request_id))
 
     async def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

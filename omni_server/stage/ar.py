@@ -166,6 +166,17 @@ class ARStage(Stage):
             extra_args=extra or None,
         )
 
+    def finish_early(self, request_id: str) -> None:
+        if request_id not in self.in_engine:
+            return  # finished by itself meanwhile: its payload already went downstream
+        self.core.abort_requests([request_id])
+        self.in_engine.discard(request_id)
+        tracked = self.tracked.pop(request_id, None)
+        if tracked is not None:
+            self._forward(request_id, tracked)
+        self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=[
+            RequestDelta(request_id=request_id, finished=True, finish_reason="stop")]))
+
     def drop(self, request_ids: list[str]) -> None:
         in_engine = [r for r in request_ids if r in self.in_engine]
         if in_engine:
@@ -233,6 +244,9 @@ class ARStage(Stage):
             capture.wait()  # no clone needed: torch.cat below copies
         tracked.pending.clear()
         hidden = torch.cat(tracked.hidden) if tracked.hidden else torch.empty(0)
+        # One row per fed position: prompt + every output token but the last (cut short by
+        # finish_early, a step may have run one position further).
+        hidden = hidden[:len(tracked.prompt_token_ids) + len(tracked.output_token_ids) - 1]
         payload = StagePayload(
             request_id=request_id, source_stage=self.stage_id,
             prompt_token_ids=tracked.prompt_token_ids, output_token_ids=tracked.output_token_ids,

@@ -19,6 +19,7 @@ from omni_server.stage.processors import StageInput
 from omni_server.wire.messages import (
     AbortRequest,
     AddRequest,
+    FinishRequest,
     ExpectRequest,
     RequestDelta,
     RequestOutputs,
@@ -76,6 +77,10 @@ class Stage:
     def drop(self, request_ids: list[str]) -> None:
         """Remove these requests from the engine (aborted or failed)."""
 
+    def finish_early(self, request_id: str) -> None:
+        """End this request now as if it had finished (FinishRequest); stages that cannot cut a
+        request short ignore it."""
+
     def known_requests(self) -> set[str]:
         return set(self.waiting)
 
@@ -124,6 +129,8 @@ class Stage:
             self._maybe_start(msg.request_id)
         elif isinstance(msg, AbortRequest):
             self.abort(msg.request_ids)
+        elif isinstance(msg, FinishRequest):
+            self.finish_early(msg.request_id)
         elif isinstance(msg, StatsQuery):
             running, waiting = self.counts()
             self.sockets.send_api(StageStats(

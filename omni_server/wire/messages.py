@@ -68,6 +68,13 @@ class AbortRequest(_Msg):
     request_ids: list[str]
 
 
+class FinishRequest(_Msg):
+    """Stop generating this request now and finish it as if it had ended by itself: its output so far
+    still goes downstream (the api found a stop string in a stage's text)."""
+
+    request_id: str
+
+
 class StatsQuery(_Msg):
     nonce: int
 
@@ -139,6 +146,7 @@ Message = Union[
     AddRequest,
     ExpectRequest,
     AbortRequest,
+    FinishRequest,
     StatsQuery,
     Shutdown,
     StagePayload,
