@@ -25,6 +25,7 @@ from omni_server.wire.messages import (
     AbortRequest,
     AddRequest,
     ExpectRequest,
+    FinishRequest,
     Message,
     RequestDelta,
     RequestOutputs,
@@ -71,6 +72,10 @@ def assert_msg_equal(got: object, want: object) -> None:
             assert list(g) == list(w)  # same keys, same order
             for key in w:
                 assert_tensor_equal(g[key], w[key])
+        elif field == "deltas":
+            assert len(g) == len(w)
+            for gd, wd in zip(g, w):
+                assert_msg_equal(gd, wd)
         else:
             assert type(g) is type(w), field
             assert g == w, field
@@ -156,6 +161,10 @@ def make_messages() -> list:
         Shutdown(),
         StagePayload("chatcmpl-1f2e", 0, list(range(40)), [11, 12, 13], tensors=make_tensors()),
         StagePayload("no-tensors", 1, [], []),
+        AddRequest("with-audio", [1, 2, 3], SamplingSpec(suppress_token_ids=[8293]), options={"voice": "Ethan"},
+                   tensors={"audio.0": torch.linspace(-1, 1, 1600), "audio.1": torch.zeros(0)}),
+        ExpectRequest("opts", SamplingSpec(), sources=[0, 1], options={"voice": "Chelsie", "reply_from": "12"}),
+        FinishRequest("chatcmpl-1f2e"),
         StageReady(stage_id=1, pid=4242, startup_s=12.375, info={"model": "Qwen/Qwen2.5-Omni-7B", "device": "cuda:1"}),
         RequestOutputs(
             stage_id=0,
@@ -163,9 +172,13 @@ def make_messages() -> list:
                 RequestDelta("a", new_token_ids=[5, 6], num_prompt_tokens=40),
                 RequestDelta("b", finished=True, finish_reason="error", error="CUDA out of memory"),
                 RequestDelta("c"),
+                RequestDelta("d", finished=True, finish_reason="stop", tensors={"audio": torch.rand(2400)},
+                             sample_rate=24000),
             ],
         ),
         StageStats(stage_id=2, nonce=7, num_running=3, num_waiting=1, request_ids=["a", "b"], steps=99),
+        StageStats(stage_id=2, nonce=0, num_running=0, num_waiting=0, request_ids=[],
+                   info={"voices": "Chelsie,Ethan", "sample_rate": "24000"}),
     ]
 
 
@@ -176,7 +189,7 @@ SMALL_MESSAGES = [m for m in MESSAGES if m is not BIG_PAYLOAD]
 
 def test_messages_cover_the_union():
     assert {type(m) for m in MESSAGES} == set(MESSAGE_TYPES)
-    assert len(MESSAGE_TYPES) == 9
+    assert len(MESSAGE_TYPES) == 10
 
 
 # ---- zmq fixtures ------------------------------------------------------------------------------
@@ -241,7 +254,8 @@ def test_round_trip(msg, mode, pipe):
     originals = {k: (v.clone(), v.stride()) for k, v in getattr(msg, "tensors", {}).items()}
     frames = Encoder().encode(msg)
     assert isinstance(frames[0], bytes) and frames[0].startswith(PREFIX)
-    assert len(frames) == 1 + len(getattr(msg, "tensors", {}))
+    assert len(frames) == 1 + len(getattr(msg, "tensors", {})) + sum(
+        len(d.tensors) for d in getattr(msg, "deltas", []))
     got = Decoder().decode(transmit(frames, mode, pipe))
     assert_msg_equal(got, msg)
     for k, (clone, stride) in originals.items():  # encoding leaves the input tensors untouched
