@@ -71,11 +71,18 @@ def processor(model_dir: Path):
     return AutoProcessor.from_pretrained(model_dir)
 
 
-def omni_inputs(model_dir: Path, messages: list[dict], audios: list) -> dict:
-    """transformers' processor on chat messages with audio parts (16 kHz float arrays)."""
+def omni_inputs(model_dir: Path, messages: list[dict], audios: list | None = None, images: list | None = None) -> dict:
+    """transformers' processor on chat messages with audio parts (16 kHz float arrays) and image
+    parts (RGB uint8 arrays)."""
     proc = processor(model_dir)
     text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return dict(proc(text=text, audio=audios, return_tensors="pt", padding=True))
+    return dict(proc(text=text, audio=audios, images=images, return_tensors="pt", padding=True))
+
+
+@torch.inference_mode()
+def thinker_greedy_inputs(model_dir: Path, inputs: dict, max_new_tokens: int) -> list[int]:
+    out = omni(model_dir).thinker.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 @torch.inference_mode()

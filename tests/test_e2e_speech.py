@@ -105,6 +105,52 @@ def test_chat_with_audio_input_matches_transformers(client, tiny_models):
     assert np.abs(ours["wave"] - ref_wave.clamp(-1, 1).numpy()).max() < WAVE_TOL
 
 
+def _png(width: int, height: int, seed: int | None = 0) -> tuple[str, np.ndarray]:
+    """A PNG data URL: random pixels, or one flat color (compresses to almost nothing) for seed None."""
+    from PIL import Image
+
+    if seed is None:
+        rgb = np.full((height, width, 3), 200, dtype=np.uint8)
+    else:
+        rgb = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), rgb
+
+
+def test_chat_with_image_matches_transformers(client, tiny_models):
+    url, rgb = _png(64, 48)
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=10, temperature=0,
+        modalities=["text"], extra_body={"return_token_ids": True})
+    model_dir = tiny_models["tiny-qwen2_5-omni"]
+    inputs = reference.omni_inputs(model_dir, [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What is this?"}]}], images=[rgb])
+    assert resp.choices[0].model_extra["token_ids"] == reference.thinker_greedy_inputs(model_dir, inputs, 10)
+    # With speech out too, the request goes through (the talker reads image positions as 1-D).
+    spoken = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                            max_tokens=6, audio={"voice": "Ethan", "format": "wav"})
+    assert len(_wave(spoken.choices[0].message.audio.data)[0]) > 0
+
+
+def test_bad_image_input_is_400(client):
+    def ask(url: str):
+        content = [{"type": "image_url", "image_url": {"url": url}}]
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                              max_tokens=2, modalities=["text"])
+
+    with pytest.raises(openai.BadRequestError, match="not fetched"):
+        ask("https://example.com/cat.png")
+    with pytest.raises(openai.BadRequestError, match="base64"):
+        ask("data:image/png;base64,%%%")
+    with pytest.raises(openai.BadRequestError, match="decoded"):
+        ask("data:image/png;base64," + base64.b64encode(b"not a png").decode())
+    big, _ = _png(4097, 4097, seed=None)  # server.max_image_pixels defaults to 4096 x 4096
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        ask(big)
+
+
 def test_bad_audio_input_is_400(client):
     def ask(data: str):
         content = [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omni_server.api import audio, errors
+from omni_server.api import audio, errors, image
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import (
     AudioDelta,
@@ -279,28 +279,41 @@ def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:
     return wanted
 
 
+_PLACEHOLDER = {"input_audio": "audio", "image_url": "image"}
+
+
 def _template_message(m) -> dict[str, Any]:
-    """A message as the chat template reads it (audio parts become placeholders)."""
-    if not m.audio_parts():
+    """A message as the chat template reads it (media parts become placeholders)."""
+    if not m.media_parts():
         return {"role": m.role, "content": m.text()}
-    parts = [{"type": "text", "text": p.text} if p.type == "text" else {"type": "audio"} for p in m.content]
+    parts = [{"type": "text", "text": p.text} if p.type == "text" else {"type": _PLACEHOLDER[p.type]}
+             for p in m.content]
     return {"role": m.role, "content": parts}
 
 
 async def _decode_media(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
-    """Decoded `input_audio` parts, in prompt order, as the first stage reads them."""
+    """Decoded media parts as the first stage reads them: "audio.N" (16 kHz mono float32) and
+    "image.N" (RGB uint8), numbered in prompt order per kind."""
     import torch
 
-    parts = [p for m in body.messages for p in m.audio_parts()]
+    limits = state.cfg.server
     out: dict[str, Any] = {}
-    for i, part in enumerate(parts):
+    counts = {"input_audio": 0, "image_url": 0}
+    for part in (p for m in body.messages for p in m.media_parts()):
+        i = counts[part.type]
+        counts[part.type] += 1
         try:
-            wave = await asyncio.to_thread(
-                audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
-                max_bytes=state.cfg.server.max_request_bytes, max_seconds=state.cfg.server.max_audio_seconds)
-        except audio.AudioError as e:
-            raise APIError(400, f"input_audio {i}: {e}", param="messages") from None
-        out[f"audio.{i}"] = torch.from_numpy(wave)
+            if part.type == "input_audio":
+                wave = await asyncio.to_thread(
+                    audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
+                    max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
+                out[f"audio.{i}"] = torch.from_numpy(wave)
+            else:
+                rgb = await asyncio.to_thread(image.decode_image_url, part.image_url.url,
+                                              max_bytes=limits.max_request_bytes, max_pixels=limits.max_image_pixels)
+                out[f"image.{i}"] = torch.from_numpy(rgb)
+        except (audio.AudioError, image.ImageError) as e:
+            raise APIError(400, f"{part.type} {i}: {e}", param="messages") from None
     return out
 
 

@@ -28,7 +28,17 @@ class InputAudioPart(_Lenient):
     input_audio: InputAudio
 
 
-ContentPart = Annotated[Union[TextPart, InputAudioPart], Field(discriminator="type")]
+class ImageURL(_Lenient):
+    url: str  # data:image/...;base64,... (remote URLs are refused)
+    detail: str | None = None
+
+
+class ImageURLPart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, InputAudioPart, ImageURLPart], Field(discriminator="type")]
 
 
 class ChatMessage(_Lenient):
@@ -43,8 +53,10 @@ class ChatMessage(_Lenient):
             return self.content
         return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
-    def audio_parts(self) -> list[InputAudioPart]:
-        return [p for p in self.content or [] if isinstance(p, InputAudioPart)] if isinstance(self.content, list) else []
+    def media_parts(self) -> list[InputAudioPart | ImageURLPart]:
+        if not isinstance(self.content, list):
+            return []
+        return [p for p in self.content if isinstance(p, (InputAudioPart, ImageURLPart))]
 
 
 class AudioOutputParam(_Lenient):

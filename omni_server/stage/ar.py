@@ -117,15 +117,29 @@ class ARStage(Stage):
         return len(sched.running), len(sched.waiting)
 
     def add_prompt(self, msg: AddRequest) -> None:
+        try:
+            prompt = self._prompt(msg)
+        except Exception as e:  # media that are not what the api sends
+            self.fail(msg.request_id, f"stage {self.stage.name}: bad media: {e}", code=400)
+            return
+        self._add(msg.request_id, prompt, msg.sampling, msg.forward_to)
+
+    def _prompt(self, msg: AddRequest) -> dict[str, Any]:
         # A typed dict is input vLLM takes as already processed; a prompt with media must go through
         # vLLM's multimodal processor (features, placeholder expansion), which an untyped one does.
         prompt: dict[str, Any] = {"type": "token", "prompt_token_ids": msg.prompt_token_ids}
-        audio = [msg.tensors[k] for k in sorted(msg.tensors, key=_media_index) if k.startswith("audio.")]
+        names = sorted(msg.tensors, key=_media_index)
+        # Frames are read-only zmq memory; vLLM's processor gets arrays of its own.
+        media: dict[str, list] = {}
+        audio = [(msg.tensors[k].numpy().copy(), AUDIO_SAMPLE_RATE) for k in names if k.startswith("audio.")]
+        images = [msg.tensors[k].numpy().copy() for k in names if k.startswith("image.")]
         if audio:
-            # Frames are read-only zmq memory; vLLM's processor gets its own float32 arrays.
-            prompt = {"prompt_token_ids": msg.prompt_token_ids,
-                      "multi_modal_data": {"audio": [(a.numpy().copy(), AUDIO_SAMPLE_RATE) for a in audio]}}
-        self._add(msg.request_id, prompt, msg.sampling, msg.forward_to)
+            media["audio"] = audio
+        if images:
+            media["image"] = images
+        if media:
+            prompt = {"prompt_token_ids": msg.prompt_token_ids, "multi_modal_data": media}
+        return prompt
 
     def start(self, expect: ExpectRequest, stage_input: StageInput) -> None:
         self._add(expect.request_id, stage_input.prompt, expect.sampling, expect.forward_to,

@@ -49,8 +49,8 @@ class AddRequest(_Msg):
     forward_to: list[int] = []
     # Per-request choices for the stage's input processor / generator, e.g. {"voice": "Ethan"}.
     options: dict[str, str] = {}
-    # Media of the prompt, in placeholder order: "audio.0", "audio.1", ...: mono float32 at
-    # AUDIO_SAMPLE_RATE.
+    # Media of the prompt, in placeholder order per kind: "audio.N" mono float32 at
+    # AUDIO_SAMPLE_RATE, "image.N" RGB uint8 [height, width, 3].
     tensors: dict[str, Any] = {}
 
 
