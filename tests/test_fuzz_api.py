@@ -22,3 +22,21 @@ def test_no_server_errors(text_server):
                 case.method, case.path, case.body, response.text[:500])
 
         fuzz()
+
+
+def test_no_server_errors_from_speech_routes(speech_server):
+    """The speech pipeline's own routes, where requests reach the talker and the vocoder."""
+    schema = schemathesis.openapi.from_url(f"{speech_server.base_url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    speech = [op for op in operations if op.path.startswith("/v1/audio/")]
+    assert {op.path for op in speech} == {"/v1/audio/speech", "/v1/audio/voices"}
+    for op in speech:
+
+        @given(case=op.as_strategy())
+        @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def fuzz(case):
+            response = case.call(timeout=120)
+            assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
+
+        fuzz()
