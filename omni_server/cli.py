@@ -85,6 +85,19 @@ def cmd_bench(args) -> int:
     return 1 if any(lv["errors"] for lv in result["levels"]) else 0
 
 
+def cmd_keys(args) -> int:
+    from omni_server.wire.security import create_keys
+
+    try:
+        secret = create_keys(args.dir)
+    except FileExistsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {secret} (secret, mode 0600) and its public half; set server.curve_keys_dir: {args.dir} "
+          "and give every process of the pipeline this directory")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-server", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -111,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     _config_args(p)
     p.set_defaults(fn=cmd_check)
+
+    p = sub.add_parser("keys", help="create the CURVE key that encrypts and authenticates TCP between processes")
+    p.add_argument("dir")
+    p.set_defaults(fn=cmd_keys)
 
     p = sub.add_parser("bench", help="load a running server over HTTP and report latency/throughput")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")

@@ -106,3 +106,81 @@ def test_external_stages_any_order(tiny_models, tmp_path):
         for f in logs:
             f.close()
     assert codes == [0, 0], [(tmp_path / f"stage{i}.log").read_text()[-3000:] for i in range(2)]
+
+
+CURVE_PIPELINE = """
+model: curve
+stages:
+  - id: 0
+    name: thinker
+    model: {thinker}
+    address: tcp://127.0.0.1:{p0}
+    engine_args: {{dtype: float32, max_model_len: 1024, max_num_seqs: 4, enforce_eager: true,
+                  gpu_memory_utilization: 0.15, limit_mm_per_prompt: {{image: 1, audio: 1, video: 0}}}}
+    env: {{VLLM_CPU_KVCACHE_SPACE: "1", TORCHDYNAMO_DISABLE: "1"}}
+    output: text
+server:
+  output_address: tcp://127.0.0.1:{p1}
+  curve_keys_dir: keys
+"""
+
+
+def test_curve_keys_encrypt_and_authenticate_tcp(tiny_models, tmp_path):
+    """With server.curve_keys_dir, the processes talk CURVE; a peer without the deployment's key
+    (plain TCP, or CURVE with its own key) gets nothing accepted: its Shutdown does not stop the stage."""
+    import zmq
+    import zmq.auth
+
+    from omni_server.wire.codec import Encoder
+    from omni_server.wire.messages import Shutdown
+    from omni_server.wire.security import Curve
+
+    assert subprocess.run([sys.executable, "-m", "omni_server.cli", "keys", str(tmp_path / "keys")],
+                          cwd=REPO, capture_output=True).returncode == 0
+    p0 = free_port()
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(CURVE_PIPELINE.format(thinker=MODELS / "tiny-qwen2_5-omni", p0=p0, p1=free_port()))
+    log = open(tmp_path / "stage0.log", "wb")
+    stage = _stage(config, 0, log)
+    api = Server(config, tmp_path / "api.log", args=["--external-stages"])
+    ctx = zmq.Context()
+    try:
+        api.wait_ready(time.monotonic() + 420)
+        client = openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="x", max_retries=0)
+        ask = lambda: client.chat.completions.create(  # noqa: E731
+            model="curve", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
+        assert ask().usage.completion_tokens >= 1
+
+        stranger_public, stranger_secret = zmq.auth.create_certificates(str(tmp_path), "stranger")
+        server_public, _ = zmq.auth.load_certificate(str(tmp_path / "keys" / "omni.key"))
+        plain = ctx.socket(zmq.PUSH)
+        foreign = ctx.socket(zmq.PUSH)
+        foreign.curve_serverkey = server_public  # knows the public key, not the deployment's secret
+        foreign.curve_publickey, foreign.curve_secretkey = zmq.auth.load_certificate(stranger_secret)
+        for sock in (plain, foreign):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{p0}")
+            sock.send_multipart(Encoder().encode(Shutdown()))
+        time.sleep(3)
+        assert stage.poll() is None, "a peer without the key stopped the stage"
+        assert ask().usage.completion_tokens >= 1
+
+        # The same message from a holder of the key is accepted: the stage shuts down cleanly.
+        member = ctx.socket(zmq.PUSH)
+        member.setsockopt(zmq.LINGER, 2000)
+        Curve(tmp_path / "keys").client(member)
+        member.connect(f"tcp://127.0.0.1:{p0}")
+        member.send_multipart(Encoder().encode(Shutdown()))
+        assert stage.wait(60) == 0
+    finally:
+        ctx.destroy(linger=0)
+        api.stop()
+        if stage.poll() is None:
+            stage.send_signal(signal.SIGTERM)
+        try:
+            code = stage.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(stage.pid, signal.SIGKILL)
+            code = stage.wait()
+        log.close()
+    assert code == 0, (tmp_path / "stage0.log").read_text()[-3000:]

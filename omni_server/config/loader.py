@@ -354,6 +354,7 @@ def load_config_text(
     for stage in cfg.stages:
         for field in _PATH_FIELDS:
             setattr(stage, field, _resolve_path(getattr(stage, field), base))
+    cfg.server.curve_keys_dir = _resolve_path(cfg.server.curve_keys_dir, base)
     return cfg
 
 

@@ -32,6 +32,7 @@ from omni_server.wire.messages import (
     StageStats,
     StatsQuery,
 )
+from omni_server.wire.security import curve_for
 from omni_server.wire.transport import SEND_HWM, api_address, decode_or_none, stage_address
 
 log = logging.getLogger(__name__)
@@ -59,13 +60,20 @@ class Orchestrator:
     def __init__(self, cfg: PipelineConfig, runtime_dir: Path):
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
+        self.curve = curve_for(cfg.server.curve_keys_dir)
+        if self.curve:
+            self.curve.start_authenticator(self.ctx)
         self.out = self.ctx.socket(zmq.PULL)
+        if self.curve:
+            self.curve.server(self.out)
         self.out.bind(api_address(cfg, runtime_dir))
         self.stage_socks: dict[int, zmq.asyncio.Socket] = {}
         for s in cfg.stages:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.LINGER, 1000)
+            if self.curve:
+                self.curve.client(sock)
             sock.connect(stage_address(cfg, s.id, runtime_dir))
             self.stage_socks[s.id] = sock
         self.encoder = Encoder()
@@ -139,6 +147,8 @@ class Orchestrator:
         for task in (self._recv_task, self._probe_task):
             if task:
                 task.cancel()
+        if self.curve:
+            self.curve.stop()
         self.ctx.destroy(linger=500)
 
     # ---- requests ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import zmq
 from omni_server.config.schema import PipelineConfig
 from omni_server.wire.codec import Decoder, Encoder, WireError
 from omni_server.wire.messages import Message
+from omni_server.wire.security import curve_for
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,12 @@ class StageSockets:
     def __init__(self, cfg: PipelineConfig, stage_id: int, runtime_dir: Path | str):
         self.ctx = zmq.Context()
         self.name = f"stage {stage_id}"
+        self.curve = curve_for(cfg.server.curve_keys_dir)
+        if self.curve:
+            self.curve.start_authenticator(self.ctx)
         self.input = self.ctx.socket(zmq.PULL)
+        if self.curve:
+            self.curve.server(self.input)
         self.input.bind(stage_address(cfg, stage_id, runtime_dir))
         self.api = self._push(api_address(cfg, runtime_dir))
         self.stages = {c: self._push(stage_address(cfg, c, runtime_dir)) for c in cfg.consumers(stage_id)}
@@ -68,6 +74,8 @@ class StageSockets:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 2000)
+        if self.curve:
+            self.curve.client(sock)
         sock.connect(address)
         return sock
 
@@ -91,4 +99,6 @@ class StageSockets:
         self.stages[stage_id].send_multipart(self.encoder.encode(msg), copy=False)
 
     def close(self) -> None:
+        if self.curve:
+            self.curve.stop()
         self.ctx.destroy(linger=1000)
