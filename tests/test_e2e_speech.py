@@ -201,6 +201,22 @@ def test_stream_carries_transcript_then_audio(client):
     assert np.array_equal(wave, whole["wave"])
 
 
+def test_talker_starts_while_the_thinker_still_talks(client, speech_server):
+    """configs/default.yaml streams the thinker's output into the talker (`input_mode: stream`): the
+    talker runs the request while the thinker is still generating it."""
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Talk for a while."}], max_tokens=400, temperature=0,
+        audio={"voice": "Ethan", "format": "wav"}, stream=True, extra_body={"ignore_eos": True})
+    overlapped = False
+    for chunk in stream:
+        if not overlapped and chunk.choices and chunk.choices[0].delta.audio:
+            # The talker is held back to the thinker's pace (it needs reply row k for step k), so
+            # both run side by side for most of the thinker's 400 tokens.
+            talker, thinker = speech_server.stats(1), speech_server.stats(0)
+            overlapped = thinker["num_running"] == 1 and talker["num_running"] == 1
+    assert overlapped, "the talker never ran while the thinker was generating"
+
+
 def test_stop_string_ends_text_and_speech_still_arrives(client, speech_server):
     """A stop string cuts the thinker short (FinishRequest): the talker and vocoder speak what came
     before it instead of the request being dropped."""

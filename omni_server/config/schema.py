@@ -48,6 +48,11 @@ class StageConfig(_Strict):
     inputs: list[Annotated[int, Field(ge=0)]] = []
     # Registered name that turns upstream payloads into this stage's engine input.
     input_processor: str | None = None
+    # "full": upstream outputs arrive once the upstream request finished; "stream": in chunks of
+    # `stream_chunk` positions while upstream still generates, and this stage starts as soon as its
+    # input processor has enough (e.g. a talker on the thinker's first reply tokens).
+    input_mode: Literal["full", "stream"] = "full"
+    stream_chunk: int = Field(8, ge=1)
     # What this stage returns to the client: "text" (detokenized message content),
     # "tokens" (token ids in the response's `omni_outputs`), "audio" (a generation stage's
     # waveform), or nothing.
@@ -86,6 +91,8 @@ class StageConfig(_Strict):
             raise ValueError("a stage with `inputs` needs an `input_processor`")
         if not self.inputs and self.input_processor:
             raise ValueError("`input_processor` is set but the stage has no `inputs`")
+        if self.input_mode == "stream" and not self.inputs:
+            raise ValueError("`input_mode: stream` needs `inputs`")
         if self.id in self.inputs:
             raise ValueError("a stage cannot take its own output as input")
         if self.kind == "generation":

@@ -39,6 +39,12 @@ class _Tracked:
 
     prompt_token_ids: list[int]
     forward_to: list[int]
+    # Consumers that take this request's output in chunks while it runs, and how many positions
+    # per chunk; what went out so far.
+    stream_to: list[int] = field(default_factory=list)
+    chunk: int = 8
+    sent_rows: int = 0
+    sent_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
     hidden_len: int = 0
@@ -99,12 +105,26 @@ class ARStage(Stage):
         self.tracked: dict[str, _Tracked] = {}
         self.in_engine: set[str] = set()
         self._unsettled: list[_Tracked] = []
+        # Requests whose input is still streaming in -> per-step rows handed to the runner so far.
+        self.stream_in: dict[str, int] = {}
+        self.core.scheduler.held = self._held
         self.startup_s = time.monotonic() - t0
 
     # ---- base.Stage hooks ---------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return self.core.scheduler.has_requests()
+        sched = self.core.scheduler
+        if not sched.has_requests():
+            return False
+        if not self.stream_in or sched.waiting or sched.has_finished_requests():
+            return True
+        return any(not self._held(r) for r in sched.running)  # else: nothing to do until input arrives
+
+    def _held(self, request) -> bool:
+        given = self.stream_in.get(request.request_id)
+        # The step feeding output token j adds step row j: wait until it is here (once the input is
+        # complete the last row repeats, so nothing waits).
+        return given is not None and request.num_computed_tokens - request.num_prompt_tokens >= given
 
     def close(self) -> None:
         self.core.shutdown()
@@ -141,9 +161,22 @@ class ARStage(Stage):
             prompt = {"prompt_token_ids": msg.prompt_token_ids, "multi_modal_data": media}
         return prompt
 
-    def start(self, expect: ExpectRequest, stage_input: StageInput) -> None:
+    def start(self, expect: ExpectRequest, stage_input: StageInput, final: bool = True) -> None:
         self._add(expect.request_id, stage_input.prompt, expect.sampling, expect.forward_to,
                   step_embeds=stage_input.step_embeds)
+        if not final and expect.request_id in self.in_engine:
+            rows = stage_input.step_embeds
+            self.stream_in[expect.request_id] = 0 if rows is None else len(rows)
+
+    def extend(self, request_id: str, more_step_embeds: torch.Tensor | None, final: bool) -> None:
+        if request_id not in self.stream_in:
+            return  # finished or failed meanwhile
+        if more_step_embeds is not None and len(more_step_embeds):
+            # Into the runner before the step that needs them (same queue as the steps).
+            self.core.collective_rpc("omni_append_step_embeds", args=(request_id, more_step_embeds))
+            self.stream_in[request_id] += len(more_step_embeds)
+        if final:
+            del self.stream_in[request_id]
 
     def _add(self, request_id: str, prompt: dict, spec: SamplingSpec, forward_to: list[int],
              step_embeds: torch.Tensor | None = None) -> None:
@@ -160,7 +193,9 @@ class ARStage(Stage):
             return
         self.in_engine.add(request_id)
         if forward_to:
-            self.tracked[request_id] = _Tracked(prompt_token_ids, list(forward_to))
+            stream_to = [c for c in forward_to if self.cfg.stage(c).input_mode == "stream"]
+            chunk = min((self.cfg.stage(c).stream_chunk for c in stream_to), default=8)
+            self.tracked[request_id] = _Tracked(prompt_token_ids, list(forward_to), stream_to, chunk)
 
     def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool, step_embeds: torch.Tensor | None = None):
         from vllm import SamplingParams
@@ -198,6 +233,7 @@ class ARStage(Stage):
         for rid in request_ids:
             self.in_engine.discard(rid)
             self.tracked.pop(rid, None)
+            self.stream_in.pop(rid, None)
 
     # ---- engine step ------------------------------------------------------------------------
 
@@ -207,6 +243,7 @@ class ARStage(Stage):
         # Last step's copies are done by now (the engine waited for that step's tokens): settle them.
         for tracked in self._unsettled:
             tracked.settle()
+        self._stream_out()
         self._unsettled = [t for c in self.core.scheduler.hidden_captures for t in self._collect_hidden(c)]
         self.core.scheduler.hidden_captures.clear()
         if not outputs:
@@ -230,6 +267,10 @@ class ARStage(Stage):
                     ))
                 if finished:
                     self.in_engine.discard(rid)
+                    if self.stream_in.pop(rid, None) is not None or rid in self.waiting:
+                        # Done before its streamed input was: drop the rest of that input.
+                        self.waiting.pop(rid, None)
+                        self.aborted[rid] = None
                     if tracked is not None:
                         del self.tracked[rid]
                         self._forward(rid, tracked)
@@ -253,6 +294,30 @@ class ARStage(Stage):
             offset += n
         return touched
 
+    def _stream_out(self) -> None:
+        """Chunks for streaming consumers: settled rows and known tokens not sent yet, once there
+        are `chunk` new positions (the first as soon as the prompt and one reply position are in)."""
+        for rid, tracked in self.tracked.items():
+            if not tracked.stream_to:
+                continue
+            new = tracked.hidden_len - tracked.sent_rows
+            first = tracked.sent_rows == 0 and tracked.hidden_len > len(tracked.prompt_token_ids)
+            if new >= tracked.chunk or (first and new > 0):
+                self._send_chunk(rid, tracked, final=False)
+
+    def _send_chunk(self, request_id: str, tracked: _Tracked, final: bool, rows: torch.Tensor | None = None) -> None:
+        if rows is None:
+            rows = torch.cat(tracked.hidden) if tracked.hidden else torch.empty(0)
+        end = len(rows) if final else tracked.hidden_len
+        chunk = StagePayload(
+            request_id=request_id, source_stage=self.stage_id,
+            prompt_token_ids=tracked.prompt_token_ids if tracked.sent_rows == 0 and tracked.sent_tokens == 0 else [],
+            output_token_ids=tracked.output_token_ids[tracked.sent_tokens:],
+            tensors={"hidden": rows[tracked.sent_rows:end].clone()}, final=final)
+        tracked.sent_rows, tracked.sent_tokens = max(end, tracked.sent_rows), len(tracked.output_token_ids)
+        for dst in tracked.stream_to:
+            self.sockets.send_stage(dst, chunk)
+
     def _forward(self, request_id: str, tracked: _Tracked) -> None:
         for capture, _, _ in tracked.pending:
             capture.wait()  # no clone needed: torch.cat below copies
@@ -261,12 +326,17 @@ class ARStage(Stage):
         # One row per fed position: prompt + every output token but the last (cut short by
         # finish_early, a step may have run one position further).
         hidden = hidden[:len(tracked.prompt_token_ids) + len(tracked.output_token_ids) - 1]
+        if tracked.stream_to:
+            self._send_chunk(request_id, tracked, final=True, rows=hidden)
+        full_to = [d for d in tracked.forward_to if d not in tracked.stream_to]
+        if not full_to:
+            return
         payload = StagePayload(
             request_id=request_id, source_stage=self.stage_id,
             prompt_token_ids=tracked.prompt_token_ids, output_token_ids=tracked.output_token_ids,
             tensors={"hidden": hidden},
         )
-        for dst in tracked.forward_to:
+        for dst in full_to:
             self.sockets.send_stage(dst, payload)
 
 

@@ -13,6 +13,8 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import torch
+
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
@@ -41,10 +43,29 @@ MAX_TOMBSTONES = 16384
 
 @dataclass
 class _Waiting:
-    """A request announced by the api whose upstream payloads are not all here yet."""
+    """A request announced by the api whose upstream payloads are not all here yet (or, for a
+    streamed input, the chunks received so far, merged per source)."""
 
     expect: ExpectRequest | None = None
     payloads: dict[int, StagePayload] = field(default_factory=dict)
+    started: bool = False
+    given: int = 0  # per-step rows handed to the engine so far
+
+    def merge(self, chunk: StagePayload) -> None:
+        old = self.payloads.get(chunk.source_stage)
+        if old is None:
+            self.payloads[chunk.source_stage] = chunk
+            return
+        tensors = dict(old.tensors)
+        for key, value in chunk.tensors.items():
+            tensors[key] = torch.cat([tensors[key], value]) if key in tensors else value
+        self.payloads[chunk.source_stage] = StagePayload(
+            request_id=old.request_id, source_stage=old.source_stage, prompt_token_ids=old.prompt_token_ids,
+            output_token_ids=old.output_token_ids + chunk.output_token_ids, tensors=tensors, final=chunk.final)
+
+    def complete(self) -> bool:
+        return self.expect is not None and all(
+            src in self.payloads and self.payloads[src].final for src in self.expect.sources)
 
 
 class Stage:
@@ -71,8 +92,14 @@ class Stage:
     def add_prompt(self, msg: AddRequest) -> None:
         self.fail(msg.request_id, f"stage {self.stage.name} takes no client prompt", code=400)
 
-    def start(self, expect: ExpectRequest, stage_input: StageInput) -> None:
+    def start(self, expect: ExpectRequest, stage_input: StageInput, final: bool = True) -> None:
+        """Begin the request; `final` False: its input is streamed and still growing (extend)."""
         raise NotImplementedError
+
+    def extend(self, request_id: str, more_step_embeds: torch.Tensor | None, final: bool) -> None:
+        """A streamed input grew after the request started: its new per-step rows, and whether the
+        input is complete now."""
+        raise NotImplementedError(f"stage {self.stage.name} cannot take streamed input")
 
     def drop(self, request_ids: list[str]) -> None:
         """Remove these requests from the engine (aborted or failed)."""
@@ -125,7 +152,7 @@ class Stage:
                 return
             if msg.request_id not in self.waiting:
                 self._bound_orphans()
-            self.waiting.setdefault(msg.request_id, _Waiting()).payloads[msg.source_stage] = msg
+            self.waiting.setdefault(msg.request_id, _Waiting()).merge(msg)
             self._maybe_start(msg.request_id)
         elif isinstance(msg, AbortRequest):
             self.abort(msg.request_ids)
@@ -150,10 +177,15 @@ class Stage:
             self.fail(oldest, f"stage {self.stage.name}: input dropped (too many pending payloads)", code=503)
 
     def _maybe_start(self, request_id: str) -> None:
+        """Start the request once its input is complete, or, for a streamed input, as soon as the
+        processor can build a start from what arrived; after that, hand it each new piece."""
         w = self.waiting[request_id]
+        streamed = self.stage.input_mode == "stream"
         if w.expect is None or any(src not in w.payloads for src in w.expect.sources):
             return
-        del self.waiting[request_id]
+        complete = w.complete()
+        if not (complete or streamed):
+            return
         try:
             stage_input = self.processor(w.payloads, self, dict(w.expect.options))
         except ValueError as e:  # the request's own input is unusable (e.g. unknown voice)
@@ -164,7 +196,18 @@ class Stage:
             log.exception("stage %d: input processor failed for %s", self.stage_id, request_id)
             self.fail(request_id, f"stage {self.stage.name}: input processing failed: {e}")
             return
-        self.start(w.expect, stage_input)
+        if stage_input is None:  # a streamed input that cannot start the request yet
+            return
+        if complete:
+            del self.waiting[request_id]
+        if not w.started:
+            w.started = True
+            self.start(w.expect, stage_input, final=complete)
+            w.given = 0 if stage_input.step_embeds is None else len(stage_input.step_embeds)
+            return
+        rows = stage_input.step_embeds
+        self.extend(request_id, None if rows is None else rows[w.given:], complete)
+        w.given = 0 if rows is None else len(rows)
 
     def abort(self, request_ids: list[str]) -> None:
         self.drop(request_ids)

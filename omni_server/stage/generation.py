@@ -47,7 +47,7 @@ class GenerationStage(Stage):
     def counts(self) -> tuple[int, int]:
         return 0, len(self.waiting) + len(self.ready)
 
-    def start(self, expect: ExpectRequest, stage_input: StageInput) -> None:
+    def start(self, expect: ExpectRequest, stage_input: StageInput, final: bool = True) -> None:
         self.ready[expect.request_id] = (expect, stage_input)
 
     def drop(self, request_ids: list[str]) -> None:

@@ -107,14 +107,26 @@ class StepEmbedsAdder:
     """Mixin over a vLLM V1 model runner: adds each request's per-step embeddings (sent with the
     request as SamplingParams.extra_args[STEP_EMBEDS], [rows, hidden]) to the input embedding of
     its output tokens: output token k gets row min(k, rows - 1). The add happens on vLLM's input
-    embedding buffer before the forward, outside any CUDA graph."""
+    embedding buffer before the forward, outside any CUDA graph. Rows of a streamed input arrive
+    later through `append_step_embeds` (the stage's scheduler holds a request back until the row its
+    next step needs is here)."""
+
+    def append_step_embeds(self, request_id: str, rows: torch.Tensor) -> None:
+        cache = self.__dict__.setdefault("_step_embeds", {})
+        if request_id in cache:
+            old = cache[request_id]
+            cache[request_id] = torch.cat([old, rows.to(old.device, old.dtype, non_blocking=True)])
+        else:  # before the request's first step: joined to its initial rows then
+            self.__dict__.setdefault("_step_embeds_more", {}).setdefault(request_id, []).append(rows)
 
     def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
         result = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
         inputs_embeds = result[1]
         cache = self.__dict__.setdefault("_step_embeds", {})
+        more = self.__dict__.setdefault("_step_embeds_more", {})
         for rid in scheduler_output.finished_req_ids:
             cache.pop(rid, None)
+            more.pop(rid, None)
         if inputs_embeds is None:
             return result
         num_sched = scheduler_output.num_scheduled_tokens
@@ -130,6 +142,7 @@ class StepEmbedsAdder:
                 extra = params.extra_args if params is not None else None
                 host = extra.get(STEP_EMBEDS) if extra else None
                 if host is not None:
+                    host = torch.cat([host, *more.pop(rid, [])])
                     rows = cache[rid] = host.to(inputs_embeds.device, inputs_embeds.dtype, non_blocking=True)
             if rows is not None and len(rows):
                 start = int(batch.num_computed_tokens_cpu[i])

@@ -1,4 +1,5 @@
-"""vLLM schedulers that take the runner's hidden states off each step for the stage loop.
+"""vLLM schedulers that take the runner's hidden states off each step for the stage loop, and hold
+back requests whose next input has not arrived yet (streamed stage inputs).
 
 Two classes because vLLM picks AsyncScheduler when async scheduling is on (GPU default) and plain
 Scheduler otherwise; subclassing only Scheduler would silently turn async scheduling off (measured
@@ -7,8 +8,11 @@ on the H200: the stage loop ran at 0.53-0.71 of vllm.LLM's decode throughput).
 
 from __future__ import annotations
 
+from typing import Callable
+
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
 
 from omni_server.stage.hidden import HiddenCapture
 
@@ -18,6 +22,23 @@ class _TakesHiddenCaptures:
         super().__init__(*args, **kwargs)
         # Filled in update_from_output, drained by the stage loop after each engine step.
         self.hidden_captures: list[HiddenCapture] = []
+        # Set by the stage loop: True for a running request that must sit this step out (its next
+        # step's input embedding is still on its way from the upstream stage).
+        self.held: Callable[[Request], bool] | None = None
+
+    def schedule(self, *args, **kwargs):
+        held = [r for r in self.running if self.held(r)] if self.held is not None else []
+        if not held:
+            return super().schedule(*args, **kwargs)
+        # Out of `running` for this one schedule() call: they keep their KV cache and their slot (the
+        # count vLLM keeps for paused streaming sessions makes admission leave room for them).
+        self.running = [r for r in self.running if r not in held]
+        self.num_waiting_for_streaming_input += len(held)
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.num_waiting_for_streaming_input -= len(held)
+            self.running.extend(r for r in held if r not in self.running)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         capture = getattr(model_runner_output, "omni_hidden", None)

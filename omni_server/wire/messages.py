@@ -87,7 +87,9 @@ class Shutdown(_Msg):
 
 
 class StagePayload(_Msg):
-    """One request's output of a stage, for the stage(s) downstream (sent when the request finishes)."""
+    """One request's output of a stage, for the stage(s) downstream: whole when the request
+    finished, or, to a stage with `input_mode: stream`, in chunks while it runs: each chunk carries
+    what is new since the last (prompt ids in the first only), the last one has `final`."""
 
     request_id: str
     source_stage: int
@@ -95,6 +97,7 @@ class StagePayload(_Msg):
     output_token_ids: list[int]
     # e.g. "hidden": [num_prompt + num_output - 1, hidden_size] final-layer hidden states.
     tensors: dict[str, Any] = {}
+    final: bool = True
 
 
 # ---- stage -> api ------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def _voice(options: dict[str, str], known) -> str:
 
 
 @processors.register("qwen2_5_omni.thinker_to_talker")
-def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str, str]) -> StageInput:
+def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str, str]) -> StageInput | None:
     p = _single(payloads)
     with _lock:
         t = _tables(str(ctx.stage.model), ctx.dtype)
@@ -106,9 +106,17 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         prompt_ids, out_ids = prompt_ids[:cut], prompt_ids[cut:] + out_ids[:1]
         hidden = hidden[:len(prompt_ids) + len(out_ids) - 1] if hidden is not None else None
     n_prompt, n_out = len(prompt_ids), len(out_ids)
-    if n_out == 0 or hidden is None or hidden.shape[0] != n_prompt + n_out - 1:
+    if hidden is None or (p.final and (n_out == 0 or hidden.shape[0] != n_prompt + n_out - 1)):
         shape = None if hidden is None else tuple(hidden.shape)
         raise ValueError(f"thinker payload has hidden states {shape} for {n_prompt} prompt + {n_out} output tokens")
+    if not p.final:
+        # Streamed: start once the first reply position is in (it joins the talker's prompt); the
+        # rows for the rest of the reply grow chunk by chunk.
+        usable = min(hidden.shape[0], n_prompt + n_out - 1)
+        if usable < n_prompt + 1:
+            return None
+        hidden, out_ids = hidden[:usable], out_ids[:usable - n_prompt + 1]
+        n_out = len(out_ids)
     with torch.inference_mode():
         ids = torch.tensor(prompt_ids + out_ids[:-1], device=t.device)
         token_part = t.projected_embed[ids]
@@ -119,7 +127,8 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         prompt[-1] += t.codec_start
         prompt[-2] += t.codec_pad
         prompt += t.proj_bias
-        reply = torch.cat([x[n_prompt + 1:], emb[t.text_end][None], emb[t.text_pad][None]])
+        ends = [emb[t.text_end][None], emb[t.text_pad][None]] if p.final else []
+        reply = torch.cat([x[n_prompt + 1:], *ends])
         return StageInput(
             prompt={"type": "embeds", "prompt_embeds": prompt.to("cpu", ctx.dtype)},
             step_embeds=reply.to("cpu", ctx.dtype),
