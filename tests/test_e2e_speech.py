@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -202,19 +203,34 @@ def test_stream_carries_transcript_then_audio(client):
 
 
 def test_talker_starts_while_the_thinker_still_talks(client, speech_server):
-    """configs/default.yaml streams the thinker's output into the talker (`input_mode: stream`): the
-    talker runs the request while the thinker is still generating it."""
-    stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Talk for a while."}], max_tokens=400, temperature=0,
-        audio={"voice": "Ethan", "format": "wav"}, stream=True, extra_body={"ignore_eos": True})
-    overlapped = False
-    for chunk in stream:
-        if not overlapped and chunk.choices and chunk.choices[0].delta.audio:
-            # The talker is held back to the thinker's pace (it needs reply row k for step k), so
-            # both run side by side for most of the thinker's 400 tokens.
-            talker, thinker = speech_server.stats(1), speech_server.stats(0)
-            overlapped = thinker["num_running"] == 1 and talker["num_running"] == 1
-    assert overlapped, "the talker never ran while the thinker was generating"
+    """configs/default.yaml streams the thinker's output into the talker (`input_mode: stream`): with a
+    long reply, the talker finishes its 64 codec tokens while the thinker is still generating (in
+    full mode the talker could not even start before the thinker finished)."""
+    import threading
+
+    talker_steps = speech_server.stats(1)["steps"]
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            thinker, talker = speech_server.stats(0), speech_server.stats(1)
+            if (thinker["num_running"] == 1 and talker["steps"] >= talker_steps + TALKER_MAX_TOKENS
+                    and not talker["request_ids"]):
+                seen.append(thinker["steps"])
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        resp = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Talk for a while."}], max_tokens=1500,
+            temperature=0, audio={"voice": "Ethan", "format": "wav"}, extra_body={"ignore_eos": True})
+    finally:
+        done.set()
+        watcher.join()
+    assert resp.usage.completion_tokens == 1500 and resp.choices[0].message.audio.data
+    assert seen, "the talker did not finish while the thinker was still generating"
 
 
 def test_stop_string_ends_text_and_speech_still_arrives(client, speech_server):

@@ -108,6 +108,10 @@ class ARStage(Stage):
         # Requests whose input is still streaming in -> per-step rows handed to the runner so far.
         self.stream_in: dict[str, int] = {}
         self.core.scheduler.held = self._held
+        # Load what the input processor needs now, not on the first request (seconds on a big model).
+        prepare = getattr(self.processor, "prepare", None)
+        if prepare is not None:
+            prepare(self)
         self.startup_s = time.monotonic() - t0
 
     # ---- base.Stage hooks ---------------------------------------------------------------------
@@ -172,8 +176,8 @@ class ARStage(Stage):
         if request_id not in self.stream_in:
             return  # finished or failed meanwhile
         if more_step_embeds is not None and len(more_step_embeds):
-            # Into the runner before the step that needs them (same queue as the steps).
-            self.core.collective_rpc("omni_append_step_embeds", args=(request_id, more_step_embeds))
+            # Reach the runner with the next step, before its forward.
+            self.core.scheduler.queue_step_embeds(request_id, more_step_embeds)
             self.stream_in[request_id] += len(more_step_embeds)
         if final:
             del self.stream_in[request_id]

@@ -76,6 +76,7 @@ class Stage:
         self.sockets = sockets
         self.processor = processors.get(self.stage.input_processor) if self.stage.input_processor else None
         self.waiting: dict[str, _Waiting] = {}
+        self._dirty: dict[str, None] = {}  # requests with new input since the last loop
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.steps = 0
         self.running = True
@@ -132,6 +133,12 @@ class Stage:
                 busy = self.has_work()
                 for msg in self.sockets.recv_inputs(timeout_ms=0 if busy else 50):
                     self._handle(msg)
+                # Inputs are processed once per loop, after the drain: a burst of stream chunks for
+                # one request costs one processor call, not one per chunk.
+                dirty, self._dirty = self._dirty, {}
+                for rid in dirty:
+                    if rid in self.waiting:
+                        self._maybe_start(rid)
                 if self.running and self.has_work():
                     self.step()
                     self.steps += 1
@@ -146,14 +153,14 @@ class Stage:
                 return
             w = self.waiting.setdefault(msg.request_id, _Waiting())
             w.expect = msg
-            self._maybe_start(msg.request_id)
+            self._dirty[msg.request_id] = None
         elif isinstance(msg, StagePayload):
             if msg.request_id in self.aborted:  # aborted while its payload was on the way
                 return
             if msg.request_id not in self.waiting:
                 self._bound_orphans()
             self.waiting.setdefault(msg.request_id, _Waiting()).merge(msg)
-            self._maybe_start(msg.request_id)
+            self._dirty[msg.request_id] = None
         elif isinstance(msg, AbortRequest):
             self.abort(msg.request_ids)
         elif isinstance(msg, FinishRequest):

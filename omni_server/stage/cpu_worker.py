@@ -26,7 +26,3 @@ class CPUOmniWorker(CPUWorker):
             raise RuntimeError("omni-server stages need vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0")
         super().init_device()
         self.model_runner = CPUOmniModelRunner(self.vllm_config, torch.device("cpu"))
-
-    def omni_append_step_embeds(self, request_id: str, rows) -> None:
-        """collective_rpc target: more per-step input rows for a request (streamed stage input)."""
-        self.model_runner.append_step_embeds(request_id, rows)

@@ -32,7 +32,3 @@ class GPUOmniWorker(Worker):
         gc.collect()
         torch.cuda.empty_cache()
         self.model_runner = GPUOmniModelRunner(self.vllm_config, self.device)
-
-    def omni_append_step_embeds(self, request_id: str, rows) -> None:
-        """collective_rpc target: more per-step input rows for a request (streamed stage input)."""
-        self.model_runner.append_step_embeds(request_id, rows)

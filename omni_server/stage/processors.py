@@ -29,8 +29,10 @@ class StageInput:
     data: dict[str, Any] | None = None
 
 
-# (payloads by source stage, the stage object, the request's options such as {"voice": ...})
-Processor = Callable[[dict[int, StagePayload], Any, dict[str, str]], StageInput]
+# (payloads by source stage, the stage object, the request's options such as {"voice": ...}).
+# A processor may return None for a streamed input that cannot start the request yet, and may have
+# a `prepare(stage)` attribute that loads its tables when the stage starts.
+Processor = Callable[[dict[int, StagePayload], Any, dict[str, str]], StageInput | None]
 _REGISTRY: dict[str, Processor] = {}
 
 

@@ -108,8 +108,15 @@ class StepEmbedsAdder:
     request as SamplingParams.extra_args[STEP_EMBEDS], [rows, hidden]) to the input embedding of
     its output tokens: output token k gets row min(k, rows - 1). The add happens on vLLM's input
     embedding buffer before the forward, outside any CUDA graph. Rows of a streamed input arrive
-    later through `append_step_embeds` (the stage's scheduler holds a request back until the row its
-    next step needs is here)."""
+    later, attached to a scheduler output (`omni_step_embeds`; the stage's scheduler holds a request
+    back until the row its next step needs is here)."""
+
+    def _update_states(self, scheduler_output):
+        result = super()._update_states(scheduler_output)
+        for rid, chunks in (getattr(scheduler_output, "omni_step_embeds", None) or {}).items():
+            for rows in chunks:
+                self.append_step_embeds(rid, rows)
+        return result
 
     def append_step_embeds(self, request_id: str, rows: torch.Tensor) -> None:
         cache = self.__dict__.setdefault("_step_embeds", {})

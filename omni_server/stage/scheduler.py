@@ -25,8 +25,20 @@ class _TakesHiddenCaptures:
         # Set by the stage loop: True for a running request that must sit this step out (its next
         # step's input embedding is still on its way from the upstream stage).
         self.held: Callable[[Request], bool] | None = None
+        # Per-step input rows that arrived for running requests, delivered to the runner with the
+        # next scheduler output (no extra round trip to the workers; in order with the steps).
+        self.step_embeds_out: dict[str, list] = {}
+
+    def queue_step_embeds(self, request_id: str, rows) -> None:
+        self.step_embeds_out.setdefault(request_id, []).append(rows)
 
     def schedule(self, *args, **kwargs):
+        out = self._schedule(*args, **kwargs)
+        if self.step_embeds_out:
+            out.omni_step_embeds, self.step_embeds_out = self.step_embeds_out, {}
+        return out
+
+    def _schedule(self, *args, **kwargs):
         held = [r for r in self.running if self.held(r)] if self.held is not None else []
         if not held:
             return super().schedule(*args, **kwargs)

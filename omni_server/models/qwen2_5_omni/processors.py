@@ -135,6 +135,9 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         )
 
 
+thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model), stage.dtype)
+
+
 @functools.lru_cache(maxsize=4)
 def _codec_stops(model_dir: str) -> frozenset[int]:
     tcfg = read_config(model_dir).talker_config
