@@ -30,7 +30,9 @@ def test_compose_runs_every_stage_and_the_api():
     assert api["ports"] == ["${PORT:-8000}:8000"]
     for svc in services.values():
         assert "./pipeline.yaml:/etc/omni/pipeline.yaml:ro" in svc["volumes"]
-        assert any(v.endswith(":/models:ro") for v in svc["volumes"])
+        assert any(v.endswith(":/model:ro") for v in svc["volumes"])
+    assert all(s.model == "/model" for s in cfg.stages)
+    assert {s.name for s in cfg.stages} == {"thinker", "talker", "token2wav"}
 
 
 def test_dockerfile_runs_as_non_root_with_the_cli_entrypoint():
