@@ -36,9 +36,12 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
     import torch
     from vllm.platforms import current_platform
 
-    if current_platform.device_type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # The GPU does the math; many host threads only add contention to the step loop's small
-        # tensor ops (vLLM's multiproc executor sets the same for its GPU workers).
+    on_cpu = current_platform.device_type == "cpu"
+    if (not on_cpu or stage.kind == "ar") and "OMP_NUM_THREADS" not in os.environ:
+        # The step loop's own tensor work is small: on GPU hosts the GPU does the math, and on CPU
+        # hosts an AR stage's model runs in vLLM's worker processes. More host threads only add
+        # contention; OpenMP threads spin-waiting on a busy machine turned millisecond ops into
+        # seconds (measured: a streamed talker starved for 3 s).
         torch.set_num_threads(1)
 
     from omni_server.wire.transport import StageSockets
