@@ -238,6 +238,7 @@ class ARStage(Stage):
             self.in_engine.discard(rid)
             self.tracked.pop(rid, None)
             self.stream_in.pop(rid, None)
+            self.core.scheduler.step_embeds_out.pop(rid, None)
 
     # ---- engine step ------------------------------------------------------------------------
 
