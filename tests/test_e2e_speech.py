@@ -233,6 +233,28 @@ def test_talker_starts_while_the_thinker_still_talks(client, speech_server):
     assert seen, "the talker did not finish while the thinker was still generating"
 
 
+def test_disconnect_mid_speech_clears_every_stage(client, speech_server):
+    """A client that goes away while the thinker streams into the talker: the request leaves all three
+    stages (thinker stops generating), and the pipeline serves the next request."""
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Go on and on."}], max_tokens=2000, temperature=0,
+        audio={"voice": "Chelsie", "format": "wav"}, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    request_id = next(chunks).id
+    next(chunks)  # the thinker is generating
+    assert request_id in speech_server.stats(0)["request_ids"]
+    stream.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if all(request_id not in speech_server.stats(i)["request_ids"] for i in range(3)):
+            break
+        time.sleep(0.2)
+    assert all(request_id not in speech_server.stats(i)["request_ids"] for i in range(3))
+    assert speech_server.stats(0)["num_running"] == 0  # aborted well before its 2000 tokens
+    after = _chat(client, "Hello", "Ethan", 3, max_tokens=4)
+    assert after.choices[0].message.audio.data
+
+
 def test_stop_string_ends_text_and_speech_still_arrives(client, speech_server):
     """A stop string cuts the thinker short (FinishRequest): the talker and vocoder speak what came
     before it instead of the request being dropped."""
