@@ -37,14 +37,11 @@ from omni_server.api.protocol import (
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.orchestrator import Orchestrator, StageUnavailable
-from omni_server.wire.messages import AUDIO_SAMPLE_RATE, SamplingSpec
+from omni_server.wire.messages import AUDIO_SAMPLE_RATE, REPLY_FROM_OPTION, VOICE_OPTION, SamplingSpec
 
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
-# Request option names the stages understand (see the model family's input processors).
-VOICE_OPTION = "voice"
-REPLY_FROM_OPTION = "reply_from"
 # How long a returned audio id is said to stay valid (nothing is stored server-side).
 AUDIO_TTL_S = 3600
 
@@ -140,9 +137,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat(body: ChatCompletionRequest, request: Request):
-        if body.model != state.cfg.model:
-            raise APIError(404, f"The model `{body.model}` does not exist. Available: {state.cfg.model}",
-                           param="model", code="model_not_found")
+        _check_model(state, body.model)
         media = await _decode_media(state, body)
         prompt_ids = state.text.render_chat([_template_message(m) for m in body.messages])
         _check_prompt(state, prompt_ids)
@@ -165,9 +160,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def speech(body: SpeechRequest, request: Request):
         """Speak `input` through the pipeline: the text stage reads it as its own reply (one
         prefill, nothing generated), the later stages turn that into audio."""
-        if body.model != state.cfg.model:
-            raise APIError(404, f"The model `{body.model}` does not exist. Available: {state.cfg.model}",
-                           param="model", code="model_not_found")
+        _check_model(state, body.model)
         if state.audio_stage is None:
             raise APIError(400, f"model `{state.cfg.model}` has no audio output", param="model")
         if body.speed != 1.0:
@@ -258,6 +251,12 @@ def _orch(state: ServerState) -> Orchestrator:
     if state.orch is None:
         raise APIError(503, "server is starting")
     return state.orch
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    if model != state.cfg.model:
+        raise APIError(404, f"The model `{model}` does not exist. Available: {state.cfg.model}",
+                       param="model", code="model_not_found")
 
 
 def _check_prompt(state: ServerState, prompt_ids: list[int]) -> None:

@@ -13,6 +13,12 @@ import importlib
 FAMILIES = ("qwen2_5_omni",)
 
 
+def import_family(name: str) -> None:
+    """Import the family a registered `family.thing` name belongs to (it registers on import)."""
+    if "." in name:
+        importlib.import_module(f"omni_server.models.{name.split('.', 1)[0]}")
+
+
 def register_vllm_models() -> None:
     """Make every family's vLLM model classes known to vLLM's ModelRegistry in this process."""
     from omni_server.stage import model_classes

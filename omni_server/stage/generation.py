@@ -17,13 +17,10 @@ from omni_server.config.schema import PipelineConfig
 from omni_server.stage import generators
 from omni_server.stage.base import Stage
 from omni_server.stage.processors import StageInput
-from omni_server.wire.messages import ExpectRequest, RequestDelta, RequestOutputs
+from omni_server.wire.messages import VOICE_OPTION, ExpectRequest, RequestDelta, RequestOutputs
 from omni_server.wire.transport import StageSockets
 
 log = logging.getLogger(__name__)
-
-# The request option naming the generator's voice (None: the generator's default).
-VOICE_OPTION = "voice"
 
 
 class GenerationStage(Stage):

@@ -24,8 +24,10 @@ def register(name: str, target: str) -> None:
 
 def load(name: str):
     """The generator class registered as `name` (imports its family, then its module)."""
-    if name not in _REGISTRY and "." in name:
-        importlib.import_module(f"omni_server.models.{name.split('.', 1)[0]}")
+    if name not in _REGISTRY:
+        from omni_server.models import import_family
+
+        import_family(name)
     try:
         module, cls = _REGISTRY[name].split(":")
     except KeyError:

@@ -9,7 +9,6 @@ ModelRegistry by a lazy "module:Class" reference. No vLLM code is patched.
 from __future__ import annotations
 
 import functools
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,8 +37,10 @@ def register(name: str, model_class: ModelClass) -> None:
 
 
 def get(name: str) -> ModelClass:
-    if name not in _REGISTRY and "." in name:
-        importlib.import_module(f"omni_server.models.{name.split('.', 1)[0]}")
+    if name not in _REGISTRY:
+        from omni_server.models import import_family
+
+        import_family(name)
     try:
         return _REGISTRY[name]
     except KeyError:

@@ -7,7 +7,6 @@ here; model-specific ones live in `omni_server/models/<family>/` and register on
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,8 +46,10 @@ def register(name: str) -> Callable[[Processor], Processor]:
 
 
 def get(name: str) -> Processor:
-    if name not in _REGISTRY and "." in name:
-        importlib.import_module(f"omni_server.models.{name.split('.', 1)[0]}")
+    if name not in _REGISTRY:
+        from omni_server.models import import_family
+
+        import_family(name)
     try:
         return _REGISTRY[name]
     except KeyError:

@@ -113,45 +113,39 @@ class StepEmbedsAdder:
 
     def _update_states(self, scheduler_output):
         result = super()._update_states(scheduler_output)
-        for rid, chunks in (getattr(scheduler_output, "omni_step_embeds", None) or {}).items():
-            for rows in chunks:
-                self.append_step_embeds(rid, rows)
-        return result
-
-    def append_step_embeds(self, request_id: str, rows: torch.Tensor) -> None:
-        cache = self.__dict__.setdefault("_step_embeds", {})
-        if request_id in cache:
-            old = cache[request_id]
-            cache[request_id] = torch.cat([old, rows.to(old.device, old.dtype, non_blocking=True)])
-        else:  # before the request's first step: joined to its initial rows then
-            self.__dict__.setdefault("_step_embeds_more", {}).setdefault(request_id, []).append(rows)
-
-    def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
-        result = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
-        inputs_embeds = result[1]
         cache = self.__dict__.setdefault("_step_embeds", {})
         more = self.__dict__.setdefault("_step_embeds_more", {})
         for rid in scheduler_output.finished_req_ids:
             cache.pop(rid, None)
             more.pop(rid, None)
-        if inputs_embeds is None:
+        for new in scheduler_output.scheduled_new_reqs:
+            extra = new.sampling_params.extra_args if new.sampling_params is not None else None
+            host = extra.get(STEP_EMBEDS) if extra else None
+            if host is not None:
+                rows = torch.cat([host, *more.pop(new.req_id, [])])
+                cache[new.req_id] = rows.to(self.device, self.dtype, non_blocking=True)
+        for rid, chunks in (getattr(scheduler_output, "omni_step_embeds", None) or {}).items():
+            for rows in chunks:
+                if rid in cache:
+                    old = cache[rid]
+                    cache[rid] = torch.cat([old, rows.to(old.device, old.dtype, non_blocking=True)])
+                else:  # its request is not scheduled yet: joined to its first rows then
+                    more.setdefault(rid, []).append(rows)
+        return result
+
+    def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
+        result = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
+        inputs_embeds = result[1]
+        cache = self.__dict__.get("_step_embeds")
+        if not cache or inputs_embeds is None:  # stages without per-step inputs pay nothing here
             return result
         num_sched = scheduler_output.num_scheduled_tokens
         batch = self.input_batch
         offset = 0
         for i, rid in enumerate(batch.req_ids):
             n = num_sched.get(rid, 0)
-            if n == 0:
-                continue
             rows = cache.get(rid)
-            if rows is None:
-                params = self.requests[rid].sampling_params
-                extra = params.extra_args if params is not None else None
-                host = extra.get(STEP_EMBEDS) if extra else None
-                if host is not None:
-                    host = torch.cat([host, *more.pop(rid, [])])
-                    rows = cache[rid] = host.to(inputs_embeds.device, inputs_embeds.dtype, non_blocking=True)
-            if rows is not None and len(rows):
+            if n and rows is not None and len(rows):
                 start = int(batch.num_computed_tokens_cpu[i])
                 prompt_len = int(batch.num_prompt_tokens[i])
                 first = max(start, prompt_len)

@@ -15,6 +15,10 @@ import msgspec
 WIRE_VERSION = 2
 AUDIO_SAMPLE_RATE = 16000
 
+# Request option names (AddRequest/ExpectRequest.options) the api sets and stages read.
+VOICE_OPTION = "voice"  # the generator's / talker's voice
+REPLY_FROM_OPTION = "reply_from"  # text-to-speech: prompt index where the given reply starts
+
 
 class _Msg(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=True):
     pass

@@ -22,13 +22,12 @@ from omni_server.models.qwen2_5_omni.checkpoint import load_tensors, read_config
 from omni_server.models.qwen2_5_omni.speakers import load_speakers
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
-from omni_server.wire.messages import StagePayload
+from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
 
-VOICE_OPTION = "voice"
-# Text-to-speech: the reply was given, not generated. The thinker ran on prompt + reply (minus its
-# last token) as one prompt; positions from this index on are the reply. Greedy generation of the
-# same reply would produce the same hidden states (causal attention), so the talker cannot tell.
-REPLY_FROM_OPTION = "reply_from"
+# Text-to-speech (options[REPLY_FROM_OPTION]): the reply was given, not generated. The thinker ran
+# on prompt + reply (minus its last token) as one prompt; positions from that index on are the reply.
+# Greedy generation of the same reply would produce the same hidden states (causal attention), so
+# the talker cannot tell.
 
 
 def _device() -> torch.device:
