@@ -565,3 +565,25 @@ def test_load_config_text_resolves_against_base_dir(tmp_path):
     (tmp_path / "models/z").mkdir(parents=True)
     cfg = load_config_text(_path_config("models/z"), base_dir=tmp_path)
     assert cfg.stages[0].model == str((tmp_path / "models/z").resolve())
+
+
+def test_curve_keys_dir_resolves_against_the_config_file(tmp_path):
+    (tmp_path / "configs" / "keys").mkdir(parents=True)
+    cfg = load_config(_write(tmp_path, _path_config("m") + "server: {curve_keys_dir: keys}\n"))
+    assert cfg.server.curve_keys_dir == str((tmp_path / "configs" / "keys").resolve())
+
+
+def test_keys_command_refuses_to_overwrite(tmp_path):
+    import subprocess
+    import sys
+
+    def keys():
+        return subprocess.run([sys.executable, "-m", "omni_server.cli", "keys", str(tmp_path / "k")],
+                              capture_output=True, text=True, timeout=60)
+
+    first = keys()
+    assert first.returncode == 0 and (tmp_path / "k" / "omni.key_secret").stat().st_mode & 0o777 == 0o600
+    secret = (tmp_path / "k" / "omni.key_secret").read_bytes()
+    second = keys()
+    assert second.returncode == 1 and "exists" in second.stderr and "Traceback" not in second.stderr
+    assert (tmp_path / "k" / "omni.key_secret").read_bytes() == secret

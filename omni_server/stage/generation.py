@@ -1,7 +1,7 @@
 """Generation stage: a registered generator (e.g. a vocoder) run on requests whose inputs are ready.
 
-Each step takes the oldest ready requests, up to the stage's `max_batch_size`, in one generator pass
-(one at a time if the generator has no `batch`); between steps the loop drains the socket, so aborts
+Each step takes the oldest ready requests, up to the stage's `max_batch_size`, in one generator pass;
+between steps the loop drains the socket, so aborts
 and new inputs are seen after every pass. Each result goes to the api as one delta with the waveform.
 """
 
@@ -52,15 +52,11 @@ class GenerationStage(Stage):
             self.ready.pop(rid, None)
 
     def step(self) -> None:
-        take = self.stage.max_batch_size if hasattr(self.generator, "batch") else 1
-        batch = [self.ready.popitem(last=False) for _ in range(min(take, len(self.ready)))]
+        batch = [self.ready.popitem(last=False) for _ in range(min(self.stage.max_batch_size, len(self.ready)))]
         requests = [{**(inp.data or {}), "voice": exp.options.get(VOICE_OPTION), "seed": exp.sampling.seed}
                     for _, (exp, inp) in batch]
         try:
-            if hasattr(self.generator, "batch"):
-                waves = self.generator.batch(requests)
-            else:
-                waves = [self._one(requests[0])]
+            waves = self.generator.batch(requests)
         except Exception as e:  # the pass itself failed: every request in it fails
             log.exception("stage %d: generator failed on %d requests", self.stage_id, len(batch))
             for rid, _ in batch:
@@ -77,8 +73,3 @@ class GenerationStage(Stage):
         if deltas:
             self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=deltas))
 
-    def _one(self, request: dict):
-        try:
-            return self.generator(**request)
-        except ValueError as e:
-            return e

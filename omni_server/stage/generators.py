@@ -1,11 +1,10 @@
 """Generators: the torch modules that generation (non-AR) stages run, by registered name.
 
 A generator is a class `Gen(model_dir, device)` with `sample_rate`, `voices` and
-`__call__(**inputs, voice=..., seed=...) -> 1-D float32 waveform`, where `inputs` come from the
-stage's input processor (StageInput.data), `voice` from the request (None: the default voice) and
-`seed` from its sampling settings (None: random). A generator may also offer
-`batch([{**inputs, "voice", "seed"}, ...]) -> [waveform | ValueError, ...]` to run several
-requests in one pass; the stage then uses it. Families
+`batch([{**inputs, "voice": ..., "seed": ...}, ...]) -> [1-D float32 waveform | ValueError, ...]`,
+one pass over several requests, where `inputs` come from the stage's input processor
+(StageInput.data), `voice` from the request (None: the default voice) and `seed` from its sampling
+settings (None: random); an invalid request gets its ValueError in its place. Families
 register a lazy "module:Class" reference, so the module loads only in the stage that runs it.
 """
 
