@@ -40,14 +40,20 @@ class Server:
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.failure_report()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.log_tail()}")
+        raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.failure_report()}")
+
+    def failure_report(self) -> str:
+        """The log's error lines (a worker's root cause can be far from the end), then its tail."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        errors = [l for l in lines if "Error" in l or "ERROR" in l or "Traceback" in l][:60]
+        return "error lines:\n" + "\n".join(errors) + "\n\nlog tail:\n" + self.log_tail()
 
     def log_tail(self, limit: int = 8000) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
@@ -103,9 +109,11 @@ def servers(request, tiny_models, record_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("server-logs")
     specs = {
         "text": (REPO / "tests" / "configs" / "text.yaml", {}, []),
-        # The embedded default (speech) pipeline, greedy talker with its codec ids in `omni_outputs`.
+        # The embedded default (speech) pipeline, greedy talker with its codec ids in `omni_outputs`;
+        # the thinker may run only 16 tokens ahead of the talker (tight backpressure: results must
+        # not change).
         "speech": (REPO / "configs" / "default.yaml", {}, [
-            "--stage-arg", "talker.output=tokens",
+            "--stage-arg", "talker.output=tokens", "--stage-arg", "talker.stream_window=16",
             "--stage-arg", "talker.default_sampling.temperature=0",
             "--stage-arg", "talker.default_sampling.repetition_penalty=1.0"]),
         "two_stage": (REPO / "tests" / "configs" / "two_stage.yaml", {"OMNI_TEST_RECORD_DIR": str(record_dir)}, []),

@@ -192,7 +192,12 @@ BROKEN = [
     (
         "generator-on-ar",
         "model: m\nstages:\n  - {id: 0, name: a, model: m, output: text, generator: g}\n",
-        "stage 0 (a): `generator` is only for `kind: generation` stages",
+        "stage 0 (a): `generator` / `generator_args` are only for `kind: generation` stages",
+    ),
+    (
+        "generator-args-on-ar",
+        "model: m\nstages:\n  - {id: 0, name: a, model: m, output: text, generator_args: {chunk_frames: 72}}\n",
+        "stage 0 (a): `generator` / `generator_args` are only for `kind: generation` stages",
     ),
     (
         "no-stage-with-output",

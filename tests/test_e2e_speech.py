@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -179,27 +180,79 @@ def test_concurrent_requests_equal_each_alone(client):
         assert np.abs(a["wave"] - b["wave"]).max() < WAVE_TOL
 
 
-def test_stream_carries_transcript_then_audio(client):
-    stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0, seed=5,
-        modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"}, stream=True,
-        stream_options={"include_usage": True})
-    transcript, data, finish, usage = [], [], None, None
+def _int16(wave: np.ndarray) -> np.ndarray:
+    return np.round(np.clip(wave, -1, 1) * 32767).astype("<i2")
+
+
+def test_stream_sends_audio_while_the_text_still_streams(client):
+    """Chat SSE with audio: transcript deltas and pcm16 data deltas interleave, the first audio
+    before the last text (thinker -> talker -> token2wav all streaming), and the concatenated
+    pieces are exactly the audio of the same request unstreamed."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Talk for a while."}], max_tokens=1500,
+                  temperature=0, seed=5, modalities=["text", "audio"], extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(**kwargs, audio={"voice": "Ethan", "format": "pcm16"}, stream=True,
+                                            stream_options={"include_usage": True})
+    events, ids, finish, usage = [], set(), None, None
     for chunk in stream:
-        if chunk.usage:
-            usage = chunk.usage
+        usage = chunk.usage or usage
         for choice in chunk.choices:
             audio = choice.delta.audio  # the openai client's ChoiceDeltaAudio
             if audio:
-                transcript.append(audio.transcript or "")
+                ids.add(audio.id)
+                if audio.transcript:
+                    events.append(("text", audio.transcript))
                 if audio.data:
-                    data.append(audio.data)
+                    events.append(("audio", base64.b64decode(audio.data)))
             finish = choice.finish_reason or finish
-    assert len(data) == 1 and finish == "length" and usage.completion_tokens == 8
-    whole = _outputs(_chat(client, "Hello", "Ethan", 5, max_tokens=8))
-    wave, rate = _wave(data[0])
-    assert rate == SAMPLE_RATE and "".join(transcript) == whole["transcript"]
-    assert np.array_equal(wave, whole["wave"])
+    kinds = [k for k, _ in events]
+    assert finish == "length" and usage.completion_tokens == 1500 and len(ids) == 1
+    assert kinds.count("audio") >= 2, "audio arrived in one piece"
+    assert kinds.index("audio") < len(kinds) - 1 - kinds[::-1].index("text"), "no audio before the last text"
+    whole = client.chat.completions.create(**kwargs, audio={"voice": "Ethan", "format": "wav"})
+    wave, rate = _wave(whole.choices[0].message.audio.data)
+    assert "".join(v for k, v in events if k == "text") == whole.choices[0].message.audio.transcript
+    pcm = np.frombuffer(b"".join(v for k, v in events if k == "audio"), dtype="<i2")
+    assert rate == SAMPLE_RATE and len(pcm) > 0
+    assert np.array_equal(pcm, _int16(wave))
+
+
+def test_speech_streams_raw_bytes_and_sse_events(client, speech_server):
+    """/v1/audio/speech: the raw body (chunked) and the `stream_format: sse` events carry the same
+    samples; SSE sends several speech.audio.delta events, then speech.audio.done with usage."""
+    body = {"model": MODEL, "input": "A sentence long enough to take more than one window.", "voice": "Chelsie",
+            "response_format": "pcm", "seed": 11}
+    with client.audio.speech.with_streaming_response.create(**{k: v for k, v in body.items() if k != "seed"},
+                                                            extra_body={"seed": 11}) as r:
+        raw = b"".join(r.iter_bytes())
+    deltas, done = [], None
+    with httpx.stream("POST", f"{speech_server.base_url}/v1/audio/speech", json={**body, "stream_format": "sse"},
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                if event["type"] == "speech.audio.delta":
+                    deltas.append(base64.b64decode(event["audio"]))
+                else:
+                    done = event
+    assert len(deltas) >= 2 and b"".join(deltas) == raw and len(raw) > 0
+    assert done["type"] == "speech.audio.done"
+    usage = done["usage"]
+    assert usage["input_tokens"] > 0 and 0 < usage["output_tokens"] <= TALKER_MAX_TOKENS
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+def test_speech_sse_disconnect_clears_every_stage(speech_server):
+    body = {"model": MODEL, "input": "Words " * 200, "voice": "Ethan", "response_format": "pcm",
+            "stream_format": "sse"}
+    with httpx.stream("POST", f"{speech_server.base_url}/v1/audio/speech", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # first audio: leave
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(speech_server.stats(i)["request_ids"] for i in range(3)):
+        time.sleep(0.2)
+    assert not any(speech_server.stats(i)["request_ids"] for i in range(3))
 
 
 def test_talker_starts_while_the_thinker_still_talks(client, speech_server):
@@ -231,6 +284,21 @@ def test_talker_starts_while_the_thinker_still_talks(client, speech_server):
         watcher.join()
     assert resp.usage.completion_tokens == 1500 and resp.choices[0].message.audio.data
     assert seen, "the talker did not finish while the thinker was still generating"
+
+
+def test_thinker_waits_for_a_slow_talker(client, speech_server):
+    """Backpressure: the speech server's talker has `stream_window: 16`, so the thinker pauses
+    whenever it is 16 tokens ahead of what the talker reported used (the talker starts a few steps
+    behind and reports every 8 steps, so that happens at least at its start), and runs free to its
+    1500 tokens once the talker is done (64 codes: it says it needs no more). Every other speech
+    test runs under the same tight window with results unchanged."""
+    before = speech_server.stats(0)["backpressure_pauses"]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Talk for a while."}], max_tokens=1500,
+        temperature=0, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"},
+        extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 1500 and resp.choices[0].message.audio.data
+    assert speech_server.stats(0)["backpressure_pauses"] > before
 
 
 def test_disconnect_mid_speech_clears_every_stage(client, speech_server):

@@ -138,3 +138,89 @@ def test_missing_speakers_file(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="spk_dict.pt"):
         load_speakers(str(tmp_path))
+
+
+# ---- streaming ---------------------------------------------------------------------------------
+
+LONG = torch.randint(0, 8292, (150,), generator=torch.Generator().manual_seed(1))
+
+
+def _feed_in_pieces(t2w, codes: torch.Tensor, sizes: list[int], seed: int, batch_with=None):
+    """Feed `codes` in pieces of `sizes` (cycled), stepping whenever the stream is ready; returns
+    the pieces of audio and how many came before the last code arrived."""
+    st, other = t2w.open_stream("Ethan", seed), None
+    if batch_with is not None:
+        other = t2w.open_stream("Chelsie", 99)
+        other.feed(codes=batch_with, final=True)
+    pieces, early, k, i = [], 0, 0, 0
+    while not st.done:
+        if k < codes.numel():
+            k = min(codes.numel(), k + sizes[i % len(sizes)])
+            i += 1
+            st.feed(codes=codes[:k], final=k == codes.numel())
+        if t2w.stream_ready(st):
+            streams = [st] + ([other] if other is not None and t2w.stream_ready(other) else [])
+            piece = t2w.stream_step(streams)[0]
+            pieces.append(piece)
+            early += piece.numel() if k < codes.numel() else 0
+    return pieces, early
+
+
+@pytest.mark.parametrize("sizes", [[1], [7, 1, 30], [150]])
+def test_stream_is_independent_of_arrival(t2w, sizes):
+    # Which DiT windows run depends only on the codes: any arrival pattern gives the same samples.
+    whole = t2w.stream_all(LONG, "Ethan", seed=5)
+    pieces, early = _feed_in_pieces(t2w, LONG, sizes, seed=5)
+    assert torch.equal(torch.cat(pieces), whole)
+    assert whole.numel() == LONG.numel() * 2 * t2w.hop
+    if sizes == [1]:
+        assert early > 0  # audio left before the last code arrived
+
+
+def test_stream_close_to_full_decode(t2w):
+    # Windows see a bounded context, so a long stream differs from the one-window decode, but only
+    # slightly (the tiny DiT's blocks barely interact); short ones are the same window.
+    full, streamed = t2w(LONG, "Ethan", seed=5), t2w.stream_all(LONG, "Ethan", seed=5)
+    assert full.abs().max() > 0
+    assert (full - streamed).abs().max().item() < 1e-4
+    short = LONG[:(t2w.chunk_frames + t2w.future_frames) // 2]
+    assert (t2w(short, "Ethan", seed=5) - t2w.stream_all(short, "Ethan", seed=5)).abs().max().item() < 1e-5
+
+
+def test_stream_first_audio_needs_one_window(t2w):
+    st = t2w.open_stream(None, 1)
+    need = (t2w.chunk_frames + t2w.future_frames) // 2
+    st.feed(codes=LONG[:need - 1], final=False)
+    assert not t2w.stream_ready(st)
+    st.feed(codes=LONG[:need], final=False)
+    assert t2w.stream_ready(st)
+    piece = t2w.stream_step([st])[0]
+    # The window settles chunk_frames; the vocoder holds back its right context.
+    assert piece.numel() == (t2w.chunk_frames - t2w.vocoder_context_frames) * t2w.hop
+    assert not st.done
+
+
+def test_streams_batched_equal_each_alone(t2w):
+    alone, _ = _feed_in_pieces(t2w, LONG, [5], seed=2)
+    batched, _ = _feed_in_pieces(t2w, LONG, [5], seed=2, batch_with=LONG[:90])
+    assert (torch.cat(alone) - torch.cat(batched)).abs().max().item() < 1e-5
+
+
+def test_stream_errors(t2w):
+    with pytest.raises(ValueError, match="unknown voice"):
+        t2w.open_stream("Nobody", 0)
+    st = t2w.open_stream(None, 0)
+    st.feed(codes=torch.tensor([1, 2, 10**6]), final=True)
+    (out,) = t2w.stream_step([st])
+    assert isinstance(out, ValueError) and st.done
+    empty = t2w.open_stream(None, 0)
+    empty.feed(codes=torch.zeros(0, dtype=torch.long), final=True)
+    (out,) = t2w.stream_step([empty])
+    assert out.numel() == 0 and empty.done
+
+
+@pytest.mark.parametrize("kwargs", [{"chunk_frames": 0}, {"chunk_frames": 50}, {"past_frames": 10},
+                                    {"future_frames": 3}, {"vocoder_context_frames": -1}])
+def test_bad_stream_settings(model_dir, kwargs):
+    with pytest.raises(ValueError):
+        Token2Wav(model_dir, **kwargs)

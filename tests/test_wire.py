@@ -35,6 +35,7 @@ from omni_server.wire.messages import (
     StageReady,
     StageStats,
     StatsQuery,
+    StreamCredit,
 )
 
 try:
@@ -165,6 +166,8 @@ def make_messages() -> list:
                    tensors={"audio.0": torch.linspace(-1, 1, 1600), "audio.1": torch.zeros(0)}),
         ExpectRequest("opts", SamplingSpec(), sources=[0, 1], options={"voice": "Chelsie", "reply_from": "12"}),
         FinishRequest("chatcmpl-1f2e"),
+        StreamCredit("chatcmpl-1f2e", stage_id=1, consumed=40),
+        StreamCredit("chatcmpl-1f2e", stage_id=2, consumed=-1),
         StageReady(stage_id=1, pid=4242, startup_s=12.375, info={"model": "Qwen/Qwen2.5-Omni-7B", "device": "cuda:1"}),
         RequestOutputs(
             stage_id=0,
@@ -189,7 +192,7 @@ SMALL_MESSAGES = [m for m in MESSAGES if m is not BIG_PAYLOAD]
 
 def test_messages_cover_the_union():
     assert {type(m) for m in MESSAGES} == set(MESSAGE_TYPES)
-    assert len(MESSAGE_TYPES) == 10
+    assert len(MESSAGE_TYPES) == 11
 
 
 # ---- zmq fixtures ------------------------------------------------------------------------------

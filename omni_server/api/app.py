@@ -183,19 +183,15 @@ def create_app(state: ServerState) -> FastAPI:
         req = await _submit(state, orch, request_id, prompt_ids, sampling, {"audio"},
                             {VOICE_OPTION: voice, REPLY_FROM_OPTION: str(len(prefix))})
 
-        async def synthesize() -> Response:
-            wave, rate = None, 0
-            async for stage_id, delta in orch.deltas(req):
-                if delta.error is not None:
-                    raise APIError(delta.error_code if delta.error_code in (400, 503) else 500, delta.error)
-                if stage_id == state.audio_stage and "audio" in delta.tensors:
-                    wave, rate = delta.tensors["audio"], delta.sample_rate
-            if wave is None:
-                raise APIError(500, "the pipeline returned no audio")
-            data = await asyncio.to_thread(audio.encode_audio, wave, rate, fmt)
-            return Response(content=data, media_type=audio.content_type(fmt))
-
-        return await _until_disconnect(request, synthesize(), orch, request_id)
+        speech_out = _SpeechStream(state, orch, req, fmt, n_input=len(reply))
+        if body.stream_format == "sse":
+            return StreamingResponse(speech_out.sse(), media_type="text/event-stream")
+        # The bytes stream as the audio is made; the first piece is awaited here so that a request
+        # failing before any audio gets a proper error status.
+        first = await _until_disconnect(request, speech_out.first(), orch, request_id)
+        if isinstance(first, Response):
+            return first
+        return StreamingResponse(speech_out.raw(first), media_type=audio.content_type(fmt))
 
     @app.get("/v1/audio/voices", dependencies=[Depends(require_key)])
     async def voices() -> VoiceList:
@@ -214,7 +210,7 @@ def create_app(state: ServerState) -> FastAPI:
         except asyncio.TimeoutError:
             raise APIError(503, f"stage {stage_id} did not answer") from None
         return {"stage_id": s.stage_id, "num_running": s.num_running, "num_waiting": s.num_waiting,
-                "request_ids": s.request_ids, "steps": s.steps}
+                "request_ids": s.request_ids, "steps": s.steps, "backpressure_pauses": s.backpressure_pauses}
 
     return app
 
@@ -380,6 +376,83 @@ async def _until_disconnect(request: Request, work: Awaitable[Any], orch: Orches
         raise
 
 
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _audio_error(delta) -> APIError:
+    return APIError(delta.error_code if delta.error_code in (400, 503) else 500, delta.error)
+
+
+class _SpeechStream:
+    """One /v1/audio/speech request's audio, encoded piece by piece as the audio stage sends it:
+    as the raw body (`first` then `raw`) or as OpenAI's speech SSE events (`sse`)."""
+
+    def __init__(self, state: ServerState, orch: Orchestrator, req, fmt: str, n_input: int):
+        self.state, self.orch, self.req, self.fmt = state, orch, req, fmt
+        self.n_input, self.n_output = n_input, 0
+        self._pieces = self._encoded()
+
+    async def _encoded(self) -> AsyncIterator[bytes]:
+        encoder = None
+        async for stage_id, delta in self.orch.deltas(self.req):
+            if delta.error is not None:
+                raise _audio_error(delta)
+            if stage_id == self.state.audio_stage and "audio" in delta.tensors:
+                if encoder is None:
+                    encoder = audio.StreamEncoder(delta.sample_rate, self.fmt)
+                data = await asyncio.to_thread(encoder.push, delta.tensors["audio"])
+                if delta.finished:
+                    self.n_output = delta.num_prompt_tokens
+                    data += await asyncio.to_thread(encoder.close)
+                yield data
+        if encoder is None:
+            raise APIError(500, "the pipeline returned no audio")
+
+    async def first(self) -> bytes:
+        return await anext(self._pieces)
+
+    async def raw(self, first: bytes) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            if first:
+                yield first
+            async for data in self._pieces:
+                if data:
+                    yield data
+            finished = True
+        except APIError as e:
+            # The status line went out with the first bytes: end the body short (the client sees an
+            # incomplete response, not a complete file).
+            finished = True
+            log.warning("%s failed mid-stream: %s", self.req.request_id, e.message)
+            raise
+        finally:
+            if not finished:  # client went away
+                await self.orch.abort(self.req.request_id)
+
+    def _audio_chunk(self, audio_id: str, data: bytes, expires_at: int) -> str:
+        return self._chunk(DeltaMessage(audio=AudioDelta(id=audio_id, data=base64.b64encode(data).decode(),
+                                                         expires_at=expires_at)))
+
+    async def sse(self) -> AsyncIterator[str]:
+        finished = False
+        try:
+            async for data in self._pieces:
+                if data:
+                    yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+            yield _sse({"type": "speech.audio.done", "usage": {
+                "input_tokens": self.n_input, "output_tokens": self.n_output,
+                "total_tokens": self.n_input + self.n_output}})
+            finished = True
+        except APIError as e:
+            finished = True
+            yield _sse({"type": "error", **errors.error_body(e.status, e.message)})
+        finally:
+            if not finished:
+                await self.orch.abort(self.req.request_id)
+
+
 class _Run:
     """One chat request's outputs, gathered for a JSON response or streamed as SSE."""
 
@@ -388,7 +461,6 @@ class _Run:
         self.state, self.orch, self.req, self.body = state, orch, req, body
         # With audio out, the text is the audio's transcript (OpenAI's shape: content stays null).
         self.audio_format = audio_format
-        self.audio: tuple[Any, int] | None = None
         self.prompt_ids = prompt_ids
         self.n_prompt = len(prompt_ids)
         self.token_ids: list[int] = []
@@ -398,12 +470,13 @@ class _Run:
         self.tokens: dict[int, list[int]] = {s.id: [] for s in state.cfg.stages if s.output == "tokens"}
         self.created = int(time.time())
 
-    async def _events(self) -> AsyncIterator[str]:
-        """Text pieces as they become available; sets finish_reason at the end."""
+    async def _events(self) -> AsyncIterator[tuple[str, Any]]:
+        """("text", piece) as text becomes available and ("audio", (waveform, rate)) per audio
+        piece; sets finish_reason at the end."""
         text_stage = self.state.text_stage
         async for stage_id, delta in self.orch.deltas(self.req):
             if delta.error is not None:
-                raise APIError(delta.error_code if delta.error_code in (400, 503) else 500, delta.error)
+                raise _audio_error(delta)
             if stage_id == text_stage:
                 if self.detok.stopped:
                     continue  # tokens the stage made before it heard of the stop string
@@ -412,7 +485,7 @@ class _Run:
                 piece = self.detok.push(delta.new_token_ids)
                 if self.detok.stopped:
                     self.finish_reason = "stop"
-                    yield piece + self.detok.flush()
+                    yield "text", piece + self.detok.flush()
                     if self.req.pending == {text_stage}:
                         await self.orch.abort(self.req.request_id)
                         return
@@ -423,19 +496,21 @@ class _Run:
                     self.finish_reason = _FINISH.get(delta.finish_reason or "", "stop")
                     piece += self.detok.flush()
                 if piece:
-                    yield piece
+                    yield "text", piece
             elif stage_id in self.tokens:
                 self.tokens[stage_id].extend(delta.new_token_ids)
                 if delta.finished and text_stage is None:
                     self.finish_reason = _FINISH.get(delta.finish_reason or "", "stop")
             elif stage_id == self.state.audio_stage and "audio" in delta.tensors:
-                self.audio = (delta.tensors["audio"], delta.sample_rate)
+                yield "audio", (delta.tensors["audio"], delta.sample_rate)
 
-    async def _audio(self, transcript: str) -> AudioResponse:
-        if self.audio is None:
+    async def _audio(self, transcript: str, pieces: list[tuple[Any, int]]) -> AudioResponse:
+        import torch
+
+        if not pieces:
             raise APIError(500, "the pipeline returned no audio")
-        wave, rate = self.audio
-        data = await asyncio.to_thread(audio.encode_audio, wave, rate, self.audio_format)
+        wave = torch.cat([torch.as_tensor(w).reshape(-1) for w, _ in pieces])
+        data = await asyncio.to_thread(audio.encode_audio, wave, pieces[0][1], self.audio_format)
         return AudioResponse(id=f"audio_{uuid.uuid4().hex}", data=base64.b64encode(data).decode(),
                              expires_at=int(time.time()) + AUDIO_TTL_S, transcript=transcript)
 
@@ -449,11 +524,14 @@ class _Run:
         return {self.state.cfg.stage(i).name: {"token_ids": ids} for i, ids in self.tokens.items()}
 
     async def collect(self) -> ChatCompletion:
-        text = "".join([piece async for piece in self._events()])
+        texts, pieces = [], []
+        async for kind, value in self._events():
+            (texts if kind == "text" else pieces).append(value)
+        text = "".join(texts)
         content = text if self.state.text_stage is not None else None
         message = ResponseMessage(content=content)
         if self.audio_format is not None:
-            message = ResponseMessage(content=None, audio=await self._audio(text))
+            message = ResponseMessage(content=None, audio=await self._audio(text, pieces))
         return ChatCompletion(
             id=self.req.request_id, model=self.state.cfg.model,
             choices=[Choice(message=message,
@@ -467,21 +545,36 @@ class _Run:
                                     choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
         return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
+    def _audio_chunk(self, audio_id: str, data: bytes, expires_at: int) -> str:
+        return self._chunk(DeltaMessage(audio=AudioDelta(id=audio_id, data=base64.b64encode(data).decode(),
+                                                         expires_at=expires_at)))
+
     async def sse(self) -> AsyncIterator[str]:
         finished = False
         try:
             yield self._chunk(DeltaMessage(role="assistant", content=""))
-            transcript = []
-            async for piece in self._events():
-                if self.audio_format is None:
-                    yield self._chunk(DeltaMessage(content=piece))
+            # Audio goes out as it is made: transcript deltas and data deltas (the requested format,
+            # encoded piece by piece; see audio.StreamEncoder) interleave, all under one audio id.
+            audio_id, encoder = f"audio_{uuid.uuid4().hex}", None
+            expires_at = int(time.time()) + AUDIO_TTL_S
+            async for kind, value in self._events():
+                if kind == "text" and self.audio_format is None:
+                    yield self._chunk(DeltaMessage(content=value))
+                elif kind == "text":
+                    yield self._chunk(DeltaMessage(audio=AudioDelta(id=audio_id, transcript=value)))
                 else:
-                    transcript.append(piece)
-                    yield self._chunk(DeltaMessage(audio=AudioDelta(transcript=piece)))
+                    wave, rate = value
+                    if encoder is None:
+                        encoder = audio.StreamEncoder(rate, self.audio_format)
+                    data = await asyncio.to_thread(encoder.push, wave)
+                    if data:
+                        yield self._audio_chunk(audio_id, data, expires_at)
             if self.audio_format is not None:
-                full = await self._audio("".join(transcript))
-                yield self._chunk(DeltaMessage(audio=AudioDelta(id=full.id, data=full.data,
-                                                                expires_at=full.expires_at)))
+                if encoder is None:
+                    raise APIError(500, "the pipeline returned no audio")
+                data = await asyncio.to_thread(encoder.close)
+                if data:
+                    yield self._audio_chunk(audio_id, data, expires_at)
             yield self._chunk(DeltaMessage(), finish=self.finish_reason or "stop", omni_outputs=self._omni_outputs())
             opts = self.body.stream_options
             if opts is not None and opts.include_usage:

@@ -114,6 +114,71 @@ def encode_audio(wave: torch.Tensor | np.ndarray, sample_rate: int, fmt: str) ->
     return buf.getvalue()
 
 
+# Formats whose bytes can leave as the audio is made. libsndfile finishes FLAC and MP3 files by
+# rewriting their first bytes (FLAC's sample count, MP3's LAME tag frame), which a stream has
+# already sent: those are encoded whole when the audio is complete.
+STREAMABLE_FORMATS = ("pcm", "pcm16", "wav", "opus")
+
+
+class StreamEncoder:
+    """Encodes a waveform that arrives in pieces: `push` returns the bytes ready so far, `close`
+    the rest; all of them concatenated are one playable file. wav gets a header with unknown
+    (0xFFFFFFFF) sizes, as streamed WAV does; pcm is headerless; formats not in
+    STREAMABLE_FORMATS come out whole from `close`."""
+
+    def __init__(self, sample_rate: int, fmt: str):
+        self.fmt = _check_format(fmt)
+        self.in_rate = self.rate = sample_rate
+        self._header = self.fmt == "wav"
+        self._file: sf.SoundFile | None = None
+        self._pieces: list[np.ndarray] | None = None  # formats encoded whole
+        self._buf = io.BytesIO()
+        self._sent = 0
+        if self.fmt == "opus":
+            rates = _CODEC_RATES["opus"]
+            if sample_rate not in rates:
+                self.rate = next((r for r in rates if r >= sample_rate), rates[-1])
+            container, subtype = _SF_FORMATS["opus"]
+            self._file = sf.SoundFile(self._buf, "w", samplerate=self.rate, channels=1, format=container,
+                                      subtype=subtype)
+        elif self.fmt not in ("pcm", "wav"):
+            self._pieces = []
+
+    def push(self, wave: torch.Tensor | np.ndarray) -> bytes:
+        wave = _to_numpy(wave)
+        if self._pieces is not None:
+            self._pieces.append(wave)
+            return b""
+        if self._file is not None:
+            if wave.size:
+                self._file.write(np.ascontiguousarray(_resample(wave, self.in_rate, self.rate)))
+            data = self._buf.getbuffer()[self._sent:].tobytes()
+            self._sent += len(data)
+            return data
+        data = _to_int16(wave).tobytes()
+        if self._header:
+            self._header = False
+            data = _streaming_wav_header(self.rate) + data
+        return data
+
+    def close(self) -> bytes:
+        if self._pieces is not None:
+            whole = np.concatenate(self._pieces) if self._pieces else np.zeros(0, dtype=np.float32)
+            return encode_audio(whole, self.in_rate, self.fmt)
+        if self._file is not None:
+            self._file.close()  # flushes the codec's buffered frames
+            return self._buf.getbuffer()[self._sent:].tobytes()
+        return self.push(np.zeros(0, dtype=np.float32)) if self._header else b""
+
+
+def _streaming_wav_header(rate: int) -> bytes:
+    unknown = 0xFFFFFFFF
+    return (b"RIFF" + unknown.to_bytes(4, "little") + b"WAVE" + b"fmt " + (16).to_bytes(4, "little")
+            + (1).to_bytes(2, "little") + (1).to_bytes(2, "little") + rate.to_bytes(4, "little")
+            + (rate * 2).to_bytes(4, "little") + (2).to_bytes(2, "little") + (16).to_bytes(2, "little")
+            + b"data" + unknown.to_bytes(4, "little"))
+
+
 def _resample(wave: np.ndarray, orig: int, new: int) -> np.ndarray:
     if orig == new or wave.size == 0:
         return wave

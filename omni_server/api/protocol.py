@@ -181,6 +181,9 @@ class SpeechRequest(_Lenient):
     response_format: str = "mp3"  # OpenAI's default
     speed: float = Field(1.0, ge=0.25, le=4.0)
     instructions: str | None = None
+    # "audio": the body is the audio file, streamed as it is made; "sse": OpenAI's
+    # speech.audio.delta / speech.audio.done events.
+    stream_format: Literal["audio", "sse"] = "audio"
     # Extension: seed of the vocoder's sampling noise (same seed, same waveform).
     seed: int | None = None
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
 import statistics
 import sys
 import time
-import wave
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -68,7 +66,8 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
         body["modalities"] = ["text", "audio"]
         body["audio"] = {"format": "wav", **({"voice": cfg.voice} if cfg.voice else {})}
     t0 = time.perf_counter()
-    ttft, ttfp, audio_s, tokens, error = None, None, 0.0, 0, None
+    ttft, ttfp, tokens, error = None, None, 0, None
+    audio = _WavStream()
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -87,20 +86,32 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
                     data = (d.get("audio") or {}).get("data")
                     if data:
                         ttfp = ttfp if ttfp is not None else time.perf_counter() - t0
-                        audio_s += _wav_seconds(data)
+                        audio.add(base64.b64decode(data))
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
-    if cfg.audio and error is None and not audio_s:
+    if cfg.audio and error is None and not audio.seconds:
         error = "no audio in the response"
-    return {"ttft_s": ttft, "ttfp_s": ttfp, "audio_s": audio_s, "latency_s": time.perf_counter() - t0,
+    return {"ttft_s": ttft, "ttfp_s": ttfp, "audio_s": audio.seconds, "latency_s": time.perf_counter() - t0,
             "tokens": tokens, "error": error}
 
 
-def _wav_seconds(b64: str) -> float:
-    with wave.open(io.BytesIO(base64.b64decode(b64))) as w:
-        return w.getnframes() / w.getframerate()
+class _WavStream:
+    """Seconds of 16-bit mono WAV streamed in pieces: a header (sizes may be unknown) then samples."""
+
+    def __init__(self):
+        self.rate, self.sample_bytes = 0, 0
+
+    def add(self, data: bytes) -> None:
+        if not self.rate:
+            self.rate = int.from_bytes(data[24:28], "little")  # the fmt chunk's sample rate
+            data = data[data.index(b"data") + 8:]
+        self.sample_bytes += len(data)
+
+    @property
+    def seconds(self) -> float:
+        return self.sample_bytes / 2 / self.rate if self.rate else 0.0
 
 
 async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> dict:

@@ -41,6 +41,8 @@ class StageConfig(_Strict):
     # how many ready requests it takes in one pass.
     generator: str | None = None
     max_batch_size: int = Field(8, ge=1)
+    # Keyword arguments for the generator's constructor (e.g. token2wav's streaming window sizes).
+    generator_args: dict[str, Any] = {}
     # CUDA_VISIBLE_DEVICES for the stage process, e.g. "0" or "0,1"; None inherits.
     devices: str | None = None
     env: dict[str, str] = {}
@@ -53,6 +55,10 @@ class StageConfig(_Strict):
     # input processor has enough (e.g. a talker on the thinker's first reply tokens).
     input_mode: Literal["full", "stream"] = "full"
     stream_chunk: int = Field(8, ge=1)
+    # Backpressure on a streamed input: upstream runs at most this many output tokens ahead of what
+    # this stage has used (it pauses that request meanwhile), so a slow stage never makes a fast one
+    # buffer a whole reply for it.
+    stream_window: int = Field(256, ge=1)
     # What this stage returns to the client: "text" (detokenized message content),
     # "tokens" (token ids in the response's `omni_outputs`), "audio" (a generation stage's
     # waveform), or nothing.
@@ -93,6 +99,9 @@ class StageConfig(_Strict):
             raise ValueError("`input_processor` is set but the stage has no `inputs`")
         if self.input_mode == "stream" and not self.inputs:
             raise ValueError("`input_mode: stream` needs `inputs`")
+        if self.stream_window < self.stream_chunk:
+            raise ValueError(f"`stream_window` ({self.stream_window}) must be at least `stream_chunk` "
+                             f"({self.stream_chunk})")
         if self.id in self.inputs:
             raise ValueError("a stage cannot take its own output as input")
         if self.kind == "generation":
@@ -102,8 +111,8 @@ class StageConfig(_Strict):
                 raise ValueError("a `generation` stage needs `inputs` (it runs on upstream outputs)")
             if self.model_class or self.engine_args:
                 raise ValueError("`model_class` / `engine_args` are for `ar` stages")
-        elif self.generator:
-            raise ValueError("`generator` is only for `kind: generation` stages")
+        elif self.generator or self.generator_args:
+            raise ValueError("`generator` / `generator_args` are only for `kind: generation` stages")
         if self.output == "audio" and self.kind != "generation":
             raise ValueError("`output: audio` needs a `generation` stage")
         return self

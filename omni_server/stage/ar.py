@@ -45,6 +45,12 @@ class _Tracked:
     chunk: int = 8
     sent_rows: int = 0
     sent_tokens: int = 0
+    # Backpressure: output tokens each streaming consumer reported used, the consumers that need
+    # no more, and how far ahead of the slowest the request may run (0: no limit).
+    acked: dict[int, int] = field(default_factory=dict)
+    done_to: set[int] = field(default_factory=set)
+    window: int = 0
+    paused: bool = False  # held for backpressure right now
     output_token_ids: list[int] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
     hidden_len: int = 0
@@ -52,6 +58,12 @@ class _Tracked:
     # and whether the capture's buffer also holds other requests' rows (then the view is cloned once
     # the copy is done, so a long request does not pin every step buffer of its lifetime).
     pending: list[tuple[Any, int, bool]] = field(default_factory=list)
+
+    def too_far_ahead(self) -> bool:
+        live = [c for c in self.stream_to if c not in self.done_to]
+        if not live or not self.window:
+            return False
+        return self.sent_tokens - min(self.acked.get(c, 0) for c in live) >= self.window
 
     def settle(self) -> None:
         for capture, index, shared in self.pending:
@@ -105,8 +117,11 @@ class ARStage(Stage):
         self.tracked: dict[str, _Tracked] = {}
         self.in_engine: set[str] = set()
         self._unsettled: list[_Tracked] = []
-        # Requests whose input is still streaming in -> per-step rows handed to the runner so far.
+        # Requests whose input is still streaming in -> per-step rows handed to the runner so far,
+        # their sources, and the consumption last reported to them.
         self.stream_in: dict[str, int] = {}
+        self.stream_src: dict[str, list[int]] = {}
+        self.credited: dict[str, int] = {}
         self.core.scheduler.held = self._held
         # Load what the input processor needs now, not on the first request (seconds on a big model).
         prepare = getattr(self.processor, "prepare", None)
@@ -120,15 +135,35 @@ class ARStage(Stage):
         sched = self.core.scheduler
         if not sched.has_requests():
             return False
-        if not self.stream_in or sched.waiting or sched.has_finished_requests():
-            return True
-        return any(not self._held(r) for r in sched.running)  # else: nothing to do until input arrives
+        if sched.waiting or sched.has_finished_requests() or self.core.batch_queue:
+            return True  # (a batch in flight must be collected even if nothing new can run)
+        # Else nothing to do until input or credit arrives.
+        return any(not self._held(r) for r in sched.running)
 
     def _held(self, request) -> bool:
-        given = self.stream_in.get(request.request_id)
+        rid = request.request_id
+        given = self.stream_in.get(rid)
         # The step feeding output token j adds step row j: wait until it is here (once the input is
         # complete the last row repeats, so nothing waits).
-        return given is not None and request.num_computed_tokens - request.num_prompt_tokens >= given
+        if given is not None and request.num_computed_tokens - request.num_prompt_tokens >= given:
+            return True
+        tracked = self.tracked.get(rid)
+        if tracked is None:
+            return False
+        ahead = tracked.too_far_ahead()
+        if ahead and not tracked.paused:
+            self.backpressure_pauses += 1
+        tracked.paused = ahead
+        return ahead
+
+    def credit(self, msg) -> None:
+        tracked = self.tracked.get(msg.request_id)
+        if tracked is None or msg.stage_id not in tracked.stream_to:
+            return
+        if msg.consumed < 0:
+            tracked.done_to.add(msg.stage_id)
+        else:
+            tracked.acked[msg.stage_id] = max(tracked.acked.get(msg.stage_id, 0), msg.consumed)
 
     def close(self) -> None:
         self.core.shutdown()
@@ -171,16 +206,21 @@ class ARStage(Stage):
         if not final and expect.request_id in self.in_engine:
             rows = stage_input.step_embeds
             self.stream_in[expect.request_id] = 0 if rows is None else len(rows)
+            self.stream_src[expect.request_id] = list(expect.sources)
 
-    def extend(self, request_id: str, more_step_embeds: torch.Tensor | None, final: bool) -> None:
+    def extend(self, request_id: str, stage_input: StageInput, final: bool) -> None:
         if request_id not in self.stream_in:
             return  # finished or failed meanwhile
-        if more_step_embeds is not None and len(more_step_embeds):
+        rows = stage_input.step_embeds
+        more = None if rows is None else rows[self.stream_in[request_id]:]
+        if more is not None and len(more):
             # Reach the runner with the next step, before its forward.
-            self.core.scheduler.queue_step_embeds(request_id, more_step_embeds)
-            self.stream_in[request_id] += len(more_step_embeds)
+            self.core.scheduler.queue_step_embeds(request_id, more)
+            self.stream_in[request_id] += len(more)
         if final:
             del self.stream_in[request_id]
+            self.stream_src.pop(request_id, None)
+            self.credited.pop(request_id, None)
 
     def _add(self, request_id: str, prompt: dict, spec: SamplingSpec, forward_to: list[int],
              step_embeds: torch.Tensor | None = None) -> None:
@@ -199,7 +239,8 @@ class ARStage(Stage):
         if forward_to:
             stream_to = [c for c in forward_to if self.cfg.stage(c).input_mode == "stream"]
             chunk = min((self.cfg.stage(c).stream_chunk for c in stream_to), default=8)
-            self.tracked[request_id] = _Tracked(prompt_token_ids, list(forward_to), stream_to, chunk)
+            window = min((self.cfg.stage(c).stream_window for c in stream_to), default=0)
+            self.tracked[request_id] = _Tracked(prompt_token_ids, list(forward_to), stream_to, chunk, window=window)
 
     def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool, step_embeds: torch.Tensor | None = None):
         from vllm import SamplingParams
@@ -238,6 +279,8 @@ class ARStage(Stage):
             self.in_engine.discard(rid)
             self.tracked.pop(rid, None)
             self.stream_in.pop(rid, None)
+            self.stream_src.pop(rid, None)
+            self.credited.pop(rid, None)
             self.core.scheduler.step_embeds_out.pop(rid, None)
 
     # ---- engine step ------------------------------------------------------------------------
@@ -273,14 +316,31 @@ class ARStage(Stage):
                 if finished:
                     self.in_engine.discard(rid)
                     if self.stream_in.pop(rid, None) is not None or rid in self.waiting:
-                        # Done before its streamed input was: drop the rest of that input.
-                        self.waiting.pop(rid, None)
+                        # Done before its streamed input was: drop the rest of that input, and tell
+                        # the sources to send no more.
+                        w = self.waiting.pop(rid, None)
                         self.aborted[rid] = None
+                        sources = self.stream_src.pop(rid, None) or (w.expect.sources if w and w.expect else [])
+                        self.credited.pop(rid, None)
+                        self.send_credit(rid, sources, -1)
                     if tracked is not None:
                         del self.tracked[rid]
                         self._forward(rid, tracked)
         if deltas:
             self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=deltas))
+        self._report_use()
+
+    def _report_use(self) -> None:
+        """Credits to the sources of streamed inputs: step k used their output token k."""
+        requests = self.core.scheduler.requests
+        for rid, sources in self.stream_src.items():
+            req = requests.get(rid)
+            if req is None:
+                continue
+            used = req.num_computed_tokens - req.num_prompt_tokens
+            if used - self.credited.get(rid, 0) >= self.stage.stream_chunk:
+                self.credited[rid] = used
+                self.send_credit(rid, sources, used)
 
     def _collect_hidden(self, capture) -> list[_Tracked]:
         """Append each tracked request's rows (views: the copy may still be in flight)."""
@@ -321,7 +381,8 @@ class ARStage(Stage):
             tensors={"hidden": rows[tracked.sent_rows:end].clone()}, final=final)
         tracked.sent_rows, tracked.sent_tokens = max(end, tracked.sent_rows), len(tracked.output_token_ids)
         for dst in tracked.stream_to:
-            self.sockets.send_stage(dst, chunk)
+            if dst not in tracked.done_to:
+                self.sockets.send_stage(dst, chunk)
 
     def _forward(self, request_id: str, tracked: _Tracked) -> None:
         for capture, _, _ in tracked.pending:

@@ -30,6 +30,7 @@ from omni_server.wire.messages import (
     StageReady,
     StageStats,
     StatsQuery,
+    StreamCredit,
 )
 from omni_server.wire.transport import StageSockets
 
@@ -49,7 +50,6 @@ class _Waiting:
     expect: ExpectRequest | None = None
     payloads: dict[int, StagePayload] = field(default_factory=dict)
     started: bool = False
-    given: int = 0  # per-step rows handed to the engine so far
 
     def merge(self, chunk: StagePayload) -> None:
         old = self.payloads.get(chunk.source_stage)
@@ -79,6 +79,7 @@ class Stage:
         self._dirty: dict[str, None] = {}  # requests with new input since the last loop
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.steps = 0
+        self.backpressure_pauses = 0
         self.running = True
         self.startup_s = 0.0
 
@@ -97,13 +98,22 @@ class Stage:
         """Begin the request; `final` False: its input is streamed and still growing (extend)."""
         raise NotImplementedError
 
-    def extend(self, request_id: str, more_step_embeds: torch.Tensor | None, final: bool) -> None:
-        """A streamed input grew after the request started: its new per-step rows, and whether the
-        input is complete now."""
+    def extend(self, request_id: str, stage_input: StageInput, final: bool) -> None:
+        """A streamed input grew after the request started: the processor's input built from
+        everything received so far, and whether the input is complete now."""
         raise NotImplementedError(f"stage {self.stage.name} cannot take streamed input")
 
     def drop(self, request_ids: list[str]) -> None:
         """Remove these requests from the engine (aborted or failed)."""
+
+    def credit(self, msg: StreamCredit) -> None:
+        """A streaming consumer used more of a request's output (producers only)."""
+
+    def send_credit(self, request_id: str, sources: list[int], consumed: int) -> None:
+        """Tell this request's streaming sources how much of their output was used (-1: no more needed)."""
+        msg = StreamCredit(request_id=request_id, stage_id=self.stage_id, consumed=consumed)
+        for src in sources:
+            self.sockets.send_stage(src, msg)
 
     def finish_early(self, request_id: str) -> None:
         """End this request now as if it had finished (FinishRequest); stages that cannot cut a
@@ -165,11 +175,14 @@ class Stage:
             self.abort(msg.request_ids)
         elif isinstance(msg, FinishRequest):
             self.finish_early(msg.request_id)
+        elif isinstance(msg, StreamCredit):
+            self.credit(msg)
         elif isinstance(msg, StatsQuery):
             running, waiting = self.counts()
             self.sockets.send_api(StageStats(
                 stage_id=self.stage_id, nonce=msg.nonce, num_running=running, num_waiting=waiting,
-                request_ids=sorted(self.known_requests()), steps=self.steps, pid=os.getpid(),
+                request_ids=sorted(self.known_requests()), steps=self.steps,
+                backpressure_pauses=self.backpressure_pauses, pid=os.getpid(),
                 startup_s=round(self.startup_s, 2), info=self.info()))
         elif isinstance(msg, Shutdown):
             self.running = False
@@ -210,11 +223,8 @@ class Stage:
         if not w.started:
             w.started = True
             self.start(w.expect, stage_input, final=complete)
-            w.given = 0 if stage_input.step_embeds is None else len(stage_input.step_embeds)
-            return
-        rows = stage_input.step_embeds
-        self.extend(request_id, None if rows is None else rows[w.given:], complete)
-        w.given = 0 if rows is None else len(rows)
+        else:
+            self.extend(request_id, stage_input, complete)
 
     def abort(self, request_ids: list[str]) -> None:
         self.drop(request_ids)

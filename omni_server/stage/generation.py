@@ -1,8 +1,12 @@
 """Generation stage: a registered generator (e.g. a vocoder) run on requests whose inputs are ready.
 
-Each step takes the oldest ready requests, up to the stage's `max_batch_size`, in one generator pass;
-between steps the loop drains the socket, so aborts
-and new inputs are seen after every pass. Each result goes to the api as one delta with the waveform.
+Full input (`input_mode: full`): each step takes the oldest ready requests, up to the stage's
+`max_batch_size`, in one generator pass, and sends each result as one delta.
+Streamed input (`input_mode: stream`): each request is a generator stream fed everything received
+so far; each step advances up to `max_batch_size` streams that can make progress by one piece (in
+one pass, oldest served first, then to the back of the line) and sends each new piece of audio as
+it is settled, the last one with `finished`.
+Between steps the loop drains the socket, so aborts and new inputs are seen after every pass.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -28,48 +33,124 @@ class GenerationStage(Stage):
         t0 = time.monotonic()
         super().__init__(cfg, stage_id, sockets)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.generator = generators.load(self.stage.generator)(str(self.stage.model), device)
+        self.generator = generators.load(self.stage.generator)(str(self.stage.model), device,
+                                                               **self.stage.generator_args)
+        if self.stage.input_mode == "stream" and not hasattr(self.generator, "open_stream"):
+            raise ValueError(f"stage {self.stage.name}: generator {self.stage.generator!r} cannot take "
+                             "streamed input; use input_mode: full")
+        lead = getattr(self.generator, "stream_lead", 0)
+        if self.stage.input_mode == "stream" and lead > self.stage.stream_window:
+            raise ValueError(f"stage {self.stage.name}: stream_window {self.stage.stream_window} is below the "
+                             f"{lead} input tokens the generator reads ahead; raise it")
         self.ready: OrderedDict[str, tuple[ExpectRequest, StageInput]] = OrderedDict()
+        self.streams: OrderedDict[str, Any] = OrderedDict()
+        # Streamed requests' sources and the consumption last reported to them (backpressure).
+        self.sources: dict[str, list[int]] = {}
+        self.credited: dict[str, int] = {}
         self.startup_s = time.monotonic() - t0
 
     def info(self) -> dict[str, str]:
         return {"voices": ",".join(self.generator.voices), "sample_rate": str(self.generator.sample_rate)}
 
     def has_work(self) -> bool:
-        return bool(self.ready)
+        return bool(self.ready) or any(self.generator.stream_ready(s) for s in self.streams.values())
 
     def known_requests(self) -> set[str]:
-        return set(self.waiting) | set(self.ready)
+        return set(self.waiting) | set(self.ready) | set(self.streams)
 
     def counts(self) -> tuple[int, int]:
-        return 0, len(self.waiting) + len(self.ready)
+        return len(self.streams), len(self.waiting) + len(self.ready)
 
     def start(self, expect: ExpectRequest, stage_input: StageInput, final: bool = True) -> None:
-        self.ready[expect.request_id] = (expect, stage_input)
+        rid = expect.request_id
+        if self.stage.input_mode == "full":
+            self.ready[rid] = (expect, stage_input)
+            return
+        try:
+            stream = self.generator.open_stream(expect.options.get(VOICE_OPTION), expect.sampling.seed)
+        except ValueError as e:
+            self.fail(rid, f"stage {self.stage.name}: {e}", code=400)
+            return
+        self.streams[rid] = stream
+        self.sources[rid] = list(expect.sources)
+        stream.feed(final=final, **(stage_input.data or {}))
+
+    def extend(self, request_id: str, stage_input: StageInput, final: bool) -> None:
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            stream.feed(final=final, **(stage_input.data or {}))
 
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.ready.pop(rid, None)
+            self.streams.pop(rid, None)
+            self.sources.pop(rid, None)
+            self.credited.pop(rid, None)
 
     def step(self) -> None:
+        if self.ready:
+            self._step_full()
+        if self.streams:
+            self._step_streams()
+
+    def _step_full(self) -> None:
         batch = [self.ready.popitem(last=False) for _ in range(min(self.stage.max_batch_size, len(self.ready)))]
         requests = [{**(inp.data or {}), "voice": exp.options.get(VOICE_OPTION), "seed": exp.sampling.seed}
                     for _, (exp, inp) in batch]
+        rids = [rid for rid, _ in batch]
         try:
             waves = self.generator.batch(requests)
         except Exception as e:  # the pass itself failed: every request in it fails
-            log.exception("stage %d: generator failed on %d requests", self.stage_id, len(batch))
-            for rid, _ in batch:
-                self.fail(rid, f"stage {self.stage.name}: generation failed: {e}")
+            self._fail_pass(rids, e)
             return
+        self._send(rids, waves, [True] * len(rids), [_num_codes(inp.data) for _, (_, inp) in batch])
+
+    def _step_streams(self) -> None:
+        rids = [rid for rid, s in self.streams.items() if self.generator.stream_ready(s)]
+        rids = rids[:self.stage.max_batch_size]
+        if not rids:
+            return
+        streams = [self.streams[rid] for rid in rids]
+        for rid in rids:  # served: to the back of the line
+            self.streams.move_to_end(rid)
+        try:
+            pieces = self.generator.stream_step(streams)
+        except Exception as e:
+            self._fail_pass(rids, e)
+            return
+        for rid, stream in zip(rids, streams):
+            if stream.done:
+                del self.streams[rid]
+                self.sources.pop(rid, None)
+                self.credited.pop(rid, None)
+            elif stream.consumed - self.credited.get(rid, 0) >= self.stage.stream_chunk:
+                self.credited[rid] = stream.consumed
+                self.send_credit(rid, self.sources.get(rid, []), stream.consumed)
+        self._send(rids, pieces, [s.done for s in streams], [_num_codes(vars(s)) for s in streams])
+
+    def _fail_pass(self, rids: list[str], e: Exception) -> None:
+        log.exception("stage %d: generator failed on %d requests", self.stage_id, len(rids))
+        for rid in rids:
+            self.fail(rid, f"stage {self.stage.name}: generation failed: {e}")
+
+    def _send(self, rids: list[str], waves: list, finished: list[bool], inputs: list[int]) -> None:
         deltas = []
-        for (rid, _), wave in zip(batch, waves):
+        for rid, wave, done, n_in in zip(rids, waves, finished, inputs):
             if isinstance(wave, ValueError):  # this request's input or options are invalid
+                self.streams.pop(rid, None)
                 self.fail(rid, f"stage {self.stage.name}: {wave}", code=400)
                 continue
             wave = wave.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-            deltas.append(RequestDelta(request_id=rid, finished=True, finish_reason="stop", tensors={"audio": wave},
-                                       sample_rate=self.generator.sample_rate))
+            if not done and wave.numel() == 0:
+                continue
+            # A generation stage's "prompt" is the tokens it decoded (e.g. codec codes): usage counts them.
+            deltas.append(RequestDelta(request_id=rid, finished=done, finish_reason="stop" if done else None,
+                                       tensors={"audio": wave}, sample_rate=self.generator.sample_rate,
+                                       num_prompt_tokens=n_in if done else 0))
         if deltas:
             self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=deltas))
 
+
+def _num_codes(data: dict | None) -> int:
+    codes = (data or {}).get("codes")
+    return 0 if codes is None else int(torch.as_tensor(codes).numel())

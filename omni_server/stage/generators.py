@@ -1,11 +1,18 @@
 """Generators: the torch modules that generation (non-AR) stages run, by registered name.
 
-A generator is a class `Gen(model_dir, device)` with `sample_rate`, `voices` and
+A generator is a class `Gen(model_dir, device, **generator_args)` with `sample_rate`, `voices` and
 `batch([{**inputs, "voice": ..., "seed": ...}, ...]) -> [1-D float32 waveform | ValueError, ...]`,
 one pass over several requests, where `inputs` come from the stage's input processor
 (StageInput.data), `voice` from the request (None: the default voice) and `seed` from its sampling
-settings (None: random); an invalid request gets its ValueError in its place. Families
-register a lazy "module:Class" reference, so the module loads only in the stage that runs it.
+settings (None: random); an invalid request gets its ValueError in its place.
+
+Generators that take streamed input (`input_mode: stream`) also have `open_stream(voice, seed)`
+-> a stream with `feed(final=..., **inputs)` (everything so far), `done` and `consumed` (input
+tokens no later step reads: the upstream may run `stream_window` ahead of it); `stream_ready(stream)`;
+`stream_step([stream, ...]) -> [new waveform piece | ValueError, ...]`; and optionally `stream_lead`,
+the input tokens beyond `consumed` a stream needs before its next step (at most `stream_window`).
+
+Families register a lazy "module:Class" reference, so the module loads only in the stage that runs it.
 """
 
 from __future__ import annotations

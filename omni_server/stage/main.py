@@ -26,6 +26,11 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
     stage = cfg.stage(stage_id)
     # Our runner extends vLLM's V1 runner; the V2 runner would silently bypass it.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    # The stage process is the engine core; with one worker, that worker runs in it too (as vLLM
+    # does on GPUs). On CPU hosts vLLM would otherwise start a worker process per engine: an extra
+    # hop per step, and a distributed-init port picked by one process and bound seconds later by
+    # another, which engines starting together can both pick (EADDRINUSE at start).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for key, value in stage.env.items():
         os.environ.setdefault(key, value)
     if stage.devices is not None:
@@ -37,11 +42,10 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.device_type == "cpu"
-    if (not on_cpu or stage.kind == "ar") and "OMP_NUM_THREADS" not in os.environ:
-        # The step loop's own tensor work is small: on GPU hosts the GPU does the math, and on CPU
-        # hosts an AR stage's model runs in vLLM's worker processes. More host threads only add
-        # contention; OpenMP threads spin-waiting on a busy machine turned millisecond ops into
-        # seconds (measured: a streamed talker starved for 3 s).
+    if not on_cpu and "OMP_NUM_THREADS" not in os.environ:
+        # The step loop's own tensor work is small: the GPU does the math. More host threads only
+        # add contention (OpenMP threads spin-waiting on a busy machine turn millisecond ops into
+        # seconds). On CPU hosts the model runs in this process: OMP_NUM_THREADS decides.
         torch.set_num_threads(1)
 
     from omni_server.wire.transport import StageSockets

@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import msgspec
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 AUDIO_SAMPLE_RATE = 16000
 
 # Request option names (AddRequest/ExpectRequest.options) the api sets and stages read.
@@ -104,6 +104,16 @@ class StagePayload(_Msg):
     final: bool = True
 
 
+class StreamCredit(_Msg):
+    """Consumer -> producer of a streamed input: how many of the request's output tokens the
+    consumer has used (`consumed`), or -1 when it needs no more (it finished first). The producer
+    runs at most the consumer's `stream_window` tokens ahead of it."""
+
+    request_id: str
+    stage_id: int  # the consumer
+    consumed: int
+
+
 # ---- stage -> api ------------------------------------------------------------------------------
 
 
@@ -144,6 +154,8 @@ class StageStats(_Msg):
     # Requests the stage knows about (engine, expected inputs, buffered payloads).
     request_ids: list[str]
     steps: int = 0
+    # Times a running request paused because a streaming consumer was `stream_window` behind.
+    backpressure_pauses: int = 0
     pid: int = 0
     startup_s: float = 0.0
     info: dict[str, str] = {}
@@ -157,6 +169,7 @@ Message = Union[
     StatsQuery,
     Shutdown,
     StagePayload,
+    StreamCredit,
     StageReady,
     RequestOutputs,
     StageStats,

@@ -64,7 +64,9 @@ class StageSockets:
             self.curve.server(self.input)
         self.input.bind(stage_address(cfg, stage_id, runtime_dir))
         self.api = self._push(api_address(cfg, runtime_dir))
-        self.stages = {c: self._push(stage_address(cfg, c, runtime_dir)) for c in cfg.consumers(stage_id)}
+        # Consumers get payloads; sources get stream credits back.
+        peers = set(cfg.consumers(stage_id)) | set(cfg.stage(stage_id).inputs)
+        self.stages = {c: self._push(stage_address(cfg, c, runtime_dir)) for c in sorted(peers)}
         self.encoder = Encoder()
         self.decoder = Decoder()
         self.poller = zmq.Poller()

@@ -6,11 +6,21 @@ concurrently, so the noise comes from a per-call generator instead: a request's 
 its waveform, and no call disturbs any other RNG user.  The loop is otherwise the same sequence of
 float32 operations as transformers' (`Qwen2_5OmniToken2WavDiTModel.sample` with its
 `RungeKutta4ODESolver`), so for the same noise the results agree to rounding.
+
+Streaming (`open_stream` / `stream_step`): codes arrive in pieces and audio leaves in pieces. The DiT
+runs on windows of `chunk_frames` new mel frames with `past_frames` of left and `future_frames` of
+right context (whole DiT blocks, so a window's block mask matches the full sequence's); the vocoder
+runs on the new mel with `vocoder_context_frames` either side and holds back the last
+`vocoder_context_frames` until their right context exists. Every window's noise is the slice of the
+request's one noise sequence at the same positions, and which windows run depends only on the codes,
+never on when they arrived: a streamed waveform equals the same codes decoded by `stream_all`, and a
+response of at most `chunk_frames + future_frames` mel frames equals the full decode exactly.
 """
 
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,10 +35,36 @@ _ONE_THIRD = 1 / 3
 _TWO_THIRDS = 2 / 3
 
 
-class Token2Wav:
-    """Decodes talker code sequences to waveforms in float32, several at a time (`batch`)."""
+@dataclass
+class CodeStream:
+    """One request's streamed decode: the codes so far and how far audio has gone."""
 
-    def __init__(self, model_dir: str, device: str | torch.device = "cpu"):
+    voice: str
+    noise: torch.Generator
+    codes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    final: bool = False  # every code is here
+    done: bool = False  # every sample was returned
+    settled: int = 0  # mel frames the DiT decoded
+    consumed: int = 0  # codes no later window reads
+    x0: torch.Tensor | None = None  # the noise drawn and still needed, [frames, mel_dim]
+    x0_start: int = 0  # mel frame index of x0[0]
+    mel: torch.Tensor | None = None  # decoded mel not vocoded with full context yet, [1, mel_dim, n]
+    mel_start: int = 0  # mel frame index of mel[..., 0]
+    emitted: int = 0  # mel frames whose audio was returned
+
+    def feed(self, codes: torch.Tensor, final: bool) -> None:
+        """All codes so far (a growing prefix) and whether they are complete."""
+        if self.final:
+            return
+        self.codes, self.final = torch.as_tensor(codes, dtype=torch.long).reshape(-1), final
+
+
+class Token2Wav:
+    """Decodes talker code sequences to waveforms in float32, several at a time (`batch`), or
+    streamed (`open_stream`, `stream_step`)."""
+
+    def __init__(self, model_dir: str, device: str | torch.device = "cpu", chunk_frames: int = 72,
+                 past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20):
         from transformers.initialization import no_init_weights
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
@@ -56,6 +92,22 @@ class Token2Wav:
             for name, s in load_speakers(model_dir).items()
         }
         self.voices: list[str] = sorted(self._speakers)
+        block, repeats = dit_config.block_size, dit_config.repeats
+        for name, value, unit in (("chunk_frames", chunk_frames, block), ("past_frames", past_frames, block),
+                                  ("future_frames", future_frames, repeats)):
+            if value < 0 or value % unit or (name == "chunk_frames" and value == 0):
+                raise ValueError(f"{name} must be a {'positive' if name == 'chunk_frames' else 'non-negative'} "
+                                 f"multiple of {unit} (the DiT's {'block size' if unit == block else 'code rate'}), "
+                                 f"got {value}")
+        if vocoder_context_frames < 0:
+            raise ValueError(f"vocoder_context_frames must be >= 0, got {vocoder_context_frames}")
+        self.chunk_frames, self.past_frames, self.future_frames = chunk_frames, past_frames, future_frames
+        self.vocoder_context_frames = vocoder_context_frames
+        # Codes a stream must have beyond those it consumed before its next window can run.
+        self.stream_lead = (past_frames + chunk_frames + future_frames) // repeats
+        self.hop = 1  # waveform samples per mel frame
+        for rate in config.bigvgan_config.upsample_rates:
+            self.hop *= int(rate)
         # The DiT's speaker encoder sees only the voice's reference mel (or, for the unconditioned
         # half of guidance, zeros of its shape): encode both once per voice.
         with torch.inference_mode():
@@ -94,13 +146,116 @@ class Token2Wav:
                 results[i] = torch.zeros(0, dtype=torch.float32)
         todo = [t for t in todo if t[1].numel()]
         if todo:
-            mels = self._sample_mels([t[1] for t in todo], [t[2] for t in todo], [t[3] for t in todo], grid,
-                                     guidance_scale)
+            noise = [torch.randn([t[1].numel() * self.dit.repeats, self.dit.mel_dim], generator=_rng(t[3]))
+                     for t in todo]
+            mels = self._sample_mels([t[1] for t in todo], [t[2] for t in todo], noise, grid, guidance_scale)
             for (i, *_), mel in zip(todo, mels):
                 results[i] = self.vocoder(mel).reshape(-1).float().cpu()
         return results
 
-    def _check(self, codes, voice: str | None) -> tuple[torch.Tensor, str]:
+    # ---- streaming ----------------------------------------------------------------------------
+
+    def open_stream(self, voice: str | None = None, seed: int | None = None) -> CodeStream:
+        """A decode whose codes arrive over time (`CodeStream.feed`); ValueError for an unknown voice."""
+        voice = self.voices[0] if voice is None else voice
+        if voice not in self._speakers:
+            raise ValueError(f"unknown voice {voice!r}; valid voices: {', '.join(self.voices)}")
+        return CodeStream(voice=voice, noise=_rng(seed), x0=torch.zeros(0, self.dit.mel_dim))
+
+    def stream_ready(self, stream: CodeStream) -> bool:
+        """Whether `stream_step` would make progress on this stream now."""
+        if stream.done:
+            return False
+        return stream.final or stream.settled + self.chunk_frames + self.future_frames <= \
+            stream.codes.numel() * self.dit.repeats
+
+    @torch.inference_mode()
+    def stream_step(self, streams: list[CodeStream], num_steps: int = 10, guidance_scale: float = 0.5,
+                    sway_coefficient: float | None = -1.0) -> list[torch.Tensor | ValueError]:
+        """One DiT window per ready stream (one padded pass for all), then each stream's newly
+        settled audio (1-D float32 CPU, possibly empty). A stream is `done` once its last sample
+        was returned; an invalid one gets a ValueError in its place and is done."""
+        grid = self._time_grid(num_steps, sway_coefficient)
+        results: list = [torch.zeros(0)] * len(streams)
+        windows = []  # (index, codes, noise, first new frame in the window, new frames)
+        for k, st in enumerate(streams):
+            if not self.stream_ready(st):
+                continue
+            try:
+                plan = self._window(st)
+            except ValueError as e:
+                st.done = True
+                results[k] = e
+                continue
+            if plan is None:  # nothing left for the DiT: flush the vocoder
+                results[k] = self._vocode_stream(st, None)
+            else:
+                windows.append((k, *plan))
+        if windows:
+            mels = self._sample_mels([w[1] for w in windows], [streams[w[0]].voice for w in windows],
+                                     [w[2] for w in windows], grid, guidance_scale)
+            for (k, _, _, offset, n), mel in zip(windows, mels):
+                results[k] = self._vocode_stream(streams[k], mel[:, :, offset:offset + n])
+        return results
+
+    def stream_all(self, codes: torch.Tensor, voice: str | None = None, seed: int | None = None,
+                   **kwargs) -> torch.Tensor:
+        """`codes` decoded the streaming way, all at once (what a stream of them yields)."""
+        st = self.open_stream(voice, seed)
+        st.feed(codes, final=True)
+        pieces = []
+        while not st.done:
+            (piece,) = self.stream_step([st], **kwargs)
+            if isinstance(piece, Exception):
+                raise piece
+            pieces.append(piece)
+        return torch.cat(pieces)
+
+    def _window(self, st: CodeStream) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """The next DiT window of a ready stream: (codes, noise, offset, count) of the frames it
+        settles; None when every frame is settled already."""
+        codes, _ = self._check(st.codes, st.voice, limit=False)
+        repeats = self.dit.repeats
+        total = codes.numel() * repeats
+        first = st.settled
+        middle = first + self.chunk_frames + self.future_frames <= total
+        if not middle and first >= total:
+            return None
+        start = max(first - self.past_frames, 0)
+        end = first + self.chunk_frames + self.future_frames if middle else total
+        settled = self.chunk_frames if middle else total - first
+        have = st.x0_start + st.x0.shape[0]
+        if end > have:  # the noise continues one sequence (draws from one generator)
+            st.x0 = torch.cat([st.x0, torch.randn([end - have, self.dit.mel_dim], generator=st.noise)])
+        noise = st.x0[start - st.x0_start:end - st.x0_start]
+        st.settled = first + settled
+        keep = max(st.settled - self.past_frames, 0)  # the next window's start
+        st.consumed = keep // repeats
+        st.x0, st.x0_start = st.x0[keep - st.x0_start:], keep
+        return codes[start // repeats:end // repeats], noise, first - start, settled
+
+    def _vocode_stream(self, st: CodeStream, new_mel: torch.Tensor | None) -> torch.Tensor:
+        """Append newly settled mel frames and return the audio whose context is complete: all of
+        it once the DiT is done, else all but the last `vocoder_context_frames` frames."""
+        if new_mel is not None:
+            st.mel = new_mel if st.mel is None else torch.cat([st.mel, new_mel], dim=2)
+        avail = st.mel_start + (0 if st.mel is None else st.mel.shape[2])
+        last = st.final and st.settled >= st.codes.numel() * self.dit.repeats
+        ctx = self.vocoder_context_frames
+        upto = avail if last else max(avail - ctx, st.emitted)
+        piece = torch.zeros(0)
+        if upto > st.emitted:
+            lo = max(st.emitted - ctx, st.mel_start)
+            wave = self.vocoder(st.mel[:, :, lo - st.mel_start:]).reshape(-1)
+            piece = wave[(st.emitted - lo) * self.hop:(upto - lo) * self.hop].float().cpu()
+            st.emitted = upto
+            cut = max(upto - ctx, st.mel_start)  # left context of the next piece
+            st.mel, st.mel_start = st.mel[:, :, cut - st.mel_start:], cut
+        if last:
+            st.done, st.mel = True, None
+        return piece
+
+    def _check(self, codes, voice: str | None, limit: bool = True) -> tuple[torch.Tensor, str]:
         voice = self.voices[0] if voice is None else voice
         if voice not in self._speakers:
             raise ValueError(f"unknown voice {voice!r}; valid voices: {', '.join(self.voices)}")
@@ -109,7 +264,7 @@ class Token2Wav:
             codes = codes[0]
         if codes.ndim != 1:
             raise ValueError(f"codes must have shape [n] or [1, n], got {list(codes.shape)}")
-        if codes.numel() > self.max_codes:
+        if limit and codes.numel() > self.max_codes:
             raise ValueError(f"{codes.numel()} codes exceed the token2wav limit of {self.max_codes} per call")
         if codes.numel():
             # Checked here: an out-of-range embedding index on a GPU is a device assert that kills the process.
@@ -131,20 +286,19 @@ class Token2Wav:
             raise ValueError(f"sway_coefficient {sway_coefficient} makes the time grid non-monotonic")
         return grid
 
-    def _sample_mels(self, codes: list[torch.Tensor], voices: list[str], seeds: list[int | None],
+    def _sample_mels(self, codes: list[torch.Tensor], voices: list[str], noise: list[torch.Tensor],
                      grid: torch.Tensor, guidance_scale: float) -> list[torch.Tensor]:
         """Mel spectrograms [1, mel_dim, frames_i]: transformers' DiT `sample` (flow matching, RK4
-        3/8 rule, classifier-free guidance) over a padded batch, with seeded per-request noise."""
+        3/8 rule, classifier-free guidance) over a padded batch, from the given starting noise
+        ([frames_i, mel_dim] each, on CPU)."""
         dit, repeats = self.dit, self.dit.repeats
         lengths = [c.numel() * repeats for c in codes]
         frames, n = max(lengths), len(codes)
         code_batch = torch.zeros(n, frames // repeats, dtype=torch.long, device=self.device)
         x = torch.zeros(n, frames, dit.mel_dim, device=self.device)
-        for b, (c, seed) in enumerate(zip(codes, seeds)):
+        for b, (c, x0) in enumerate(zip(codes, noise)):
             code_batch[b, :c.numel()] = c
-            # Drawn on CPU so that a seed means the same noise on every device.
-            g = torch.Generator(device="cpu").manual_seed(secrets.randbits(63) if seed is None else seed)
-            x[b, :lengths[b]] = torch.randn([lengths[b], dit.mel_dim], generator=g).to(self.device)
+            x[b, :lengths[b]] = x0.to(self.device)
 
         cfg = guidance_scale >= 1e-5
         halves = 2 if cfg else 1
@@ -187,3 +341,8 @@ class Token2Wav:
             k4 = velocity(t1, x + dt * (k1 - k2 + k3))
             x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
         return [x[b:b + 1, :lengths[b]].permute(0, 2, 1) for b in range(n)]
+
+
+def _rng(seed: int | None) -> torch.Generator:
+    # On CPU, so that a seed means the same noise on every device.
+    return torch.Generator(device="cpu").manual_seed(secrets.randbits(63) if seed is None else seed)
