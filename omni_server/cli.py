@@ -44,7 +44,7 @@ def cmd_stage(args) -> int:
         print("error: --runtime-dir (or runtime_dir in the config) is required unless every stage has an "
               "`address` and server.output_address is set", file=sys.stderr)
         return 2
-    run_stage(cfg, args.stage, runtime_dir or "", parent_pid=args.parent_pid)
+    run_stage(cfg, args.stage, runtime_dir or "", parent_pid=args.parent_pid, replica=args.replica)
     return 0
 
 
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("stage", help="run one stage's engine process")
     p.add_argument("--config", required=True)
     p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--replica", type=int, default=0, help="which replica of the stage (see `replicas`)")
     p.add_argument("--runtime-dir", help="directory of the default ipc sockets (set by `serve`)")
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     _config_args(p)

@@ -13,7 +13,7 @@ import uvicorn
 
 from omni_server.api.app import ServerState, create_app
 from omni_server.config.schema import PipelineConfig
-from omni_server.orchestrator.launcher import Launcher
+from omni_server.orchestrator.launcher import Launcher, Unit
 from omni_server.orchestrator.orchestrator import HUNG, Orchestrator
 from omni_server.wire.transport import make_runtime_dir, stage_address
 
@@ -43,67 +43,68 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
     failed: list[str] = []
 
     async def supervise(state: ServerState) -> None:
-        """Start the stages, report startup progress, then restart any stage that dies."""
+        """Start the stages, report startup progress, then restart any stage process that dies."""
         t0 = time.monotonic()
-        waiting = [s.id for s in cfg.stages]
+        units = cfg.units()
+        waiting = list(units)
         announced = False
         timeout = max(s.startup_timeout_s for s in cfg.stages)
-        restart_at: dict[int, float] = {}
-        crashes: dict[int, list[float]] = {}
-        gave_up: set[int] = set()
+        restart_at: dict[Unit, float] = {}
+        crashes: dict[Unit, list[float]] = {}
+        gave_up: set[Unit] = set()
         if external_stages:
             waiting = []
             log.info("waiting for external stages at %s",
-                     ", ".join(f"{s.name}={stage_address(cfg, s.id, runtime_dir)}" for s in cfg.stages))
+                     ", ".join(f"{cfg.unit_name(u)}={stage_address(cfg, u[0], runtime_dir, u[1])}" for u in units))
         while True:
             orch = state.orch
             ready = set(orch.ready) if orch is not None else set()
-            for stage_id in list(waiting):
-                if all(e in ready for e in launcher.start_after(stage_id)):
-                    launcher.start(stage_id)
-                    waiting.remove(stage_id)
+            for unit in list(waiting):
+                if all(e in ready for e in launcher.start_after(unit)):
+                    launcher.start(unit)
+                    waiting.remove(unit)
             await asyncio.sleep(0.2)
             now = time.monotonic()
-            for stage_id, code in launcher.exited().items():
-                if stage_id in restart_at or stage_id in gave_up:
+            for unit, code in launcher.exited().items():
+                if unit in restart_at or unit in gave_up:
                     continue
-                name = cfg.stage(stage_id).name
-                log.error("stage %d (%s) exited with code %s", stage_id, name, code)
+                name = cfg.unit_name(unit)
+                log.error("stage %d (%s) exited with code %s", unit[0], name, code)
                 if orch is not None:
-                    orch.mark_down(stage_id, f"process exited with code {code}")
+                    orch.mark_down(unit, f"process exited with code {code}")
                 if not announced:  # a stage that cannot start makes the whole server fail
-                    failed.append(f"stage {stage_id} ({name}) failed to start (exit code {code})")
+                    failed.append(f"stage {unit[0]} ({name}) failed to start (exit code {code})")
                     uv.should_exit = True
                     return
-                recent = [t for t in crashes.get(stage_id, []) if now - t < RESTART_WINDOW_S]
-                crashes[stage_id] = recent + [now]
+                recent = [t for t in crashes.get(unit, []) if now - t < RESTART_WINDOW_S]
+                crashes[unit] = recent + [now]
                 if len(recent) >= MAX_RESTARTS:
-                    log.error("stage %d (%s) crashed %d times in %.0f s; not restarting it", stage_id, name,
+                    log.error("stage %d (%s) crashed %d times in %.0f s; not restarting it", unit[0], name,
                               len(recent) + 1, RESTART_WINDOW_S)
-                    gave_up.add(stage_id)
+                    gave_up.add(unit)
                     continue
                 delay = min(2.0 ** len(recent), 30.0)
-                restart_at[stage_id] = now + delay
+                restart_at[unit] = now + delay
                 log.warning("restarting stage %d (%s) in %.0f s (restart %d of at most %d per %.0f s)",
-                            stage_id, name, delay, len(recent) + 1, MAX_RESTARTS, RESTART_WINDOW_S)
+                            unit[0], name, delay, len(recent) + 1, MAX_RESTARTS, RESTART_WINDOW_S)
             if orch is not None and announced:
-                for stage_id, reason in list(orch.down.items()):
-                    proc = launcher.procs.get(stage_id)
+                for unit, reason in list(orch.down.items()):
+                    proc = launcher.procs.get(unit)
                     if reason.startswith(HUNG) and proc is not None and proc.poll() is None:
-                        log.error("stage %d (%s) is hung (%s); killing it to restart it", stage_id,
-                                  cfg.stage(stage_id).name, reason)
-                        launcher.kill(stage_id)
-            for stage_id, at in list(restart_at.items()):
+                        log.error("stage %d (%s) is hung (%s); killing it to restart it", unit[0],
+                                  cfg.unit_name(unit), reason)
+                        launcher.kill(unit)
+            for unit, at in list(restart_at.items()):
                 if now >= at:
-                    del restart_at[stage_id]
-                    launcher.start(stage_id)
+                    del restart_at[unit]
+                    launcher.start(unit)
             if not announced and orch is not None and orch.all_ready:
                 announced = True
                 log.info("all %d stages ready in %.1f s; serving on http://%s:%d", len(cfg.stages),
                          time.monotonic() - t0, cfg.server.host, cfg.server.port)
             if not announced and time.monotonic() - t0 > timeout:
-                absent = [f"{s.name} ({stage_address(cfg, s.id, runtime_dir)})" for s in cfg.stages
-                          if orch is None or s.id not in orch.ready]
+                absent = [f"{cfg.unit_name(u)} ({stage_address(cfg, u[0], runtime_dir, u[1])})" for u in units
+                          if orch is None or u not in orch.ready]
                 failed.append(f"stages not ready after {timeout:.0f} s: {', '.join(absent)}")
                 uv.should_exit = True
                 return

@@ -119,6 +119,7 @@ def servers(request, tiny_models, record_dir, tmp_path_factory):
         "two_stage": (REPO / "tests" / "configs" / "two_stage.yaml", {"OMNI_TEST_RECORD_DIR": str(record_dir)}, []),
         # Its own copy of the default pipeline: lifecycle tests kill its stages.
         "crash": (REPO / "tests" / "configs" / "lifecycle.yaml", {}, []),
+        "replicas": (REPO / "tests" / "configs" / "replicas.yaml", {}, []),
     }
     used = {f for item in request.session.items for f in item.fixturenames}
     specs = {name: spec for name, spec in specs.items() if f"{name}_server" in used}
@@ -171,3 +172,8 @@ def two_stage_server(servers) -> Server:
 @pytest.fixture(scope="session")
 def crash_server(servers) -> Server:
     return servers["crash"]
+
+
+@pytest.fixture(scope="session")
+def replicas_server(servers) -> Server:
+    return servers["replicas"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import yaml
 
 from omni_server.config import load_config
@@ -40,3 +41,29 @@ def test_dockerfile_runs_as_non_root_with_the_cli_entrypoint():
     assert re.search(r"^USER omni$", text, re.M)
     assert 'ENTRYPOINT ["omni-server"]' in text
     assert "vllm==0.26.0" in text and "torch==2.11.0" in text
+
+
+def _compose_cli() -> list[str] | None:
+    import shutil
+    import subprocess
+
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+@pytest.mark.skipif(_compose_cli() is None, reason="needs `docker compose` or `docker-compose` (e.g. Debian's docker-compose)")
+def test_compose_config_validates():
+    """What `docker compose config` makes of the file with the example variables: valid, every stage
+    service reserves its GPUs, the api is published on PORT."""
+    import subprocess
+
+    proc = subprocess.run([*_compose_cli(), "-f", str(DOCKER / "docker-compose.yml"), "--env-file",
+                           str(DOCKER / "example.env"), "config"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    for name in ("thinker", "talker", "token2wav"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and device["device_ids"] == ["0"]
+    assert any(str(p.get("published", p) if isinstance(p, dict) else p).startswith("8000")
+               for p in services["api"]["ports"])

@@ -22,8 +22,8 @@ stages:
     model: {thinker}
     address: tcp://127.0.0.1:{p0}
     engine_args: {{dtype: float32, max_model_len: 1024, max_num_seqs: 4, enforce_eager: true,
-                  gpu_memory_utilization: 0.15, limit_mm_per_prompt: {{image: 1, audio: 1, video: 0}}}}
-    env: {{VLLM_CPU_KVCACHE_SPACE: "1", TORCHDYNAMO_DISABLE: "1"}}
+                  kv_cache_memory_bytes: 67108864, limit_mm_per_prompt: {{image: 1, audio: 1, video: 0}}}}
+    env: {{TORCHDYNAMO_DISABLE: "1"}}
     output: text
   - id: 1
     name: follower
@@ -32,8 +32,8 @@ stages:
     inputs: [0]
     input_processor: hidden_to_embeds
     engine_args: {{dtype: float32, max_model_len: 1024, max_num_seqs: 4, enforce_eager: true,
-                  gpu_memory_utilization: 0.15}}
-    env: {{VLLM_CPU_KVCACHE_SPACE: "1", TORCHDYNAMO_DISABLE: "1"}}
+                  kv_cache_memory_bytes: 67108864}}
+    env: {{TORCHDYNAMO_DISABLE: "1"}}
     output: tokens
     default_sampling: {{temperature: 0, max_tokens: 3}}
 server:
@@ -116,8 +116,8 @@ stages:
     model: {thinker}
     address: tcp://127.0.0.1:{p0}
     engine_args: {{dtype: float32, max_model_len: 1024, max_num_seqs: 4, enforce_eager: true,
-                  gpu_memory_utilization: 0.15, limit_mm_per_prompt: {{image: 1, audio: 1, video: 0}}}}
-    env: {{VLLM_CPU_KVCACHE_SPACE: "1", TORCHDYNAMO_DISABLE: "1"}}
+                  kv_cache_memory_bytes: 67108864, limit_mm_per_prompt: {{image: 1, audio: 1, video: 0}}}}
+    env: {{TORCHDYNAMO_DISABLE: "1"}}
     output: text
 server:
   output_address: tcp://127.0.0.1:{p1}

@@ -26,3 +26,16 @@ print("one text+audio chat:", round(time.perf_counter() - t, 3), "s, audio b64 c
 PY
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv
 grep -a "ready in\|engine start\|Traceback\|Error" $OUT/serve7b.log | grep -v Triton | head -20
+# TTFP streaming vs full payload (issue #4): the same server with token2wav waiting for all codes.
+pkill -f "omni_server.cli serve" ; sleep 5
+setsid python3 -m omni_server.cli serve configs/qwen2_5_omni.yaml --port 8010 \
+  --stage-arg thinker.model=$M --stage-arg talker.model=$M --stage-arg token2wav.model=$M \
+  --stage-arg thinker.load_format=dummy --stage-arg talker.load_format=dummy \
+  --stage-arg talker.default_sampling.max_tokens=${TALKER_MAX:-500} --stage-arg token2wav.input_mode=full \
+  > $OUT/serve7b_full.log 2>&1 &
+for i in $(seq 1 400); do
+  if curl -s localhost:8010/health | grep -q '"ok"'; then break; fi; sleep 1
+done
+$B --concurrency 1 --requests 1 --output $OUT/warm7b_full.json
+$B --concurrency 1 --requests 3 --output $OUT/bench7b_c1_full.json
+$B --concurrency 16 --requests 16 --output $OUT/bench7b_c16_full.json

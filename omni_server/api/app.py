@@ -71,9 +71,10 @@ class ServerState:
 
     def voices(self) -> list[str]:
         """Voices of the audio stage (reported by the stage when it is ready)."""
-        if self.audio_stage is None or self.orch is None or self.audio_stage not in self.orch.ready:
+        ready = None if self.audio_stage is None or self.orch is None else self.orch.stage_info(self.audio_stage)
+        if ready is None:
             return []
-        listed = self.orch.ready[self.audio_stage].info.get("voices", "")
+        listed = ready.info.get("voices", "")
         return [v for v in listed.split(",") if v]
 
     def check_voice(self, voice: str | None, param: str) -> str:
@@ -123,11 +124,19 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 once every stage was ready and while each has a ready replica. Per stage: "ready"
+        (every replica), "degraded" (some), "down", or "starting"; pids per process."""
         orch = state.orch
-        stages = {s.name: ("down" if orch and s.id in orch.down else "ready" if orch and s.id in orch.ready
-                           else "starting") for s in state.cfg.stages}
-        ok = orch is not None and orch.all_ready
-        pids = {s.name: orch.ready[s.id].pid for s in state.cfg.stages if orch and s.id in orch.ready}
+        cfg = state.cfg
+        stages, pids = {}, {}
+        for s in cfg.stages:
+            units = [(s.id, r) for r in range(s.replicas)]
+            up = [u for u in units if orch and u in orch.ready]
+            down = [u for u in units if orch and u in orch.down]
+            stages[s.name] = ("ready" if len(up) == len(units) else "degraded" if up else "down" if down
+                              else "starting")
+            pids.update({cfg.unit_name(u): orch.ready[u].pid for u in up})
+        ok = orch is not None and orch.serving
         return JSONResponse({"status": "ok" if ok else "unavailable", "stages": stages, "pids": pids},
                             status_code=200 if ok else 503)
 
@@ -202,15 +211,20 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/omni/stages/{stage_id}/stats", dependencies=[Depends(require_key)])
     async def stage_stats(stage_id: int):
+        """Summed over the stage's replicas, each replica's own under `replicas`."""
         orch = _orch(state)
-        if stage_id not in orch.stage_socks:
+        if not 0 <= stage_id < len(state.cfg.stages):
             raise APIError(404, f"no stage {stage_id}")
         try:
-            s = await orch.stats(stage_id)
+            per = [await orch.stats(stage_id, r) for r in range(state.cfg.stage(stage_id).replicas)]
         except asyncio.TimeoutError:
             raise APIError(503, f"stage {stage_id} did not answer") from None
-        return {"stage_id": s.stage_id, "num_running": s.num_running, "num_waiting": s.num_waiting,
-                "request_ids": s.request_ids, "steps": s.steps, "backpressure_pauses": s.backpressure_pauses}
+        replicas = [{"replica": s.replica, "num_running": s.num_running, "num_waiting": s.num_waiting,
+                     "request_ids": s.request_ids, "steps": s.steps, "backpressure_pauses": s.backpressure_pauses}
+                    for s in per]
+        total = {k: sum(r[k] for r in replicas) for k in ("num_running", "num_waiting", "steps", "backpressure_pauses")}
+        return {"stage_id": stage_id, **total, "request_ids": sorted(i for r in replicas for i in r["request_ids"]),
+                "replicas": replicas}
 
     return app
 

@@ -64,8 +64,12 @@ class StageConfig(_Strict):
     # waveform), or nothing.
     output: Literal["text", "tokens", "audio"] | None = None
     default_sampling: SamplingDefaults = SamplingDefaults()
-    # The stage's input socket; None = ipc in the runtime dir. The stage binds it.
-    address: str | None = None
+    # Engine processes behind this stage id; each request goes to the least-loaded ready one.
+    replicas: int = Field(1, ge=1)
+    # Per replica, CUDA_VISIBLE_DEVICES (overrides `devices`), e.g. ["0", "1"] for one GPU each.
+    replica_devices: list[str] | None = None
+    # The stage's input socket (one per replica: a list); None = ipc in the runtime dir. The stage binds it.
+    address: str | list[str] | None = None
     startup_timeout_s: float = Field(600.0, gt=0)
 
     @field_validator("devices", mode="before")
@@ -76,6 +80,14 @@ class StageConfig(_Strict):
             return str(v)
         if isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v):
             return ",".join(str(d) for d in v)
+        return v
+
+    @field_validator("replica_devices", mode="before")
+    @classmethod
+    def _replica_devices_as_str(cls, v: Any) -> Any:
+        # [0, 1] or [[0, 1], [2, 3]] (one GPU / a TP group per replica) -> ["0", "1"] / ["0,1", "2,3"].
+        if isinstance(v, list):
+            return [cls._devices_as_str(d) for d in v]
         return v
 
     @field_validator("env", mode="before")
@@ -115,7 +127,20 @@ class StageConfig(_Strict):
             raise ValueError("`generator` / `generator_args` are only for `kind: generation` stages")
         if self.output == "audio" and self.kind != "generation":
             raise ValueError("`output: audio` needs a `generation` stage")
+        if isinstance(self.address, list) and len(self.address) != self.replicas:
+            raise ValueError(f"`address` lists {len(self.address)} addresses for {self.replicas} replicas")
+        if isinstance(self.address, str) and self.replicas > 1:
+            raise ValueError("a stage with `replicas` needs one `address` per replica (a list)")
+        if self.replica_devices is not None and len(self.replica_devices) != self.replicas:
+            raise ValueError(f"`replica_devices` lists {len(self.replica_devices)} entries for "
+                             f"{self.replicas} replicas")
         return self
+
+    def address_of(self, replica: int) -> str | None:
+        return self.address[replica] if isinstance(self.address, list) else self.address
+
+    def devices_of(self, replica: int) -> str | None:
+        return self.replica_devices[replica] if self.replica_devices is not None else self.devices
 
 
 class ServerConfig(_Strict):
@@ -178,6 +203,15 @@ class PipelineConfig(_Strict):
 
     def stage(self, stage_id: int) -> StageConfig:
         return self.stages[stage_id]
+
+    def units(self) -> list[tuple[int, int]]:
+        """(stage id, replica) of every engine process."""
+        return [(s.id, r) for s in self.stages for r in range(s.replicas)]
+
+    def unit_name(self, unit: tuple[int, int]) -> str:
+        stage_id, replica = unit
+        s = self.stage(stage_id)
+        return s.name if s.replicas == 1 else f"{s.name}#{replica}"
 
     def consumers(self, stage_id: int) -> list[int]:
         return [s.id for s in self.stages if stage_id in s.inputs]

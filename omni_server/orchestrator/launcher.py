@@ -29,42 +29,49 @@ def _overlap(a: set[str] | None, b: set[str] | None) -> bool:
     return a is None or b is None or bool(a & b)  # None: every visible GPU
 
 
+Unit = tuple[int, int]  # (stage id, replica): one engine process
+
+
 class Launcher:
     def __init__(self, cfg: PipelineConfig, config_path: str, runtime_dir: Path, overrides: Sequence[str] = ()):
         self.cfg = cfg
         self.config_path = config_path
         self.runtime_dir = runtime_dir
         self.overrides = list(overrides)
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[Unit, subprocess.Popen] = {}
 
         # vLLM sizes its KV cache from the free GPU memory it measures while starting, so engines
         # sharing a GPU must start one after the other; on CPU hosts they all start at once.
         self.sequential = _cuda_host()
 
-    def start_after(self, stage_id: int) -> list[int]:
-        """Stages that must be ready before this one starts: earlier stages on the same devices."""
+    def start_after(self, unit: Unit) -> list[Unit]:
+        """Processes that must be ready before this one starts: earlier ones on the same devices."""
         if not self.sequential:
             return []
-        mine = _device_set(self.cfg.stage(stage_id).devices)
-        return [s.id for s in self.cfg.stages[:stage_id] if _overlap(mine, _device_set(s.devices))]
+        units = self.cfg.units()
+        mine = _device_set(self.cfg.stage(unit[0]).devices_of(unit[1]))
+        return [u for u in units[:units.index(unit)]
+                if _overlap(mine, _device_set(self.cfg.stage(u[0]).devices_of(u[1])))]
 
-    def start(self, stage_id: int) -> None:
+    def start(self, unit: Unit) -> None:
+        stage_id, replica = unit
         cmd = [sys.executable, "-m", "omni_server.cli", "stage", "--config", self.config_path,
-               "--stage", str(stage_id), "--runtime-dir", str(self.runtime_dir), "--parent-pid", str(os.getpid())]
+               "--stage", str(stage_id), "--replica", str(replica), "--runtime-dir", str(self.runtime_dir),
+               "--parent-pid", str(os.getpid())]
         for o in self.overrides:
             cmd += ["--stage-arg", o]
         # Own session: a terminal Ctrl-C reaches only `serve`, which then stops stages in order.
-        self.procs[stage_id] = subprocess.Popen(cmd, start_new_session=True)
-        log.info("stage %d (%s) starting, pid %d", stage_id, self.cfg.stage(stage_id).name, self.procs[stage_id].pid)
+        self.procs[unit] = subprocess.Popen(cmd, start_new_session=True)
+        log.info("stage %d (%s) starting, pid %d", stage_id, self.cfg.unit_name(unit), self.procs[unit].pid)
 
-    def exited(self) -> dict[int, int]:
-        """Stage id -> exit code, for stage processes that are no longer running."""
-        return {i: p.returncode for i, p in self.procs.items() if p.poll() is not None}
+    def exited(self) -> dict[Unit, int]:
+        """Exit codes of stage processes that are no longer running."""
+        return {u: p.returncode for u, p in self.procs.items() if p.poll() is not None}
 
-    def kill(self, stage_id: int) -> None:
-        """SIGKILL a stage and its children (its own process group)."""
+    def kill(self, unit: Unit) -> None:
+        """SIGKILL a stage process and its children (its own process group)."""
         try:
-            os.killpg(self.procs[stage_id].pid, signal.SIGKILL)
+            os.killpg(self.procs[unit].pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -73,11 +80,11 @@ class Launcher:
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for i, p in self.procs.items():
+        for u, p in self.procs.items():
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("stage %d did not stop in %.0f s; killing it", i, timeout)
+                log.warning("stage %s did not stop in %.0f s; killing it", self.cfg.unit_name(u), timeout)
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:

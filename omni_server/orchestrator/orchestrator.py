@@ -2,6 +2,8 @@
 
 A request enters the stage(s) that read the client's prompt; later stages are told to expect it and
 receive their inputs stage to stage. The request is done when every client-facing stage finished.
+A stage may run several replicas (engine processes): each request goes to the ready replica of each
+stage with the fewest requests in flight, and every stage on its route learns those choices.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ PROBE_INTERVAL_S = 1.0
 HUNG = "no answer"  # mark_down reason prefix for a stage that stopped answering pings
 
 
+Unit = tuple[int, int]  # (stage id, replica): one engine process
+
+
 class StageUnavailable(RuntimeError):
     """A stage the request needs is not running."""
 
@@ -54,6 +59,9 @@ class RequestState:
     outputs: set[int] = field(default_factory=set)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
+    # Stage id -> the replica serving this request, for every stage on its route.
+    replicas: dict[int, int] = field(default_factory=dict)
+    released: bool = False  # its replicas' load counts were given back
 
 
 class Orchestrator:
@@ -67,22 +75,24 @@ class Orchestrator:
         if self.curve:
             self.curve.server(self.out)
         self.out.bind(api_address(cfg, runtime_dir))
-        self.stage_socks: dict[int, zmq.asyncio.Socket] = {}
-        for s in cfg.stages:
+        self.units = cfg.units()
+        self.stage_socks: dict[Unit, zmq.asyncio.Socket] = {}
+        for unit in self.units:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.LINGER, 1000)
             if self.curve:
                 self.curve.client(sock)
-            sock.connect(stage_address(cfg, s.id, runtime_dir))
-            self.stage_socks[s.id] = sock
+            sock.connect(stage_address(cfg, unit[0], runtime_dir, unit[1]))
+            self.stage_socks[unit] = sock
+        self.load: dict[Unit, int] = {u: 0 for u in self.units}  # requests in flight per replica
         self.encoder = Encoder()
         self.decoder = Decoder()
         self.output_stages = {s.id for s in cfg.stages if s.output}
         self.requests: dict[str, RequestState] = {}
-        self.ready: dict[int, StageReady] = {}
-        self.down: dict[int, str] = {}
-        self.last_seen: dict[int, float] = {}
+        self.ready: dict[Unit, StageReady] = {}
+        self.down: dict[Unit, str] = {}
+        self.last_seen: dict[Unit, float] = {}
         self._ready_event = asyncio.Event()
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._nonce = itertools.count(1)
@@ -106,41 +116,64 @@ class Orchestrator:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             now = time.monotonic()
-            for s in self.cfg.stages:
-                silent = now - self.last_seen.get(s.id, now)
-                if s.id in self.ready and silent > timeout:
-                    log.error("stage %d (%s) has not answered for %.0f s", s.id, s.name, silent)
-                    self.mark_down(s.id, f"{HUNG} for {silent:.0f} s")
-                if s.id not in self.ready or silent >= PROBE_INTERVAL_S:
+            for unit in self.units:
+                silent = now - self.last_seen.get(unit, now)
+                if unit in self.ready and silent > timeout:
+                    log.error("stage %d (%s) has not answered for %.0f s", unit[0], self.cfg.unit_name(unit), silent)
+                    self.mark_down(unit, f"{HUNG} for {silent:.0f} s")
+                if unit not in self.ready or silent >= PROBE_INTERVAL_S:
                     try:
-                        await self._send(self.stage_socks[s.id], StatsQuery(nonce=0))
+                        await self._send(self.stage_socks[unit], StatsQuery(nonce=0))
                     except zmq.ZMQError:
                         pass
 
     def _on_ready(self, msg: StageReady) -> None:
-        self.last_seen[msg.stage_id] = time.monotonic()
-        self.ready[msg.stage_id] = msg
-        self.down.pop(msg.stage_id, None)
+        unit = (msg.stage_id, msg.replica)
+        self.last_seen[unit] = time.monotonic()
+        self.ready[unit] = msg
+        self.down.pop(unit, None)
         log.info("stage %d (%s) ready: engine start %.1f s, %.1f s since the api started", msg.stage_id,
-                 self.cfg.stage(msg.stage_id).name, msg.startup_s, time.monotonic() - self.started_at)
+                 self.cfg.unit_name(unit), msg.startup_s, time.monotonic() - self.started_at)
         if self.all_ready:
             self._ready_event.set()
 
     @property
     def all_ready(self) -> bool:
-        return len(self.ready) == len(self.cfg.stages) and not self.down
+        return len(self.ready) == len(self.units) and not self.down
+
+    @property
+    def serving(self) -> bool:
+        """Every stage was ready once and has a ready replica now."""
+        return self._ready_event.is_set() and self.unavailable() is None
+
+    def unavailable(self) -> str | None:
+        """Why some stage has no ready replica (None: every stage has one)."""
+        reasons = []
+        for s in self.cfg.stages:
+            units = [(s.id, r) for r in range(s.replicas)]
+            if not any(u in self.ready for u in units):
+                down = [f"{self.cfg.unit_name(u)}: {self.down[u]}" for u in units if u in self.down]
+                reasons.append("; ".join(down) or f"stage {s.name} is starting")
+        return ", ".join(reasons) or None
+
+    def stage_info(self, stage_id: int) -> StageReady | None:
+        """The StageReady of a ready replica of this stage (facts like a generator's voices)."""
+        return next((self.ready[(stage_id, r)] for r in range(self.cfg.stage(stage_id).replicas)
+                     if (stage_id, r) in self.ready), None)
 
     async def wait_ready(self, timeout: float) -> None:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
 
-    def mark_down(self, stage_id: int, reason: str) -> None:
-        """A stage process died: fail every request in flight (they all pass through every stage)."""
-        self.down[stage_id] = reason
-        self.ready.pop(stage_id, None)
+    def mark_down(self, unit: Unit, reason: str) -> None:
+        """A stage process died: fail the requests in flight that it serves."""
+        stage_id, replica = unit
+        self.down[unit] = reason
+        self.ready.pop(unit, None)
         for state in list(self.requests.values()):
-            self._push(state, stage_id, RequestDelta(
-                request_id=state.request_id, finished=True, finish_reason="error",
-                error=f"stage {self.cfg.stage(stage_id).name} is unavailable: {reason}", error_code=503))
+            if state.replicas.get(stage_id) == replica:
+                self._push(state, stage_id, RequestDelta(
+                    request_id=state.request_id, finished=True, finish_reason="error",
+                    error=f"stage {self.cfg.unit_name(unit)} is unavailable: {reason}", error_code=503))
 
     async def close(self) -> None:
         # Stages are not told to stop: `serve` stops the ones it started, external ones outlive the api.
@@ -158,14 +191,18 @@ class Orchestrator:
                      media: dict | None = None) -> RequestState:
         """Start a request on the stages its `outputs` kinds need (None: every output stage).
         Stages with `output: tokens` report whenever the route passes through them."""
-        if self.down:
-            raise StageUnavailable(", ".join(f"stage {i}: {r}" for i, r in self.down.items()))
-        if not self.all_ready:
+        if not self._ready_event.is_set():
             raise StageUnavailable("the pipeline is still starting")
+        why = self.unavailable()
+        if why:
+            raise StageUnavailable(why)
         kinds = outputs if outputs is not None else {self.cfg.stage(i).output for i in self.output_stages}
         route = self.cfg.route(kinds)
         wanted = {i for i in route if self.cfg.stage(i).output in kinds or self.cfg.stage(i).output == "tokens"}
-        state = RequestState(request_id, set(wanted), outputs=set(wanted))
+        replicas = {i: self._least_loaded(i) for i in route}
+        state = RequestState(request_id, set(wanted), outputs=set(wanted), replicas=replicas)
+        for unit in replicas.items():
+            self.load[unit] += 1
         self.requests[request_id] = state
         opts = dict(options or {})
         # Downstream stages first, so they know the request before payloads arrive (either order works).
@@ -174,12 +211,22 @@ class Orchestrator:
             fwd = [c for c in self.cfg.consumers(i) if c in route]
             if s.inputs:
                 msg: Message = ExpectRequest(request_id=request_id, sampling=sampling[i], sources=list(s.inputs),
-                                             forward_to=fwd, options=opts)
+                                             forward_to=fwd, options=opts, replicas=replicas)
             else:
                 msg = AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling[i],
-                                 forward_to=fwd, options=opts, tensors=dict(media or {}))
-            await self._send(self.stage_socks[i], msg)
+                                 forward_to=fwd, options=opts, tensors=dict(media or {}), replicas=replicas)
+            await self._send(self.stage_socks[(i, replicas[i])], msg)
         return state
+
+    def _least_loaded(self, stage_id: int) -> int:
+        ready = [r for r in range(self.cfg.stage(stage_id).replicas) if (stage_id, r) in self.ready]
+        return min(ready, key=lambda r: (self.load[(stage_id, r)], r))
+
+    def _release(self, state: RequestState) -> None:
+        if not state.released:
+            state.released = True
+            for unit in state.replicas.items():
+                self.load[unit] -= 1
 
     async def deltas(self, state: RequestState) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Yield (stage id, delta) until every client-facing stage finished or one failed."""
@@ -200,23 +247,28 @@ class Orchestrator:
                     yield stage_id, delta
         finally:
             self.requests.pop(state.request_id, None)
+            self._release(state)
 
     async def finish(self, request_id: str, stage_id: int) -> None:
         """Cut one stage's generation short; stages downstream still get its output so far."""
-        await self._send(self.stage_socks[stage_id], FinishRequest(request_id=request_id))
+        state = self.requests.get(request_id)
+        replica = state.replicas.get(stage_id, 0) if state else 0
+        await self._send(self.stage_socks[(stage_id, replica)], FinishRequest(request_id=request_id))
 
     async def abort(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self._release(state)
         msg = AbortRequest(request_ids=[request_id])
         for sock in self.stage_socks.values():
             await self._send(sock, msg)
 
-    async def stats(self, stage_id: int, timeout: float = 5.0) -> StageStats:
+    async def stats(self, stage_id: int, replica: int = 0, timeout: float = 5.0) -> StageStats:
         nonce = next(self._nonce)
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters[nonce] = fut
         try:
-            await self._send(self.stage_socks[stage_id], StatsQuery(nonce=nonce))
+            await self._send(self.stage_socks[(stage_id, replica)], StatsQuery(nonce=nonce))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats_waiters.pop(nonce, None)
@@ -233,9 +285,9 @@ class Orchestrator:
         while True:
             frames = await self.out.recv_multipart(copy=False)
             msg = decode_or_none(self.decoder, frames, "api")
-            stage_id = getattr(msg, "stage_id", None)
-            if stage_id in self.stage_socks:
-                self.last_seen[stage_id] = time.monotonic()
+            unit = (getattr(msg, "stage_id", None), getattr(msg, "replica", 0))
+            if isinstance(msg, (StageStats, StageReady)) and unit in self.stage_socks:
+                self.last_seen[unit] = time.monotonic()
             if isinstance(msg, RequestOutputs):
                 for delta in msg.deltas:
                     state = self.requests.get(delta.request_id)
@@ -243,15 +295,15 @@ class Orchestrator:
                         self._push(state, msg.stage_id, delta)
             elif isinstance(msg, StageStats):
                 if msg.nonce == 0:  # a probe's answer
-                    if msg.stage_id in self.stage_socks and msg.stage_id not in self.ready:
+                    if unit in self.stage_socks and unit not in self.ready:
                         self._on_ready(StageReady(stage_id=msg.stage_id, pid=msg.pid, startup_s=msg.startup_s,
-                                                  info=msg.info))
+                                                  info=msg.info, replica=msg.replica))
                     continue
                 fut = self._stats_waiters.get(msg.nonce)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             elif isinstance(msg, StageReady):
-                if 0 <= msg.stage_id < len(self.cfg.stages):
+                if unit in self.stage_socks:
                     self._on_ready(msg)
             elif msg is not None:
                 log.warning("api: ignoring unexpected %s", type(msg).__name__)

@@ -382,7 +382,7 @@ class ARStage(Stage):
         tracked.sent_rows, tracked.sent_tokens = max(end, tracked.sent_rows), len(tracked.output_token_ids)
         for dst in tracked.stream_to:
             if dst not in tracked.done_to:
-                self.sockets.send_stage(dst, chunk)
+                self.send_stage(dst, request_id, chunk)
 
     def _forward(self, request_id: str, tracked: _Tracked) -> None:
         for capture, _, _ in tracked.pending:
@@ -403,7 +403,7 @@ class ARStage(Stage):
             tensors={"hidden": hidden},
         )
         for dst in full_to:
-            self.sockets.send_stage(dst, payload)
+            self.send_stage(dst, request_id, payload)
 
 
 def _media_index(name: str) -> int:

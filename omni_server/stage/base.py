@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 MAX_ORPHAN_PAYLOADS = 1024
 # Ids of aborted/failed requests remembered, so payloads still in flight for them are dropped.
 MAX_TOMBSTONES = 16384
+# Requests whose replica choices are remembered (far more than can be in flight).
+MAX_ROUTES = 65536
 
 
 @dataclass
@@ -78,6 +80,9 @@ class Stage:
         self.waiting: dict[str, _Waiting] = {}
         self._dirty: dict[str, None] = {}  # requests with new input since the last loop
         self.aborted: OrderedDict[str, None] = OrderedDict()
+        self.replica = sockets.replica
+        # request id -> the replica of each stage on its route that serves it (payloads, credits).
+        self.routes: OrderedDict[str, dict[int, int]] = OrderedDict()
         self.steps = 0
         self.backpressure_pauses = 0
         self.running = True
@@ -113,7 +118,17 @@ class Stage:
         """Tell this request's streaming sources how much of their output was used (-1: no more needed)."""
         msg = StreamCredit(request_id=request_id, stage_id=self.stage_id, consumed=consumed)
         for src in sources:
-            self.sockets.send_stage(src, msg)
+            self.send_stage(src, request_id, msg)
+
+    def send_stage(self, stage_id: int, request_id: str, msg) -> None:
+        """To the replica of `stage_id` that serves this request."""
+        self.sockets.send_stage(stage_id, msg, self.routes.get(request_id, {}).get(stage_id, 0))
+
+    def _remember_route(self, request_id: str, replicas: dict[int, int]) -> None:
+        if replicas:
+            self.routes[request_id] = replicas
+            while len(self.routes) > MAX_ROUTES:
+                self.routes.popitem(last=False)
 
     def finish_early(self, request_id: str) -> None:
         """End this request now as if it had finished (FinishRequest); stages that cannot cut a
@@ -136,7 +151,7 @@ class Stage:
     # ---- loop ---------------------------------------------------------------------------------
 
     def run(self) -> None:
-        self.sockets.send_api(StageReady(stage_id=self.stage_id, pid=os.getpid(),
+        self.sockets.send_api(StageReady(stage_id=self.stage_id, pid=os.getpid(), replica=self.replica,
                                          startup_s=round(self.startup_s, 2), info=self.info()))
         try:
             while self.running:
@@ -157,10 +172,12 @@ class Stage:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
+            self._remember_route(msg.request_id, msg.replicas)
             self.add_prompt(msg)
         elif isinstance(msg, ExpectRequest):
             if msg.request_id in self.aborted:
                 return
+            self._remember_route(msg.request_id, msg.replicas)
             w = self.waiting.setdefault(msg.request_id, _Waiting())
             w.expect = msg
             self._dirty[msg.request_id] = None
@@ -183,7 +200,7 @@ class Stage:
                 stage_id=self.stage_id, nonce=msg.nonce, num_running=running, num_waiting=waiting,
                 request_ids=sorted(self.known_requests()), steps=self.steps,
                 backpressure_pauses=self.backpressure_pauses, pid=os.getpid(),
-                startup_s=round(self.startup_s, 2), info=self.info()))
+                startup_s=round(self.startup_s, 2), info=self.info(), replica=self.replica))
         elif isinstance(msg, Shutdown):
             self.running = False
         else:
@@ -230,6 +247,7 @@ class Stage:
         self.drop(request_ids)
         for rid in request_ids:
             self.waiting.pop(rid, None)
+            self.routes.pop(rid, None)
             self.aborted[rid] = None
         while len(self.aborted) > MAX_TOMBSTONES:
             self.aborted.popitem(last=False)

@@ -22,8 +22,11 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: int | None = None) -> None:
+def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: int | None = None,
+              replica: int = 0) -> None:
     stage = cfg.stage(stage_id)
+    if not 0 <= replica < stage.replicas:
+        raise SystemExit(f"stage {stage_id} ({stage.name}) has {stage.replicas} replica(s); no replica {replica}")
     # Our runner extends vLLM's V1 runner; the V2 runner would silently bypass it.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     # The stage process is the engine core; with one worker, that worker runs in it too (as vLLM
@@ -33,8 +36,8 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for key, value in stage.env.items():
         os.environ.setdefault(key, value)
-    if stage.devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = stage.devices
+    if stage.devices_of(replica) is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = stage.devices_of(replica)
     if parent_pid:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
 
@@ -50,7 +53,7 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
 
     from omni_server.wire.transport import StageSockets
 
-    sockets = StageSockets(cfg, stage_id, runtime_dir)
+    sockets = StageSockets(cfg, stage_id, runtime_dir, replica)
     if stage.kind == "ar":
         from omni_server.models import register_vllm_models
         from omni_server.stage.ar import ARStage
@@ -67,7 +70,7 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    log.info("stage %d (%s) ready in %.1f s", stage_id, stage.name, engine.startup_s)
+    log.info("stage %d (%s) ready in %.1f s", stage_id, cfg.unit_name((stage_id, replica)), engine.startup_s)
     try:
         engine.run()
     finally:

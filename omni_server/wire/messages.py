@@ -53,6 +53,8 @@ class AddRequest(_Msg):
     forward_to: list[int] = []
     # Per-request choices for the stage's input processor / generator, e.g. {"voice": "Ethan"}.
     options: dict[str, str] = {}
+    # The replica of each stage on the request's route that serves it (absent: replica 0).
+    replicas: dict[int, int] = {}
     # Media of the prompt, in placeholder order per kind: "audio.N" mono float32 at
     # AUDIO_SAMPLE_RATE, "image.N" RGB uint8 [height, width, 3].
     tensors: dict[str, Any] = {}
@@ -66,6 +68,7 @@ class ExpectRequest(_Msg):
     sources: list[int]
     forward_to: list[int] = []
     options: dict[str, str] = {}
+    replicas: dict[int, int] = {}
 
 
 class AbortRequest(_Msg):
@@ -122,6 +125,7 @@ class StageReady(_Msg):
     pid: int
     startup_s: float
     info: dict[str, str] = {}
+    replica: int = 0
 
 
 class RequestDelta(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -159,6 +163,7 @@ class StageStats(_Msg):
     pid: int = 0
     startup_s: float = 0.0
     info: dict[str, str] = {}
+    replica: int = 0
 
 
 Message = Union[

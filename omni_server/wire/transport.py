@@ -1,7 +1,8 @@
 """Socket addresses and send/receive helpers shared by the api process and the stages.
 
-Topology: every stage binds one PULL input socket; the api binds one PULL output socket. The api
-PUSHes requests to each stage, stages PUSH deltas to the api and payloads to downstream stages.
+Topology: every stage process (each replica of a stage) binds one PULL input socket; the api binds
+one PULL output socket. The api PUSHes requests to each stage, stages PUSH deltas to the api,
+payloads to the downstream stages and credits to the upstream ones (the replica serving the request).
 Defaults are ipc sockets in a private runtime dir; TCP addresses come from the YAML.
 """
 
@@ -34,8 +35,9 @@ def make_runtime_dir(cfg: PipelineConfig) -> Path:
     return Path(tempfile.mkdtemp(prefix="omni-server-"))  # mode 0700: sockets stay private
 
 
-def stage_address(cfg: PipelineConfig, stage_id: int, runtime_dir: Path | str) -> str:
-    return cfg.stage(stage_id).address or f"ipc://{Path(runtime_dir) / f'stage{stage_id}.in'}"
+def stage_address(cfg: PipelineConfig, stage_id: int, runtime_dir: Path | str, replica: int = 0) -> str:
+    name = f"stage{stage_id}.in" if replica == 0 else f"stage{stage_id}.{replica}.in"
+    return cfg.stage(stage_id).address_of(replica) or f"ipc://{Path(runtime_dir) / name}"
 
 
 def api_address(cfg: PipelineConfig, runtime_dir: Path | str) -> str:
@@ -53,20 +55,22 @@ def decode_or_none(decoder: Decoder, frames, where: str) -> Message | None:
 class StageSockets:
     """A stage's sockets (blocking pyzmq: the stage loop is single-threaded)."""
 
-    def __init__(self, cfg: PipelineConfig, stage_id: int, runtime_dir: Path | str):
+    def __init__(self, cfg: PipelineConfig, stage_id: int, runtime_dir: Path | str, replica: int = 0):
         self.ctx = zmq.Context()
-        self.name = f"stage {stage_id}"
+        self.replica = replica
+        self.name = f"stage {stage_id}" + (f" replica {replica}" if replica else "")
         self.curve = curve_for(cfg.server.curve_keys_dir)
         if self.curve:
             self.curve.start_authenticator(self.ctx)
         self.input = self.ctx.socket(zmq.PULL)
         if self.curve:
             self.curve.server(self.input)
-        self.input.bind(stage_address(cfg, stage_id, runtime_dir))
+        self.input.bind(stage_address(cfg, stage_id, runtime_dir, replica))
         self.api = self._push(api_address(cfg, runtime_dir))
         # Consumers get payloads; sources get stream credits back.
         peers = set(cfg.consumers(stage_id)) | set(cfg.stage(stage_id).inputs)
-        self.stages = {c: self._push(stage_address(cfg, c, runtime_dir)) for c in sorted(peers)}
+        self.stages = {(c, r): self._push(stage_address(cfg, c, runtime_dir, r))
+                       for c in sorted(peers) for r in range(cfg.stage(c).replicas)}
         self.encoder = Encoder()
         self.decoder = Decoder()
         self.poller = zmq.Poller()
@@ -97,8 +101,8 @@ class StageSockets:
     def send_api(self, msg: Message) -> None:
         self.api.send_multipart(self.encoder.encode(msg), copy=False)
 
-    def send_stage(self, stage_id: int, msg: Message) -> None:
-        self.stages[stage_id].send_multipart(self.encoder.encode(msg), copy=False)
+    def send_stage(self, stage_id: int, msg: Message, replica: int = 0) -> None:
+        self.stages[(stage_id, replica)].send_multipart(self.encoder.encode(msg), copy=False)
 
     def close(self) -> None:
         if self.curve:
