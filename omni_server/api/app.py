@@ -394,7 +394,7 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _audio_error(delta) -> APIError:
+def _delta_error(delta) -> APIError:
     return APIError(delta.error_code if delta.error_code in (400, 503) else 500, delta.error)
 
 
@@ -411,7 +411,7 @@ class _SpeechStream:
         encoder = None
         async for stage_id, delta in self.orch.deltas(self.req):
             if delta.error is not None:
-                raise _audio_error(delta)
+                raise _delta_error(delta)
             if stage_id == self.state.audio_stage and "audio" in delta.tensors:
                 if encoder is None:
                     encoder = audio.StreamEncoder(delta.sample_rate, self.fmt)
@@ -444,10 +444,6 @@ class _SpeechStream:
         finally:
             if not finished:  # client went away
                 await self.orch.abort(self.req.request_id)
-
-    def _audio_chunk(self, audio_id: str, data: bytes, expires_at: int) -> str:
-        return self._chunk(DeltaMessage(audio=AudioDelta(id=audio_id, data=base64.b64encode(data).decode(),
-                                                         expires_at=expires_at)))
 
     async def sse(self) -> AsyncIterator[str]:
         finished = False
@@ -490,7 +486,7 @@ class _Run:
         text_stage = self.state.text_stage
         async for stage_id, delta in self.orch.deltas(self.req):
             if delta.error is not None:
-                raise _audio_error(delta)
+                raise _delta_error(delta)
             if stage_id == text_stage:
                 if self.detok.stopped:
                     continue  # tokens the stage made before it heard of the stop string
