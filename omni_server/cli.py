@@ -69,7 +69,9 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
                       requests_per_level=args.requests, prompt_words=args.prompt_words,
                       max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OMNI_SERVER_API_KEY"),
-                      audio=args.audio, voice=args.voice)
+                      audio=args.audio, voice=args.voice, reference=args.reference,
+                      reference_talker_max_tokens=args.reference_talker_max_tokens,
+                      reference_requests=args.reference_requests)
     result = asyncio.run(run_bench(cfg))
     text = json.dumps(result, indent=2)
     if args.output:
@@ -82,6 +84,11 @@ def cmd_bench(args) -> int:
               f"{lv['latency_ms']['p50']}/{lv['latency_ms']['p90']}/{lv['latency_ms']['p99']}"
               + (f"  TTFP p50 ms={lv['ttfp_ms']['p50']}  audio s/wall s={lv['audio_s_per_wall_s']}  "
                  f"RTF p50={lv['rtf']['p50']}" if args.audio else ""))
+    ref = result.get("reference")
+    if ref:
+        print(f"reference (transformers, {ref['device']}): n={ref['requests']} out tok/s={ref['output_tok_s']}  "
+              f"audio s/wall s={ref['audio_s_per_wall_s']}  RTF p50={ref['rtf']['p50']}  "
+              f"ours/reference per level: {[lv['vs_reference'] for lv in result['levels']]}")
     return 1 if any(lv["errors"] for lv in result["levels"]) else 0
 
 
@@ -141,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", help="write the JSON result here")
     p.add_argument("--audio", action="store_true", help="ask for speech too: adds TTFP, audio s/wall s, RTF")
     p.add_argument("--voice")
+    p.add_argument("--reference", metavar="CHECKPOINT_DIR",
+                   help="also time transformers' pipeline on the same prompts here, and compare")
+    p.add_argument("--reference-talker-max-tokens", type=int, default=500,
+                   help="the reference talker's codec-token cap (match the server's talker max_tokens)")
+    p.add_argument("--reference-requests", type=int, default=4, help="reference requests (one at a time)")
     p.set_defaults(fn=cmd_bench)
 
     args = parser.parse_args(argv)

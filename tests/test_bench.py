@@ -43,3 +43,21 @@ def test_bench_audio_reports_ttfp_and_rtf(speech_server, tmp_path):
     assert 0 < lv["ttft_ms"]["p50"] <= lv["ttfp_ms"]["p50"] <= lv["latency_ms"]["p99"]
     assert lv["rtf"]["p50"] > 0 and lv["audio_s_per_wall_s"] > 0
     assert "TTFP" in proc.stdout
+
+
+def test_bench_reference_runs_transformers_on_the_same_prompts(speech_server, tiny_models, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_server.cli", "bench", "--base-url", speech_server.base_url,
+         "--model", "omni-tiny", "--concurrency", "1", "--requests", "2", "--max-tokens", "8",
+         "--prompt-words", "20", "--audio", "--reference", str(tiny_models["tiny-qwen2_5-omni"]),
+         "--reference-talker-max-tokens", "64", "--reference-requests", "2", "--output", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    ref, (lv,) = result["reference"], result["levels"]
+    assert ref["device"] == "cpu" and ref["requests"] == 2 and ref["output_tokens"] == 2 * 8
+    # The tiny talker rarely stops by itself: 64 codes -> 64 * 2 mel frames * 240 samples each.
+    assert 0 < ref["audio_s"] <= 2 * 64 * 480 / 24000 and ref["rtf"]["p50"] > 0
+    assert lv["vs_reference"] == round(lv["audio_s_per_wall_s"] / ref["audio_s_per_wall_s"], 3)
+    assert "reference (transformers, cpu)" in proc.stdout

@@ -16,6 +16,9 @@ B="python3 -m omni_server.cli bench --base-url http://127.0.0.1:8010 --model qwe
 $B --concurrency 1 --requests 1 --output $OUT/warm7b.json
 $B --concurrency 1 --requests 3 --output $OUT/bench7b_c1.json
 $B --concurrency 16 --requests 16 --output $OUT/bench7b_c16.json
+# p4: the same prompts through transformers' generate() on this GPU (one at a time), ours / theirs.
+$B --concurrency 16 --requests 16 --reference $M --reference-talker-max-tokens ${TALKER_MAX:-500} \
+  --reference-requests 2 --output $OUT/bench7b_c16_ref.json
 python3 - <<'PY'
 import time, openai
 c = openai.OpenAI(base_url="http://127.0.0.1:8010/v1", api_key="x")

@@ -3,6 +3,8 @@
 Per level it reports TTFT (first text delta), end-to-end latency (p50/p90/p99), output tokens/s
 (completion tokens from the usage chunk / wall time) and errors; with `audio`, also TTFP (first
 audio data delta), seconds of audio per wall second and RTF (request latency / its audio duration).
+With `reference`, transformers' own pipeline runs the same prompts in this process afterwards, and
+each level reports its throughput relative to it (`vs_reference`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ class BenchConfig:
     # Ask for speech too (modalities text + audio, wav); voice None = the server's default.
     audio: bool = False
     voice: str | None = None
+    # A checkpoint dir: also run transformers' pipeline on the same prompts (one at a time) in this
+    # process, and report each level against it. Its talker stops at `reference_talker_max_tokens`
+    # (set it to the server's talker max_tokens for a like-for-like audio length).
+    reference: str | None = None
+    reference_device: str | None = None  # default: cuda if available
+    reference_talker_max_tokens: int = 500
+    reference_requests: int = 4  # one at a time, after a warm-up request
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -181,4 +190,38 @@ async def run_bench(cfg: BenchConfig, progress=_progress) -> dict:
     for c in cfg.concurrency:
         levels.append(await _level(cfg, c, offset, progress))
         offset += levels[-1]["requests"]
-    return {"config": asdict(cfg), "levels": levels}
+    result = {"config": asdict(cfg), "levels": levels}
+    if cfg.reference:
+        ref = await asyncio.to_thread(_reference_level, cfg)
+        result["reference"] = ref
+        key = "audio_s_per_wall_s" if cfg.audio else "output_tok_s"
+        for lv in levels:  # throughput of this level / the reference's, same prompts, same machine
+            lv["vs_reference"] = round(lv[key] / ref[key], 3) if lv.get(key) and ref.get(key) else None
+    return result
+
+
+def _reference_level(cfg: BenchConfig) -> dict:
+    """transformers' pipeline on this bench's prompts, one request at a time."""
+    import torch
+
+    from omni_server.models import reference_for
+
+    device = cfg.reference_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ref = reference_for(cfg.reference)(cfg.reference, device)
+    n = cfg.reference_requests
+    ref.speak(prompt(0, cfg.prompt_words), cfg.max_tokens, cfg.voice, cfg.reference_talker_max_tokens)  # warm-up
+    lat, audio, tokens = [], [], 0
+    t0 = time.perf_counter()
+    for i in range(n):
+        t = time.perf_counter()
+        k, a = ref.speak(prompt(i, cfg.prompt_words), cfg.max_tokens, cfg.voice, cfg.reference_talker_max_tokens,
+                         ignore_eos=cfg.ignore_eos)
+        lat.append(time.perf_counter() - t)
+        audio.append(a)
+        tokens += k
+    wall, audio_s = time.perf_counter() - t0, sum(audio)
+    return {"device": device, "requests": n, "wall_s": round(wall, 3), "output_tokens": tokens,
+            "output_tok_s": round(tokens / wall, 1), "audio_s": round(audio_s, 2),
+            "audio_s_per_wall_s": round(audio_s / wall, 3) if audio_s else None,
+            "latency_ms": {"p50": round(_pct(lat, 50) * 1000, 1)},
+            "rtf": {"p50": _round(_pct([t / a for t, a in zip(lat, audio) if a], 50))}}

@@ -26,3 +26,20 @@ def register_vllm_models() -> None:
     for family in FAMILIES:
         importlib.import_module(f"omni_server.models.{family}")
     model_classes.register_with_vllm()
+
+
+def reference_for(model_dir: str):
+    """The transformers reference pipeline class of the family that `model_dir` (a checkpoint)
+    belongs to: `omni_server.models.<config.json model_type>.reference.Reference`."""
+    import json
+    from pathlib import Path
+
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")
+    name = f"omni_server.models.{model_type}.reference"
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name not in (name, name.rsplit(".", 1)[0]):
+            raise
+        raise ValueError(f"no reference pipeline for model_type {model_type!r} ({model_dir})") from None
+    return module.Reference
