@@ -42,3 +42,4 @@ done
 $B --concurrency 1 --requests 1 --output $OUT/warm7b_full.json
 $B --concurrency 1 --requests 3 --output $OUT/bench7b_c1_full.json
 $B --concurrency 16 --requests 16 --output $OUT/bench7b_c16_full.json
+python3 benchmarks/collect.py $OUT --out $OUT/results.json   # copy to benchmarks/results/<date>-h200.json

@@ -1,0 +1,76 @@
+"""Collect one device run's outputs into the issue-5 result keys: `python benchmarks/collect.py DIR
+--out benchmarks/results/NAME.json`. DIR holds what benchmarks/gpu/omni7b.sh (bench JSON, serve
+logs) and runner_overhead.py (RESULT lines saved to runner_*.txt) wrote; a key whose input is
+missing is null, so runs can be compared key by key."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+
+def _level(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    (level,) = json.loads(path.read_text())["levels"][:1]
+    return level
+
+
+def _get(d: dict | None, *keys):
+    for k in keys:
+        if d is None:
+            return None
+        d = d.get(k)
+    return d
+
+
+def _runner_ratio(out: Path, batch: int) -> float | None:
+    """omni-with-emission tok/s / vllm tok/s at this batch, from runner_overhead RESULT lines."""
+    rates: dict[str, float] = {}
+    for f in sorted(out.glob("runner_*.txt")):
+        for line in f.read_text().splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[7:])
+                if r.get("batch") == batch:
+                    rates[r.get("mode", "")] = r.get("tok_s")
+    emit, plain = rates.get("omni-emit"), rates.get("vllm")
+    return round(emit / plain, 3) if emit and plain else None
+
+
+def _ready_s(log: Path) -> float | None:
+    m = re.search(r"all \d+ stages ready in ([\d.]+) s", log.read_text(errors="replace")) if log.exists() else None
+    return float(m.group(1)) if m else None
+
+
+def collect(out: Path) -> dict:
+    c1, c16 = _level(out / "bench7b_c1.json"), _level(out / "bench7b_c16.json")
+    ref = _level(out / "bench7b_c16_ref.json")
+    return {
+        "p1_runner_vs_vllm_bs1": _runner_ratio(out, 1),
+        "p1_runner_vs_vllm_bs32": _runner_ratio(out, 32),
+        "p2_ttfp_ms_c1": _get(c1, "ttfp_ms", "p50"),
+        "p2_ttfp_ms_c16": _get(c16, "ttfp_ms", "p50"),
+        "p2_ttfp_ms_c1_full_payload": _get(_level(out / "bench7b_c1_full.json"), "ttfp_ms", "p50"),
+        "p3_rtf_c1": _get(c1, "rtf", "p50"),
+        "p3_rtf_c16": _get(c16, "rtf", "p50"),
+        "p4_vs_hf_c16": _get(ref, "vs_reference"),
+        "p5_hbm_fraction_bs1": None,  # needs the profiler numbers; not collected yet
+        "p6_ready_s_cold": _ready_s(out / "serve7b.log"),
+        "p6_ready_s_warm": _ready_s(out / "serve7b_full.log"),  # second start: compile cache warm
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("dir", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(collect(a.dir), indent=2) + "\n")
+    print(a.out.read_text())
+
+
+if __name__ == "__main__":
+    main()
