@@ -343,6 +343,15 @@ def test_stop_string_ends_text_and_speech_still_arrives(client, speech_server):
         assert resp.id not in speech_server.stats(i)["request_ids"]
 
 
+def test_only_the_talker_input_carries_hidden_states(client, speech_server):
+    """token2wav reads codes only (`reads_hidden = False`): the talker neither captures nor sends
+    hidden states, while the thinker sends the talker its rows (3 stages' payload counters)."""
+    thinker, talker = speech_server.stats(0)["payload_bytes"], speech_server.stats(1)["payload_bytes"]
+    _chat(client, "Hello", "Ethan", 1, max_tokens=6)
+    assert speech_server.stats(0)["payload_bytes"] > thinker
+    assert speech_server.stats(1)["payload_bytes"] == talker == 0
+
+
 def test_text_only_request_skips_talker_and_vocoder(client, speech_server):
     before = [speech_server.stats(i)["steps"] for i in (1, 2)]
     resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,

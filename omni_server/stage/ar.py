@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from omni_server.config.schema import PipelineConfig
-from omni_server.stage import model_classes
+from omni_server.stage import model_classes, processors
 from omni_server.stage.base import Stage
 from omni_server.stage.hidden import EMIT_HIDDEN, STEP_EMBEDS
 from omni_server.stage.processors import StageInput
@@ -43,6 +43,7 @@ class _Tracked:
     # per chunk; what went out so far.
     stream_to: list[int] = field(default_factory=list)
     chunk: int = 8
+    with_hidden: bool = True  # some consumer reads hidden states (else only tokens travel)
     sent_rows: int = 0
     sent_tokens: int = 0
     # Backpressure: output tokens each streaming consumer reported used, the consumers that need
@@ -225,7 +226,8 @@ class ARStage(Stage):
     def _add(self, request_id: str, prompt: dict, spec: SamplingSpec, forward_to: list[int],
              step_embeds: torch.Tensor | None = None) -> None:
         try:
-            params = self._sampling_params(spec, emit_hidden=bool(forward_to), step_embeds=step_embeds)
+            with_hidden = any(processors.reads_hidden(self.cfg.stage(c).input_processor) for c in forward_to)
+            params = self._sampling_params(spec, emit_hidden=with_hidden, step_embeds=step_embeds)
             request = self.inputs.process_inputs(request_id, prompt, params, supported_tasks=self.tasks)
             # The engine's prompt: multimodal placeholders expanded to one token per embedding row.
             prompt_token_ids = list(request.prompt_token_ids or [])
@@ -240,7 +242,8 @@ class ARStage(Stage):
             stream_to = [c for c in forward_to if self.cfg.stage(c).input_mode == "stream"]
             chunk = min((self.cfg.stage(c).stream_chunk for c in stream_to), default=8)
             window = min((self.cfg.stage(c).stream_window for c in stream_to), default=0)
-            self.tracked[request_id] = _Tracked(prompt_token_ids, list(forward_to), stream_to, chunk, window=window)
+            self.tracked[request_id] = _Tracked(prompt_token_ids, list(forward_to), stream_to, chunk,
+                                                with_hidden=with_hidden, window=window)
 
     def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool, step_embeds: torch.Tensor | None = None):
         from vllm import SamplingParams
@@ -365,8 +368,12 @@ class ARStage(Stage):
         for rid, tracked in self.tracked.items():
             if not tracked.stream_to:
                 continue
-            new = tracked.hidden_len - tracked.sent_rows
-            first = tracked.sent_rows == 0 and tracked.hidden_len > len(tracked.prompt_token_ids)
+            if tracked.with_hidden:
+                new = tracked.hidden_len - tracked.sent_rows
+                first = tracked.sent_rows == 0 and tracked.hidden_len > len(tracked.prompt_token_ids)
+            else:  # tokens only: each is known as soon as it is sampled
+                new = len(tracked.output_token_ids) - tracked.sent_tokens
+                first = tracked.sent_tokens == 0
             if new >= tracked.chunk or (first and new > 0):
                 self._send_chunk(rid, tracked, final=False)
 
@@ -378,7 +385,7 @@ class ARStage(Stage):
             request_id=request_id, source_stage=self.stage_id,
             prompt_token_ids=tracked.prompt_token_ids if tracked.sent_rows == 0 and tracked.sent_tokens == 0 else [],
             output_token_ids=tracked.output_token_ids[tracked.sent_tokens:],
-            tensors={"hidden": rows[tracked.sent_rows:end].clone()}, final=final)
+            tensors={"hidden": rows[tracked.sent_rows:end].clone()} if tracked.with_hidden else {}, final=final)
         tracked.sent_rows, tracked.sent_tokens = max(end, tracked.sent_rows), len(tracked.output_token_ids)
         for dst in tracked.stream_to:
             if dst not in tracked.done_to:
@@ -400,7 +407,7 @@ class ARStage(Stage):
         payload = StagePayload(
             request_id=request_id, source_stage=self.stage_id,
             prompt_token_ids=tracked.prompt_token_ids, output_token_ids=tracked.output_token_ids,
-            tensors={"hidden": hidden},
+            tensors={"hidden": hidden} if tracked.with_hidden else {},
         )
         for dst in full_to:
             self.send_stage(dst, request_id, payload)

@@ -85,6 +85,7 @@ class Stage:
         self.routes: OrderedDict[str, dict[int, int]] = OrderedDict()
         self.steps = 0
         self.backpressure_pauses = 0
+        self.payload_bytes = 0
         self.running = True
         self.startup_s = 0.0
 
@@ -122,6 +123,8 @@ class Stage:
 
     def send_stage(self, stage_id: int, request_id: str, msg) -> None:
         """To the replica of `stage_id` that serves this request."""
+        if isinstance(msg, StagePayload):
+            self.payload_bytes += sum(t.numel() * t.element_size() for t in msg.tensors.values())
         self.sockets.send_stage(stage_id, msg, self.routes.get(request_id, {}).get(stage_id, 0))
 
     def _remember_route(self, request_id: str, replicas: dict[int, int]) -> None:
@@ -199,7 +202,7 @@ class Stage:
             self.sockets.send_api(StageStats(
                 stage_id=self.stage_id, nonce=msg.nonce, num_running=running, num_waiting=waiting,
                 request_ids=sorted(self.known_requests()), steps=self.steps,
-                backpressure_pauses=self.backpressure_pauses, pid=os.getpid(),
+                backpressure_pauses=self.backpressure_pauses, payload_bytes=self.payload_bytes, pid=os.getpid(),
                 startup_s=round(self.startup_s, 2), info=self.info(), replica=self.replica))
         elif isinstance(msg, Shutdown):
             self.running = False

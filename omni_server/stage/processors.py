@@ -29,8 +29,9 @@ class StageInput:
 
 
 # (payloads by source stage, the stage object, the request's options such as {"voice": ...}).
-# A processor may return None for a streamed input that cannot start the request yet, and may have
-# a `prepare(stage)` attribute that loads its tables when the stage starts.
+# A processor may return None for a streamed input that cannot start the request yet, may have
+# a `prepare(stage)` attribute that loads its tables when the stage starts, and `reads_hidden =
+# False` when it uses only its sources' tokens (they then skip capturing and sending hidden states).
 Processor = Callable[[dict[int, StagePayload], Any, dict[str, str]], StageInput | None]
 _REGISTRY: dict[str, Processor] = {}
 
@@ -54,6 +55,11 @@ def get(name: str) -> Processor:
         return _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown input processor {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def reads_hidden(name: str | None) -> bool:
+    """Whether the named processor reads its sources' hidden states."""
+    return name is None or getattr(get(name), "reads_hidden", True)
 
 
 @register("hidden_to_embeds")

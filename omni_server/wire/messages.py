@@ -160,6 +160,8 @@ class StageStats(_Msg):
     steps: int = 0
     # Times a running request paused because a streaming consumer was `stream_window` behind.
     backpressure_pauses: int = 0
+    # Bytes of tensors this stage sent to other stages (per destination).
+    payload_bytes: int = 0
     pid: int = 0
     startup_s: float = 0.0
     info: dict[str, str] = {}

@@ -151,3 +151,6 @@ def talker_to_token2wav(payloads: dict[int, StagePayload], ctx, options: dict[st
     codes = p.output_token_ids
     end = next((i for i, c in enumerate(codes) if c in stops), len(codes))
     return StageInput(data={"codes": torch.tensor(codes[:end], dtype=torch.long)})
+
+
+talker_to_token2wav.reads_hidden = False  # codes only: the talker skips its hidden states
