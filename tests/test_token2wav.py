@@ -183,21 +183,38 @@ def test_stream_close_to_full_decode(t2w):
     full, streamed = t2w(LONG, "Ethan", seed=5), t2w.stream_all(LONG, "Ethan", seed=5)
     assert full.abs().max() > 0
     assert (full - streamed).abs().max().item() < 1e-4
-    short = LONG[:(t2w.chunk_frames + t2w.future_frames) // 2]
+    short = LONG[:(t2w.first_chunk_frames + t2w.future_frames) // 2]
     assert (t2w(short, "Ethan", seed=5) - t2w.stream_all(short, "Ethan", seed=5)).abs().max().item() < 1e-5
 
 
-def test_stream_first_audio_needs_one_window(t2w):
+@pytest.fixture(scope="module")
+def t2w_small_first(model_dir) -> Token2Wav:
+    return Token2Wav(model_dir, first_chunk_frames=24)
+
+
+@pytest.mark.parametrize("which", ["t2w", "t2w_small_first"])
+def test_stream_first_audio_needs_one_window(request, which):
+    t2w = request.getfixturevalue(which)
     st = t2w.open_stream(None, 1)
-    need = (t2w.chunk_frames + t2w.future_frames) // 2
+    need = (t2w.first_chunk_frames + t2w.future_frames) // 2
     st.feed(codes=LONG[:need - 1], final=False)
     assert not t2w.stream_ready(st)
     st.feed(codes=LONG[:need], final=False)
     assert t2w.stream_ready(st)
     piece = t2w.stream_step([st])[0]
-    # The window settles chunk_frames; the vocoder holds back its right context.
-    assert piece.numel() == (t2w.chunk_frames - t2w.vocoder_context_frames) * t2w.hop
+    # The window settles first_chunk_frames; the vocoder holds back its right context.
+    assert piece.numel() == (t2w.first_chunk_frames - t2w.vocoder_context_frames) * t2w.hop
     assert not st.done
+    # The next window waits for a whole chunk (plus look-ahead) beyond the first.
+    st.feed(codes=LONG[:need + t2w.chunk_frames // 2 - 1], final=False)
+    assert not t2w.stream_ready(st)
+
+
+def test_small_first_window_keeps_streams_arrival_independent(t2w_small_first):
+    whole = t2w_small_first.stream_all(LONG, "Ethan", seed=5)
+    pieces, early = _feed_in_pieces(t2w_small_first, LONG, [3], seed=5)
+    assert torch.equal(torch.cat(pieces), whole) and early > 0
+    assert whole.numel() == LONG.numel() * 2 * t2w_small_first.hop
 
 
 def test_streams_batched_equal_each_alone(t2w):
@@ -220,6 +237,7 @@ def test_stream_errors(t2w):
 
 
 @pytest.mark.parametrize("kwargs", [{"chunk_frames": 0}, {"chunk_frames": 50}, {"past_frames": 10},
+                                    {"first_chunk_frames": 0}, {"first_chunk_frames": 30},
                                     {"future_frames": 3}, {"vocoder_context_frames": -1}])
 def test_bad_stream_settings(model_dir, kwargs):
     with pytest.raises(ValueError):

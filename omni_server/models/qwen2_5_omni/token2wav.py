@@ -8,13 +8,14 @@ float32 operations as transformers' (`Qwen2_5OmniToken2WavDiTModel.sample` with 
 `RungeKutta4ODESolver`), so for the same noise the results agree to rounding.
 
 Streaming (`open_stream` / `stream_step`): codes arrive in pieces and audio leaves in pieces. The DiT
-runs on windows of `chunk_frames` new mel frames with `past_frames` of left and `future_frames` of
+runs on windows of `chunk_frames` new mel frames (`first_chunk_frames` in the first: smaller means
+earlier first audio) with `past_frames` of left and `future_frames` of
 right context (whole DiT blocks, so a window's block mask matches the full sequence's); the vocoder
 runs on the new mel with `vocoder_context_frames` either side and holds back the last
 `vocoder_context_frames` until their right context exists. Every window's noise is the slice of the
 request's one noise sequence at the same positions, and which windows run depends only on the codes,
 never on when they arrived: a streamed waveform equals the same codes decoded by `stream_all`, and a
-response of at most `chunk_frames + future_frames` mel frames equals the full decode exactly.
+response of at most `first_chunk_frames + future_frames` mel frames equals the full decode exactly.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class Token2Wav:
     streamed (`open_stream`, `stream_step`)."""
 
     def __init__(self, model_dir: str, device: str | torch.device = "cpu", chunk_frames: int = 72,
-                 past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20):
+                 past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20,
+                 first_chunk_frames: int | None = None):
         from transformers.initialization import no_init_weights
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
@@ -93,18 +95,21 @@ class Token2Wav:
         }
         self.voices: list[str] = sorted(self._speakers)
         block, repeats = dit_config.block_size, dit_config.repeats
-        for name, value, unit in (("chunk_frames", chunk_frames, block), ("past_frames", past_frames, block),
-                                  ("future_frames", future_frames, repeats)):
-            if value < 0 or value % unit or (name == "chunk_frames" and value == 0):
-                raise ValueError(f"{name} must be a {'positive' if name == 'chunk_frames' else 'non-negative'} "
+        first_chunk_frames = chunk_frames if first_chunk_frames is None else first_chunk_frames
+        for name, value, unit in (("chunk_frames", chunk_frames, block), ("first_chunk_frames", first_chunk_frames, block),
+                                  ("past_frames", past_frames, block), ("future_frames", future_frames, repeats)):
+            positive = name.endswith("chunk_frames")
+            if value < 0 or value % unit or (positive and value == 0):
+                raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} "
                                  f"multiple of {unit} (the DiT's {'block size' if unit == block else 'code rate'}), "
                                  f"got {value}")
         if vocoder_context_frames < 0:
             raise ValueError(f"vocoder_context_frames must be >= 0, got {vocoder_context_frames}")
         self.chunk_frames, self.past_frames, self.future_frames = chunk_frames, past_frames, future_frames
+        self.first_chunk_frames = first_chunk_frames
         self.vocoder_context_frames = vocoder_context_frames
         # Codes a stream must have beyond those it consumed before its next window can run.
-        self.stream_lead = (past_frames + chunk_frames + future_frames) // repeats
+        self.stream_lead = (max(past_frames + chunk_frames, first_chunk_frames) + future_frames) // repeats
         self.hop = 1  # waveform samples per mel frame
         for rate in config.bigvgan_config.upsample_rates:
             self.hop *= int(rate)
@@ -166,7 +171,7 @@ class Token2Wav:
         """Whether `stream_step` would make progress on this stream now."""
         if stream.done:
             return False
-        return stream.final or stream.settled + self.chunk_frames + self.future_frames <= \
+        return stream.final or stream.settled + self._chunk(stream.settled) + self.future_frames <= \
             stream.codes.numel() * self.dit.repeats
 
     @torch.inference_mode()
@@ -218,12 +223,13 @@ class Token2Wav:
         repeats = self.dit.repeats
         total = codes.numel() * repeats
         first = st.settled
-        middle = first + self.chunk_frames + self.future_frames <= total
+        size = self._chunk(first)
+        middle = first + size + self.future_frames <= total
         if not middle and first >= total:
             return None
         start = max(first - self.past_frames, 0)
-        end = first + self.chunk_frames + self.future_frames if middle else total
-        settled = self.chunk_frames if middle else total - first
+        end = first + size + self.future_frames if middle else total
+        settled = size if middle else total - first
         have = st.x0_start + st.x0.shape[0]
         if end > have:  # the noise continues one sequence (draws from one generator)
             st.x0 = torch.cat([st.x0, torch.randn([end - have, self.dit.mel_dim], generator=st.noise)])
@@ -233,6 +239,9 @@ class Token2Wav:
         st.consumed = keep // repeats
         st.x0, st.x0_start = st.x0[keep - st.x0_start:], keep
         return codes[start // repeats:end // repeats], noise, first - start, settled
+
+    def _chunk(self, settled: int) -> int:
+        return self.first_chunk_frames if settled == 0 else self.chunk_frames
 
     def _vocode_stream(self, st: CodeStream, new_mel: torch.Tensor | None) -> torch.Tensor:
         """Append newly settled mel frames and return the audio whose context is complete: all of
