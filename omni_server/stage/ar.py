@@ -90,6 +90,12 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
     args["worker_cls"] = (
         "omni_server.stage.cpu_worker.CPUOmniWorker" if on_cpu else "omni_server.stage.gpu_worker.GPUOmniWorker"
     )
+    one_worker = all(int(args.get(k) or 1) == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                          "data_parallel_size"))
+    if one_worker and "distributed_executor_backend" not in args:
+        from omni_server.stage.executor import OneProcessExecutor
+
+        args["distributed_executor_backend"] = OneProcessExecutor
     if stage.inputs:
         args.setdefault("enable_prompt_embeds", True)
     if cfg.consumers(stage_id):
