@@ -8,8 +8,12 @@ on, so the pipeline is exercised end to end on two local stand-ins, built here i
   its thinker on CPU; transformers can run the whole thinker -> talker -> token2wav chain.
 * ``tiny-embeds-lm``: a tiny Qwen2 causal LM whose hidden size equals the thinker's, standing in
   for a later stage that takes the thinker's hidden states as prompt embeddings.
+* ``tiny-qwen3-omni-moe``: a complete Qwen3-Omni-MoE checkpoint (MoE thinker with audio and
+  vision towers, MoE talker with its code predictor, code2wav, tokenizer with Qwen3-Omni's special
+  tokens, processor files).  vLLM serves its thinker on CPU (architecture
+  ``Qwen3OmniMoeForConditionalGeneration``, no ``hf_overrides`` needed).
 
-Both are seeded, so every build writes byte-identical files.  A random talker almost never emits
+All are seeded, so every build writes byte-identical files.  A random talker almost never emits
 its end-of-speech code, so callers of transformers' full ``generate(..., return_audio=True)`` must
 pass a small ``talker_max_new_tokens`` (the default, 4096, makes token2wav crawl on CPU).
 
@@ -35,14 +39,17 @@ from typing import Any
 __all__ = [
     "TINY_EMBEDS_LM",
     "TINY_OMNI",
+    "TINY_QWEN3_OMNI",
     "build_tiny_embeds_lm",
     "build_tiny_qwen2_5_omni",
+    "build_tiny_qwen3_omni",
     "ensure_all",
     "main",
 ]
 
 TINY_OMNI = "tiny-qwen2_5-omni"
 TINY_EMBEDS_LM = "tiny-embeds-lm"
+TINY_QWEN3_OMNI = "tiny-qwen3-omni-moe"
 
 DEFAULT_OUT_DIR = Path("var/models")
 
@@ -485,18 +492,28 @@ def _bpe_tokenizer() -> Any:
     return tokenizer
 
 
-def _qwen_tokenizer(*, multimodal: bool) -> Any:
-    """A transformers Qwen2Tokenizer over the tiny BPE, with every special token at its fixed id."""
+def _qwen_tokenizer(
+    *,
+    multimodal: bool,
+    specials: list[str] | None = None,
+    named_tokens: dict[str, str] | None = None,
+    chat_template: str = CHAT_TEMPLATE,
+) -> Any:
+    """A transformers Qwen2Tokenizer over the tiny BPE, with every special token at its fixed id.
+
+    `specials` (default: Qwen2.5-Omni's, then reserved slots) follow the BPE ids in order;
+    `named_tokens` are the processor's multimodal marker attributes (with `multimodal`).
+    """
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
+    specials = _SPECIAL_TOKENS + _RESERVED_TOKENS if specials is None else specials
     backend = copy.deepcopy(_bpe_tokenizer())
-    backend.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False) for token in _SPECIAL_TOKENS + _RESERVED_TOKENS]
-    )
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     if backend.get_vocab_size() != TEXT_VOCAB_SIZE:
         raise RuntimeError(f"tokenizer has {backend.get_vocab_size()} tokens, expected {TEXT_VOCAB_SIZE}")
-    named_tokens = {"extra_special_tokens": dict(_NAMED_MULTIMODAL_TOKENS)} if multimodal else {}
+    named = _NAMED_MULTIMODAL_TOKENS if named_tokens is None else named_tokens
+    extra = {"extra_special_tokens": dict(named)} if multimodal else {}
     return Qwen2Tokenizer(
         tokenizer_object=backend,
         unk_token=None,
@@ -506,8 +523,8 @@ def _qwen_tokenizer(*, multimodal: bool) -> Any:
         model_max_length=32768,
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
-        chat_template=CHAT_TEMPLATE,
-        **named_tokens,
+        chat_template=chat_template,
+        **extra,
     )
 
 
@@ -644,6 +661,359 @@ def build_tiny_embeds_lm(path: str | os.PathLike[str], hidden_size: int = THINKE
 
 
 # ---------------------------------------------------------------------------------------------
+# Qwen3-Omni-MoE
+# ---------------------------------------------------------------------------------------------
+
+# Qwen3-Omni's special tokens in the order of its real vocabulary, where they start at 151643 as
+# well: tiny id = real id - 151643 + 1024 (so <|audio_start|> 151669 -> 1050, <|audio_pad|>
+# 151675 -> 1056).  The same BPE as the Qwen2.5-Omni tokenizer precedes them.
+_QWEN3_OMNI_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+    "<tts_text_bos_single>",
+    "<|audio_pad|>",
+]
+_QWEN3_OMNI_VOCAB = _QWEN3_OMNI_SPECIAL_TOKENS + [
+    f"<|reserved_special_token_{i}|>"
+    for i in range(TEXT_VOCAB_SIZE - _BPE_VOCAB_SIZE - len(_QWEN3_OMNI_SPECIAL_TOKENS))
+]
+
+
+def _qwen3_omni_token_id(token: str) -> int:
+    return _BPE_VOCAB_SIZE + _QWEN3_OMNI_VOCAB.index(token)
+
+
+# Qwen3OmniMoeProcessor reads its multimodal markers from these tokenizer attributes.
+_QWEN3_OMNI_NAMED_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "audio_token": "<|audio_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+}
+
+# ChatML with Qwen3-Omni's placeholders; unlike Qwen2.5-Omni it adds no default system prompt.
+QWEN3_OMNI_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}"
+    "{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
+    "<|audio_start|><|audio_pad|><|audio_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content or 'video_url' in content %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}"
+    "{{ content['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+# Thinker: 2 MoE layers of 4 experts (2 routed per token), head_dim 64 for vLLM's CPU attention.
+# Real Qwen3-Omni uses interleaved multimodal RoPE with [24, 20, 20] for head_dim 128.
+_QWEN3_THINKER_MROPE_SECTION = [12, 10, 10]
+# Talker (MoE with a shared expert) and its code predictor use head_dim 32.
+_QWEN3_TALKER_HIDDEN_SIZE = 64
+_QWEN3_TALKER_MROPE_SECTION = [6, 5, 5]
+# The talker keeps the real codec vocabulary, codec control ids and voice ids; the code predictor
+# and code2wav the real codebook (2048 codes x 16 groups), so code ids mean what they mean in the
+# real model.
+_QWEN3_CODEC_VOCAB_SIZE = 3072
+_QWEN3_CODEBOOK_SIZE = 2048
+_QWEN3_CODE_GROUPS = 16
+_QWEN3_CODEC_IDS = {
+    "codec_pad_id": 2148,
+    "codec_bos_id": 2149,
+    "codec_eos_token_id": 2150,
+    "codec_nothink_id": 2155,
+    "codec_think_bos_id": 2156,
+    "codec_think_eos_id": 2157,
+}
+_QWEN3_SPEAKER_IDS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
+_QWEN3_VISION_PATCH_SIZE = 16
+# With std 0.1 this MoE thinker falls into repeating one token after a few steps for most prompts;
+# 0.2 keeps its greedy output varied (the towers, talker and code2wav keep _INIT_STD).
+_QWEN3_THINKER_INIT_STD = 0.2
+
+
+def _qwen3_omni_config() -> Any:
+    from transformers import Qwen3OmniMoeConfig
+
+    tid = _qwen3_omni_token_id
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "interleaved": True, "mrope_interleaved": True}
+    text_config = {
+        "vocab_size": TEXT_VOCAB_SIZE,
+        "hidden_size": THINKER_HIDDEN_SIZE,
+        "intermediate_size": 256,  # dense MLP size, unused: every layer is sparse
+        "moe_intermediate_size": 64,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "num_hidden_layers": 2,
+        "num_attention_heads": _THINKER_HEADS,
+        "num_key_value_heads": 1,
+        "head_dim": _THINKER_HEAD_DIM,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {**rope, "mrope_section": _QWEN3_THINKER_MROPE_SECTION},
+        "rms_norm_eps": 1e-6,
+        "initializer_range": _QWEN3_THINKER_INIT_STD,
+        "bos_token_id": tid("<|endoftext|>"),
+        "eos_token_id": tid("<|im_end|>"),
+        "pad_token_id": tid("<|endoftext|>"),
+        "tie_word_embeddings": False,
+    }
+    audio_config = {
+        "num_mel_bins": 128,
+        "d_model": 64,
+        "encoder_layers": 2,
+        "encoder_attention_heads": 2,
+        "encoder_ffn_dim": 128,
+        "downsample_hidden_size": 32,
+        "max_source_positions": 1500,
+        "n_window": 50,
+        "n_window_infer": 800,
+        "output_dim": THINKER_HIDDEN_SIZE,
+        "initializer_range": _INIT_STD,
+    }
+    vision_config = {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "in_channels": 3,
+        "patch_size": _QWEN3_VISION_PATCH_SIZE,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        # A 32 x 32 grid of learned positions, interpolated to each image; transformers derives the
+        # grid from num_position_embeddings, vLLM from image_size // patch_size (as in the real
+        # config: 2304 and 768).
+        "num_position_embeddings": 1024,
+        "image_size": 32 * _QWEN3_VISION_PATCH_SIZE,
+        # vLLM reads this field of the real config (the learned positions are an nn.Embedding).
+        "apply_vit_abs_pos_embed": True,
+        "deepstack_visual_indexes": [0],  # must index existing blocks
+        "out_hidden_size": THINKER_HIDDEN_SIZE,
+        "initializer_range": _INIT_STD,
+    }
+    media_ids = {
+        "audio_token_id": tid("<|audio_pad|>"),
+        "image_token_id": tid("<|image_pad|>"),
+        "video_token_id": tid("<|video_pad|>"),
+        "vision_start_token_id": tid("<|vision_start|>"),
+        "audio_start_token_id": tid("<|audio_start|>"),
+        "position_id_per_seconds": 13,
+    }
+    bpe = _bpe_tokenizer()
+    thinker_config = {
+        "text_config": text_config,
+        "audio_config": audio_config,
+        "vision_config": vision_config,
+        **media_ids,
+        "vision_end_token_id": tid("<|vision_end|>"),
+        "audio_end_token_id": tid("<|audio_end|>"),
+        "user_token_id": bpe.token_to_id("user"),
+        "seconds_per_chunk": 2,
+        "initializer_range": _QWEN3_THINKER_INIT_STD,
+        "tie_word_embeddings": False,
+    }
+    talker_config = {
+        "text_config": {
+            "vocab_size": _QWEN3_CODEC_VOCAB_SIZE,
+            "hidden_size": _QWEN3_TALKER_HIDDEN_SIZE,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "max_position_embeddings": 32768,
+            "rope_parameters": {**rope, "mrope_section": _QWEN3_TALKER_MROPE_SECTION},
+            "rms_norm_eps": 1e-6,
+            "initializer_range": _INIT_STD,
+            "tie_word_embeddings": False,
+        },
+        "code_predictor_config": {
+            "vocab_size": _QWEN3_CODEBOOK_SIZE,
+            "hidden_size": _QWEN3_TALKER_HIDDEN_SIZE,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "max_position_embeddings": 32768,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "rms_norm_eps": 1e-6,
+            "num_code_groups": _QWEN3_CODE_GROUPS,
+            "initializer_range": _INIT_STD,
+            "tie_word_embeddings": False,
+        },
+        "num_code_groups": _QWEN3_CODE_GROUPS,
+        "thinker_hidden_size": THINKER_HIDDEN_SIZE,
+        # the thinker layer whose output feeds the talker (the real model: 24 of 48)
+        "accept_hidden_layer": 1,
+        **_QWEN3_CODEC_IDS,
+        **media_ids,
+        "speaker_id": dict(_QWEN3_SPEAKER_IDS),
+        "spatial_merge_size": 2,
+        "initializer_range": _INIT_STD,
+        "tie_word_embeddings": False,
+    }
+    code2wav_config = {
+        "codebook_size": _QWEN3_CODEBOOK_SIZE,
+        "num_quantizers": _QWEN3_CODE_GROUPS,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "sliding_window": 72,
+        "max_position_embeddings": 8000,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        # The real upsampling (1920 samples per code frame); each decoder block halves 64 channels.
+        "upsample_rates": [8, 5, 4, 3],
+        "upsampling_ratios": [2, 2],
+        "decoder_dim": 64,
+        "initializer_range": _INIT_STD,
+    }
+    config = Qwen3OmniMoeConfig(
+        thinker_config=thinker_config,
+        talker_config=talker_config,
+        code2wav_config=code2wav_config,
+        enable_audio_output=True,
+        im_start_token_id=tid("<|im_start|>"),
+        im_end_token_id=tid("<|im_end|>"),
+        tts_pad_token_id=tid("<tts_pad>"),
+        tts_bos_token_id=tid("<tts_text_bos>"),
+        tts_eos_token_id=tid("<tts_text_eod>"),
+        system_token_id=bpe.token_to_id("system"),
+        user_token_id=bpe.token_to_id("user"),
+        assistant_token_id=bpe.token_to_id("assistant"),
+    )
+    config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
+    return config
+
+
+def _save_qwen3_omni_processor(path: Path) -> None:
+    """Tokenizer plus Qwen3OmniMoeProcessor's feature extractor, image and video processors."""
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+        Qwen3OmniMoeProcessor,
+        WhisperFeatureExtractor,
+    )
+
+    unit = _QWEN3_VISION_PATCH_SIZE * 2  # pixels per merged token side
+    vision = {
+        "patch_size": _QWEN3_VISION_PATCH_SIZE,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        # at most 128 merged tokens per image, as for the tiny Qwen2.5-Omni
+        "size": {"shortest_edge": 4 * unit * unit, "longest_edge": 128 * unit * unit},
+    }
+    feature_extractor = WhisperFeatureExtractor(
+        feature_size=128,
+        sampling_rate=16000,
+        hop_length=160,
+        chunk_length=30,
+        n_fft=400,
+        padding_value=0.0,
+        return_attention_mask=True,
+    )
+    tokenizer = _qwen_tokenizer(
+        multimodal=True,
+        specials=_QWEN3_OMNI_VOCAB,
+        named_tokens=_QWEN3_OMNI_NAMED_TOKENS,
+        chat_template=QWEN3_OMNI_CHAT_TEMPLATE,
+    )
+    processor = Qwen3OmniMoeProcessor(
+        image_processor=Qwen2VLImageProcessor(**vision),
+        video_processor=Qwen2VLVideoProcessor(**vision),
+        feature_extractor=feature_extractor,
+        tokenizer=tokenizer,
+        chat_template=QWEN3_OMNI_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+
+
+def _init_talker_moe(talker: Any) -> None:
+    """Draw the talker's expert and router weights, which transformers (5.17) leaves uninitialized:
+    torch.empty memory would make the talker meaningless and the build non-reproducible."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in talker.named_parameters():
+            if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+                param.normal_(0.0, _INIT_STD)
+
+
+def build_tiny_qwen3_omni(path: str | os.PathLike[str]) -> Path:
+    """Write the tiny Qwen3-Omni-MoE checkpoint (thinker, talker, code2wav, processor) into `path`."""
+    import torch
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with _seeded_and_quiet(SEED + 2):
+        model = Qwen3OmniMoeForConditionalGeneration(_qwen3_omni_config()).to(torch.float32).eval()
+        _init_talker_moe(model.talker)
+        model.save_pretrained(path, safe_serialization=True)
+        _save_qwen3_omni_processor(path)
+    im_end, endoftext = _qwen3_omni_token_id("<|im_end|>"), _qwen3_omni_token_id("<|endoftext|>")
+    _write_json(
+        path / "generation_config.json",
+        {"bos_token_id": endoftext, "eos_token_id": im_end, "pad_token_id": endoftext},
+    )
+    _mark_complete(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
 # Idempotent, atomic installation
 # ---------------------------------------------------------------------------------------------
 
@@ -693,6 +1063,7 @@ def ensure_all(out_dir: str | os.PathLike[str] = DEFAULT_OUT_DIR, *, force: bool
     builders: dict[str, Callable[[Path], Path]] = {
         TINY_OMNI: build_tiny_qwen2_5_omni,
         TINY_EMBEDS_LM: functools.partial(build_tiny_embeds_lm, hidden_size=THINKER_HIDDEN_SIZE),
+        TINY_QWEN3_OMNI: build_tiny_qwen3_omni,
     }
     paths = {}
     for name, build in builders.items():
