@@ -3,20 +3,25 @@
 The tiny random-weight checkpoint (omni_server.models.tiny_checkpoints.build_tiny_qwen3_omni) is
 served as a one-stage text pipeline (tests/configs/qwen3_omni_text.yaml); its greedy tokens must be
 transformers' Qwen3OmniMoeThinkerForConditionalGeneration.generate tokens on the same prompt ids
-(float32, CPU).  This module starts its own server: the session fixtures in conftest.py serve the
-Qwen2.5-Omni pipelines.
+(float32, CPU); with an input_audio or image_url part, transformers runs on the checkpoint's own
+Qwen3OmniMoeProcessor's inputs for the same samples / pixels.  This module starts its own server:
+the session fixtures in conftest.py serve the Qwen2.5-Omni pipelines.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
+import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
+import soundfile as sf
 import torch
 
 from tests.conftest import MODELS, REPO, STARTUP_TIMEOUT, Server
@@ -68,6 +73,62 @@ def _hf_thinker_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: i
     ids = torch.tensor([prompt_ids])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt_ids):].tolist()
+
+
+@lru_cache(maxsize=None)
+def _hf_processor(model_dir: Path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def _hf_media_inputs(model_dir: Path, content: list[dict], audios: list | None = None,
+                     images: list | None = None) -> dict:
+    """The checkpoint's own Qwen3OmniMoeProcessor on one user message whose media parts are
+    placeholders ({"type": "audio"} / {"type": "image"}), with 16 kHz float audio / RGB uint8 images."""
+    proc = _hf_processor(model_dir)
+    assert type(proc).__name__ == "Qwen3OmniMoeProcessor"
+    text = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                    tokenize=False)
+    return dict(proc(text=text, audio=audios, images=images, return_tensors="pt", padding=True))
+
+
+@torch.inference_mode()
+def _hf_thinker_greedy_inputs(model_dir: Path, inputs: dict, max_new_tokens: int) -> list[int]:
+    """transformers' greedy thinker tokens on processor inputs (features, expanded placeholders)."""
+    model = _hf_thinker(model_dir)
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    config.max_new_tokens = max_new_tokens
+    config.do_sample = False
+    out = model.generate(**inputs, generation_config=config)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _collapse(ids: list[int], pad: int) -> list[int]:
+    """`ids` with each run of the placeholder `pad` cut to one token (the template's unexpanded form)."""
+    return [t for i, t in enumerate(ids) if t != pad or i == 0 or ids[i - 1] != pad]
+
+
+def _tone_wav(seconds: float = 1.5, rate: int = 16000) -> tuple[str, np.ndarray]:
+    """A two-tone 16-bit wav (base64) and the float samples both sides decode from it."""
+    t = np.arange(int(seconds * rate)) / rate
+    wave = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * np.sin(2 * np.pi * 1250 * t)).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, wave, rate, format="WAV", subtype="PCM_16")
+    data = buf.getvalue()
+    heard, _ = sf.read(io.BytesIO(data), dtype="float32")
+    return base64.b64encode(data).decode(), heard
+
+
+def _png(width: int, height: int, seed: int = 0) -> tuple[str, np.ndarray]:
+    """A PNG data URL of random pixels, and those pixels."""
+    from PIL import Image
+
+    rgb = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), rgb
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,3 +227,126 @@ def test_concurrent_chats_equal_transformers(client):
     assert tokens_a == _hf_thinker_greedy(_model_dir(), prompt_a, MAX_TOKENS)
     assert tokens_b == _hf_thinker_greedy(_model_dir(), prompt_b, MAX_TOKENS)
     assert tokens_a != tokens_b
+
+
+def _check_media_chat(client, content: list[dict], ref_content: list[dict], pad_token: str, **media):
+    """One greedy chat with media through the server against transformers on the processor's inputs;
+    returns the processor's inputs."""
+    resp, prompt_ids, tokens = _greedy_chat(client, [{"role": "user", "content": content}])
+    model_dir = _model_dir()
+    inputs = _hf_media_inputs(model_dir, ref_content, **media)
+    ref_ids = inputs["input_ids"][0].tolist()
+    pad = _hf_tokenizer(model_dir).convert_tokens_to_ids(pad_token)
+    # The server reports the template's prompt (one placeholder per media part); the processor's is
+    # the same with the placeholder expanded to one token per embedding row.
+    assert prompt_ids.count(pad) == 1
+    assert prompt_ids == _collapse(ref_ids, pad)
+    assert ref_ids.count(pad) > 1
+    expected = _hf_thinker_greedy_inputs(model_dir, inputs, MAX_TOKENS)
+    assert len(expected) == MAX_TOKENS
+    assert tokens == expected
+    assert len(set(tokens)) > 1, "degenerate reference: the tiny thinker repeats one token"
+    assert resp.choices[0].finish_reason == "length"
+    return inputs
+
+
+def test_chat_with_audio_input_equals_transformers(client):
+    """An OpenAI input_audio part (wav, decoded to 16 kHz) goes through vLLM's Qwen3-Omni processor
+    and audio tower; the greedy tokens are transformers' on the same samples."""
+    b64, heard = _tone_wav(1.5)
+    content = [{"type": "text", "text": "What do you hear?"},
+               {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}}]
+    inputs = _check_media_chat(client, content, [{"type": "text", "text": "What do you hear?"}, {"type": "audio"}],
+                               "<|audio_pad|>", audios=[heard])
+    assert inputs["input_features"].shape[-1] == 150  # 1.5 s of 10 ms mel frames, no padding
+
+
+# vLLM 0.26.0's Qwen3OmniMoeThinkerForConditionalGeneration.get_mrope_input_positions reads each
+# placeholder's mm_position.offset as the index of its <|vision_start|> / <|audio_start|> token (it
+# gives that token a text position, then the grid, then <|vision_end|>), but the offset its processor
+# records is that of the first <|image_pad|> (the PromptReplacement target is the pad token alone).
+# So the image's 3-D grid starts one token late: the first pad gets a text position and the grid
+# covers pads 2..n plus <|vision_end|>.  Audio positions are 1-D and sequential, so the same shift is
+# invisible there; Qwen2.5-Omni's implementation reads the offset as the first pad and is right.
+VLLM_IMAGE_MROPE_BUG = ("vLLM 0.26.0 Qwen3-Omni get_mrope_input_positions: image grid positions start one "
+                        "token late (mm_position.offset read as <|vision_start|>, it is the first <|image_pad|>)")
+IMAGE_TEXT = "What is this?"
+
+
+def _image_chat(client):
+    url, rgb = _png(160, 96)
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": IMAGE_TEXT}]
+    return content, [{"type": "image"}, {"type": "text", "text": IMAGE_TEXT}], rgb
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=VLLM_IMAGE_MROPE_BUG)
+def test_chat_with_image_equals_transformers(client):
+    """An image_url PNG data URL (non-square, so the 3-D rope positions differ in height and width)
+    goes through vLLM's processor and vision tower; the greedy tokens must be transformers'."""
+    content, ref_content, rgb = _image_chat(client)
+    inputs = _check_media_chat(client, content, ref_content, "<|image_pad|>", images=[rgb])
+    assert inputs["image_grid_thw"].tolist() == [[1, 6, 10]]  # 16-pixel patches, merged 2 x 2 -> 15 tokens
+
+
+def _vllm_image_positions(prompt_len: int, pad_offset: int, grid_thw: list[int], merge: int,
+                          per_second: int) -> torch.Tensor:
+    """The M-RoPE positions vLLM 0.26.0 computes for one image, from its own code, given the offset
+    its processor records (the first pad)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.qwen3_omni_moe_thinker import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    t, h, w = grid_thw
+    feature = (pad_offset, "image", {"grid_t": t, "grid_h": h // merge, "grid_w": w // merge, "t_factor": per_second})
+    stub = SimpleNamespace(iter_mm_features=lambda _features: iter([feature]))
+    positions, _ = Qwen3OmniMoeThinkerForConditionalGeneration.get_mrope_input_positions(
+        stub, [0] * prompt_len, [])
+    return positions
+
+
+@torch.inference_mode()
+def _hf_greedy_at_positions(inputs: dict, positions: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """transformers' thinker, greedy without a cache, at the given prompt positions [3, L] (each new
+    token one past the largest position so far, as both implementations continue)."""
+    model = _hf_thinker(_model_dir())
+    ids, pos, out = inputs["input_ids"], positions[:, None, :].long(), []
+    for _ in range(max_new_tokens):
+        logits = model(**{**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                       position_ids=pos).logits
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], 1)
+        pos = torch.cat([pos, torch.full((3, 1, 1), int(pos.max()) + 1)], 2)
+    return out
+
+
+def test_image_mismatch_is_vllms_mrope_positions(client):
+    """Pins down why the image chat differs from transformers: with the M-RoPE positions vLLM 0.26.0
+    computes, transformers' thinker gives exactly the server's tokens (so image features, deepstack
+    and everything else agree); the positions differ only inside the image placeholder."""
+    content, ref_content, rgb = _image_chat(client)
+    _, prompt_ids, tokens = _greedy_chat(client, [{"role": "user", "content": content}])
+    model_dir = _model_dir()
+    inputs = _hf_media_inputs(model_dir, ref_content, images=[rgb])
+    ids = inputs["input_ids"][0].tolist()
+    pad = _hf_tokenizer(model_dir).convert_tokens_to_ids("<|image_pad|>")
+    assert prompt_ids == _collapse(ids, pad)
+    thinker = _hf_thinker(model_dir)
+    hf_pos, _ = thinker.get_rope_index(inputs["input_ids"], image_grid_thw=inputs["image_grid_thw"],
+                                       attention_mask=inputs["attention_mask"])
+    hf_pos = hf_pos[:, 0].long()
+    first, n = ids.index(pad), ids.count(pad)
+    vllm_pos = _vllm_image_positions(len(ids), first, inputs["image_grid_thw"][0].tolist(),
+                                     thinker.config.vision_config.spatial_merge_size,
+                                     thinker.config.position_id_per_seconds)
+    differ = (vllm_pos != hf_pos).any(0).nonzero().flatten().tolist()
+    assert differ and first <= differ[0] and differ[-1] <= first + n  # the pads and <|vision_end|> only
+    # transformers' grid starts at the first pad; vLLM's one token later.
+    assert hf_pos[:, first].tolist() == hf_pos[:, first - 1].add(1).tolist()
+    assert vllm_pos[:, first + 1:first + n + 1].tolist() == hf_pos[:, first:first + n].add(1).tolist()
+    # The no-cache loop is transformers' generate at its own positions ...
+    expected = _hf_thinker_greedy_inputs(model_dir, inputs, MAX_TOKENS)
+    assert _hf_greedy_at_positions(inputs, hf_pos, MAX_TOKENS) == expected
+    # ... and at vLLM's positions it is the server.
+    assert tokens == _hf_greedy_at_positions(inputs, vllm_pos, MAX_TOKENS)
+    assert tokens != expected
