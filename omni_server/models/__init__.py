@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 # Families with vLLM model classes; imported in every vLLM worker process so vLLM can resolve them.
-FAMILIES = ("qwen2_5_omni",)
+FAMILIES = ("qwen2_5_omni", "qwen3_omni_moe")
 
 
 def import_family(name: str) -> None:
