@@ -88,7 +88,7 @@ def thinker_greedy_inputs(model_dir: Path, inputs: dict, max_new_tokens: int) ->
 @torch.inference_mode()
 def omni_speech(model_dir: Path, prompt_ids: list[int] | None, thinker_max_new_tokens: int,
                 talker_max_new_tokens: int, voice: str, seed: int,
-                inputs: dict | None = None) -> tuple[list[int], list[int], torch.Tensor]:
+                inputs: dict | None = None, talker_repetition_penalty: float = 1.0) -> tuple[list[int], list[int], torch.Tensor]:
     """transformers' whole pipeline, greedy: (thinker tokens, talker codes, waveform) for token ids,
     or for processor `inputs` (omni_inputs). The codes are what generate() hands token2wav (cut
     before the codec end token); the vocoder's starting noise comes from the global RNG, seeded
@@ -105,7 +105,8 @@ def omni_speech(model_dir: Path, prompt_ids: list[int] | None, thinker_max_new_t
         sequences, wave = model.generate(
             **inputs, speaker=voice,
             thinker_max_new_tokens=thinker_max_new_tokens, thinker_do_sample=False,
-            talker_max_new_tokens=talker_max_new_tokens, talker_do_sample=False, talker_repetition_penalty=1.0)
+            talker_max_new_tokens=talker_max_new_tokens, talker_do_sample=False,
+            talker_repetition_penalty=talker_repetition_penalty)
     finally:
         hook.remove()
     return sequences[0, ids.shape[1]:].tolist(), codes[0], wave.reshape(-1).float()

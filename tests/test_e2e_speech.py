@@ -78,6 +78,24 @@ def test_chat_audio_matches_transformers(client, tiny_models, voice, seed):
     assert diff < WAVE_TOL, diff
 
 
+def test_talker_repetition_penalty_counts_what_transformers_counts(replicas_server, tiny_models):
+    """The replicas server's talker is greedy with the reference's repetition penalty (1.05): codes
+    equal transformers' under the same penalty. (The prompt ids the penalty also counts are checked
+    in tests/test_qwen2_5_omni_processors.py; on these prompts they do not change the argmax.)"""
+    client = openai.OpenAI(base_url=f"{replicas_server.base_url}/v1", api_key="x", max_retries=0)
+    for text, voice in [("Say something about the sea.", "Chelsie"), ("Count to three.", "Ethan")]:
+        resp = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=12, temperature=0, seed=0,
+            modalities=["text", "audio"], audio={"voice": voice, "format": "pcm16"},
+            extra_body={"return_token_ids": True})
+        talker = resp.model_extra["omni_outputs"]["talker"]["token_ids"]
+        ref_tokens, ref_codes, _ = reference.omni_speech(
+            tiny_models["tiny-qwen2_5-omni"], resp.model_extra["prompt_token_ids"], 12, TALKER_MAX_TOKENS, voice, 0,
+            talker_repetition_penalty=1.05)
+        assert resp.choices[0].model_extra["token_ids"] == ref_tokens
+        assert len(ref_codes) > 0 and _same_codes(talker, ref_codes), (talker, ref_codes)
+
+
 def _tone_wav(seconds: float = 1.5, rate: int = 16000) -> tuple[str, np.ndarray]:
     t = np.arange(int(seconds * rate)) / rate
     wave = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * np.sin(2 * np.pi * 1250 * t)).astype(np.float32)

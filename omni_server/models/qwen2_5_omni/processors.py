@@ -48,6 +48,12 @@ class _TalkerTables:
     text_pad: int
     placeholder_ids: torch.Tensor  # multimodal placeholder token ids (their embedding counts as zero)
     voice_start: dict[str, int]  # voice -> thinker token that opens the talker's text stream
+    # The talker's prompt token ids as the reference has them (codec mask per thinker prompt
+    # position, then codec pad, codec start): the forward reads our embeddings, but the repetition
+    # penalty counts these ids, as transformers' does.
+    codec_mask_id: int
+    codec_pad_id: int
+    codec_start_id: int
 
 
 _lock = threading.Lock()
@@ -72,6 +78,8 @@ def _tables(model_dir: str, dtype: torch.dtype) -> _TalkerTables:
         text_end=tcfg.tts_text_end_token_id, text_pad=tcfg.tts_text_pad_token_id,
         placeholder_ids=torch.tensor([p for p in placeholders if p is not None], device=dev),
         voice_start={name: s.bos_token for name, s in load_speakers(model_dir).items()},
+        codec_mask_id=tcfg.tts_codec_mask_token_id, codec_pad_id=tcfg.tts_codec_pad_token_id,
+        codec_start_id=tcfg.tts_codec_start_token_id,
     )
 
 
@@ -128,8 +136,11 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         prompt += t.proj_bias
         ends = [emb[t.text_end][None], emb[t.text_pad][None]] if p.final else []
         reply = torch.cat([x[n_prompt + 1:], *ends])
+        ids = [t.codec_mask_id] * n_prompt + [t.codec_pad_id, t.codec_start_id]
         return StageInput(
-            prompt={"type": "embeds", "prompt_embeds": prompt.to("cpu", ctx.dtype)},
+            # vLLM's engine-input form: `is_token_ids` False = every prompt position is our embedding.
+            prompt={"type": "embeds", "prompt_embeds": prompt.to("cpu", ctx.dtype),
+                    "prompt_token_ids": ids, "is_token_ids": [False] * len(ids)},
             step_embeds=reply.to("cpu", ctx.dtype),
         )
 
