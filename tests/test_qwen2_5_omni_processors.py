@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from omni_server.models.qwen2_5_omni.checkpoint import read_config
+from omni_server.models.checkpoint import read_config
 from omni_server.stage import processors
 from omni_server.wire.messages import StagePayload
 

@@ -116,7 +116,7 @@ def test_sharded_checkpoint_reads_only_needed_shards(model_dir, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from omni_server.models.qwen2_5_omni.checkpoint import load_tensors
+    from omni_server.models.checkpoint import load_tensors
 
     full = load_file(f"{model_dir}/model.safetensors")
     shards = {"a.safetensors": {k: v for k, v in full.items() if not k.startswith("token2wav.")},

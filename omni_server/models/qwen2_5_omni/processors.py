@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_server.models.qwen2_5_omni.checkpoint import load_tensors, read_config
+from omni_server.models.checkpoint import load_tensors, read_config
 from omni_server.models.qwen2_5_omni.speakers import load_speakers
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoint import load_tensors, read_config
+from omni_server.models.checkpoint import load_module, read_config
 from .speakers import load_speakers
 
 DEFAULT_SAMPLE_RATE = 24000
@@ -67,21 +67,11 @@ class Token2Wav:
     def __init__(self, model_dir: str, device: str | torch.device = "cpu", chunk_frames: int = 72,
                  past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20,
                  first_chunk_frames: int | None = None):
-        from transformers.initialization import no_init_weights
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
         self.device = torch.device(device)
-        # Every parameter is overwritten by the checkpoint: skip the random init (slow for the real
-        # model), and keep the global RNG out of it as well.
-        with torch.random.fork_rng(devices=[]), no_init_weights():
-            model = Qwen2_5OmniToken2WavModel._from_config(config, attn_implementation="sdpa")
-        result = model.load_state_dict(load_tensors(model_dir, WEIGHTS_PREFIX), strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise ValueError(f"token2wav weights in {model_dir} do not match the model: "
-                             f"missing {result.missing_keys}, unexpected {result.unexpected_keys}")
-        # The DiT and vocoder are only trained / validated in float32 (transformers forces it too).
-        model = model.float().eval().to(self.device)
+        model = load_module(Qwen2_5OmniToken2WavModel, config, model_dir, WEIGHTS_PREFIX, self.device)
         self.dit = model.code2wav_dit_model
         self.vocoder = model.code2wav_bigvgan_model
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from omni_server.models.qwen2_5_omni.checkpoint import load_tensors, read_config
+from omni_server.models.checkpoint import load_module, read_config
 
 SAMPLE_RATE = 24000  # 12.5 Hz frames x 1920 samples; not stored in the config
 WEIGHTS_PREFIX = "code2wav."
@@ -71,23 +71,12 @@ class Code2Wav:
 
     def __init__(self, model_dir: str, device: str | torch.device = "cpu", chunk_frames: int = 25,
                  left_context_frames: int | None = None):
-        from transformers.initialization import no_init_weights
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
         full_config = read_config(model_dir)
         config = full_config.code2wav_config
         self.device = torch.device(device)
-        # Every parameter is overwritten by the checkpoint: skip the random init, and keep the global
-        # RNG out of it.
-        with torch.random.fork_rng(devices=[]), no_init_weights():
-            model = Qwen3OmniMoeCode2Wav._from_config(config, attn_implementation="sdpa")
-        result = model.load_state_dict(load_tensors(model_dir, WEIGHTS_PREFIX), strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise ValueError(f"code2wav weights in {model_dir} do not match the model: "
-                             f"missing {result.missing_keys}, unexpected {result.unexpected_keys}")
-        # float32: the bf16 checkpoint's vocoder is far from the reference in bf16 (as transformers'
-        # token2wav for Qwen2.5), and our oracle is the float32 forward.
-        self.model = model.float().eval().to(self.device)
+        self.model = load_module(Qwen3OmniMoeCode2Wav, config, model_dir, WEIGHTS_PREFIX, self.device)
 
         self.sample_rate: int = SAMPLE_RATE
         self.num_quantizers: int = config.num_quantizers

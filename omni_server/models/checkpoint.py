@@ -1,4 +1,5 @@
-"""Reading a (possibly sharded) Qwen2.5-Omni safetensors checkpoint one sub-model at a time."""
+"""Reading a (possibly sharded) safetensors checkpoint that holds several models (Qwen-Omni's
+thinker, talker, vocoder...) one sub-model at a time."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_config(model_dir: str):
-    """The checkpoint's transformers `Qwen2_5OmniConfig`."""
+    """The checkpoint's transformers config (e.g. `Qwen2_5OmniConfig`)."""
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)
@@ -45,3 +46,19 @@ def load_tensors(model_dir: str, prefix: str) -> dict[str, torch.Tensor]:
                 if name.startswith(prefix):
                     tensors[name[len(prefix):]] = f.get_tensor(name)
     return tensors
+
+
+def load_module(cls, config, model_dir: str, prefix: str, device: torch.device) -> torch.nn.Module:
+    """transformers' `cls` built from `config` with the checkpoint's `prefix.*` weights, float32, in
+    eval mode on `device`. Every parameter comes from the checkpoint: the random init is skipped
+    (slow for real sizes) and the global RNG left alone; missing or extra weights are an error."""
+    from transformers.initialization import no_init_weights
+
+    with torch.random.fork_rng(devices=[]), no_init_weights():
+        model = cls._from_config(config, attn_implementation="sdpa")
+    result = model.load_state_dict(load_tensors(model_dir, prefix), strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(f"{prefix.rstrip('.')} weights in {model_dir} do not match the model: "
+                         f"missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+    # float32: these vocoders are trained / validated in float32 (transformers forces it too).
+    return model.float().eval().to(device)
