@@ -10,20 +10,17 @@ the session fixtures in conftest.py serve the Qwen2.5-Omni pipelines.
 
 from __future__ import annotations
 
-import base64
 import copy
-import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
-import soundfile as sf
 import torch
 
+from tests.media import png, tone_wav
 from tests.conftest import MODELS, REPO, STARTUP_TIMEOUT, Server
 
 MODEL = "omni-tiny-qwen3"
@@ -108,27 +105,6 @@ def _hf_thinker_greedy_inputs(model_dir: Path, inputs: dict, max_new_tokens: int
 def _collapse(ids: list[int], pad: int) -> list[int]:
     """`ids` with each run of the placeholder `pad` cut to one token (the template's unexpanded form)."""
     return [t for i, t in enumerate(ids) if t != pad or i == 0 or ids[i - 1] != pad]
-
-
-def _tone_wav(seconds: float = 1.5, rate: int = 16000) -> tuple[str, np.ndarray]:
-    """A two-tone 16-bit wav (base64) and the float samples both sides decode from it."""
-    t = np.arange(int(seconds * rate)) / rate
-    wave = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * np.sin(2 * np.pi * 1250 * t)).astype(np.float32)
-    buf = io.BytesIO()
-    sf.write(buf, wave, rate, format="WAV", subtype="PCM_16")
-    data = buf.getvalue()
-    heard, _ = sf.read(io.BytesIO(data), dtype="float32")
-    return base64.b64encode(data).decode(), heard
-
-
-def _png(width: int, height: int, seed: int = 0) -> tuple[str, np.ndarray]:
-    """A PNG data URL of random pixels, and those pixels."""
-    from PIL import Image
-
-    rgb = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(rgb).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), rgb
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +229,7 @@ def _check_media_chat(client, content: list[dict], ref_content: list[dict], pad_
 def test_chat_with_audio_input_equals_transformers(client):
     """An OpenAI input_audio part (wav, decoded to 16 kHz) goes through vLLM's Qwen3-Omni processor
     and audio tower; the greedy tokens are transformers' on the same samples."""
-    b64, heard = _tone_wav(1.5)
+    b64, heard = tone_wav(1.5)
     content = [{"type": "text", "text": "What do you hear?"},
                {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}}]
     inputs = _check_media_chat(client, content, [{"type": "text", "text": "What do you hear?"}, {"type": "audio"}],
@@ -272,7 +248,7 @@ IMAGE_TEXT = "What is this?"
 
 
 def _image_chat(client):
-    url, rgb = _png(160, 96)
+    url, rgb = png(160, 96)
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": IMAGE_TEXT}]
     return content, [{"type": "image"}, {"type": "text", "text": IMAGE_TEXT}], rgb
 

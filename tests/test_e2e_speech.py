@@ -18,9 +18,9 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
-import torch
 
 from tests import reference
+from tests.media import png, tone_wav
 
 MODEL = "omni-tiny"
 TALKER_MAX_TOKENS = 64  # configs/default.yaml: talker default_sampling.max_tokens
@@ -96,18 +96,8 @@ def test_talker_repetition_penalty_counts_what_transformers_counts(replicas_serv
         assert len(ref_codes) > 0 and _same_codes(talker, ref_codes), (talker, ref_codes)
 
 
-def _tone_wav(seconds: float = 1.5, rate: int = 16000) -> tuple[str, np.ndarray]:
-    t = np.arange(int(seconds * rate)) / rate
-    wave = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * np.sin(2 * np.pi * 1250 * t)).astype(np.float32)
-    buf = io.BytesIO()
-    sf.write(buf, wave, rate, format="WAV", subtype="PCM_16")
-    data = buf.getvalue()
-    decoded, _ = sf.read(io.BytesIO(data), dtype="float32")  # what both sides actually hear
-    return base64.b64encode(data).decode(), decoded
-
-
 def test_chat_with_audio_input_matches_transformers(client, tiny_models):
-    b64, heard = _tone_wav()
+    b64, heard = tone_wav()
     content = [{"type": "text", "text": "What do you hear?"},
                {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}}]
     resp = client.chat.completions.create(
@@ -125,21 +115,8 @@ def test_chat_with_audio_input_matches_transformers(client, tiny_models):
     assert np.abs(ours["wave"] - ref_wave.clamp(-1, 1).numpy()).max() < WAVE_TOL
 
 
-def _png(width: int, height: int, seed: int | None = 0) -> tuple[str, np.ndarray]:
-    """A PNG data URL: random pixels, or one flat color (compresses to almost nothing) for seed None."""
-    from PIL import Image
-
-    if seed is None:
-        rgb = np.full((height, width, 3), 200, dtype=np.uint8)
-    else:
-        rgb = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(rgb).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), rgb
-
-
 def test_chat_with_image_matches_transformers(client, tiny_models):
-    url, rgb = _png(64, 48)
+    url, rgb = png(64, 48)
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]
     resp = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=10, temperature=0,
@@ -166,7 +143,7 @@ def test_bad_image_input_is_400(client):
         ask("data:image/png;base64,%%%")
     with pytest.raises(openai.BadRequestError, match="decoded"):
         ask("data:image/png;base64," + base64.b64encode(b"not a png").decode())
-    big, _ = _png(4097, 4097, seed=None)  # server.max_image_pixels defaults to 4096 x 4096
+    big, _ = png(4097, 4097, seed=None)  # server.max_image_pixels defaults to 4096 x 4096
     with pytest.raises(openai.BadRequestError, match="limit"):
         ask(big)
 
@@ -181,7 +158,7 @@ def test_bad_audio_input_is_400(client):
         ask("not base64!")
     with pytest.raises(openai.BadRequestError, match="input_audio 0"):
         ask(base64.b64encode(b"RIFF garbage").decode())
-    long_b64, _ = _tone_wav(seconds=121)  # server.max_audio_seconds defaults to 120
+    long_b64, _ = tone_wav(seconds=121)  # server.max_audio_seconds defaults to 120
     with pytest.raises(openai.BadRequestError, match="limit"):
         ask(long_b64)
 

@@ -14,10 +14,8 @@ import openai
 
 from tests.conftest import MODELS, REPO, Server, free_port
 
-PIPELINE = """
-model: external
-stages:
-  - id: 0
+# The tiny thinker as a stage on loopback TCP port {p0} (a str.format template, as the pipelines below).
+THINKER_STAGE = """  - id: 0
     name: thinker
     model: {thinker}
     address: tcp://127.0.0.1:{p0}
@@ -25,7 +23,12 @@ stages:
                   kv_cache_memory_bytes: 67108864, limit_mm_per_prompt: {{image: 1, audio: 1, video: 0}}}}
     env: {{TORCHDYNAMO_DISABLE: "1"}}
     output: text
-  - id: 1
+"""
+
+PIPELINE = """
+model: external
+stages:
+""" + THINKER_STAGE + """  - id: 1
     name: follower
     model: {lm}
     address: tcp://127.0.0.1:{p1}
@@ -111,15 +114,7 @@ def test_external_stages_any_order(tiny_models, tmp_path):
 CURVE_PIPELINE = """
 model: curve
 stages:
-  - id: 0
-    name: thinker
-    model: {thinker}
-    address: tcp://127.0.0.1:{p0}
-    engine_args: {{dtype: float32, max_model_len: 1024, max_num_seqs: 4, enforce_eager: true,
-                  kv_cache_memory_bytes: 67108864, limit_mm_per_prompt: {{image: 1, audio: 1, video: 0}}}}
-    env: {{TORCHDYNAMO_DISABLE: "1"}}
-    output: text
-server:
+""" + THINKER_STAGE + """server:
   output_address: tcp://127.0.0.1:{p1}
   curve_keys_dir: keys
 """

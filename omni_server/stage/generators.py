@@ -4,7 +4,9 @@ A generator is a class `Gen(model_dir, device, **generator_args)` with `sample_r
 `batch([{**inputs, "voice": ..., "seed": ...}, ...]) -> [1-D float32 waveform | ValueError, ...]`,
 one pass over several requests, where `inputs` come from the stage's input processor
 (StageInput.data), `voice` from the request (None: the default voice) and `seed` from its sampling
-settings (None: random); an invalid request gets its ValueError in its place.
+settings (None: random); an invalid request gets its ValueError in its place. A token input is
+named `codes` (a vocoder's codec codes): the stage reports its length as the tokens the request's
+audio was made from (`usage.output_tokens` of /v1/audio/speech).
 
 Generators that take streamed input (`input_mode: stream`) also have `open_stream(voice, seed)`
 -> a stream with `feed(final=..., **inputs)` (everything so far), `done` and `consumed` (input
