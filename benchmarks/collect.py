@@ -1,7 +1,7 @@
 """Collect one device run's outputs into the issue-5 result keys: `python benchmarks/collect.py DIR
---out benchmarks/results/NAME.json`. DIR holds what benchmarks/gpu/omni7b.sh (bench JSON, serve
-logs) and runner_overhead.py (RESULT lines saved to runner_*.txt) wrote; a key whose input is
-missing is null, so runs can be compared key by key."""
+--out benchmarks/results/NAME.json`. DIR holds what benchmarks/gpu/session.sh wrote (bench JSON,
+serve logs, runner_overhead.py's RESULT lines in runner_*.txt); a key whose input is missing is
+null, so runs can be compared key by key."""
 
 from __future__ import annotations
 
@@ -26,17 +26,32 @@ def _get(d: dict | None, *keys):
     return d
 
 
-def _runner_ratio(out: Path, batch: int) -> float | None:
-    """omni-with-emission tok/s / vllm tok/s at this batch, from runner_overhead RESULT lines."""
-    rates: dict[str, float] = {}
+H200_HBM_TB_S = 4.3
+
+
+def _runner(out: Path, batch: int) -> dict[str, dict]:
+    """runner_overhead RESULT lines at this batch, by mode."""
+    rows: dict[str, dict] = {}
     for f in sorted(out.glob("runner_*.txt")):
         for line in f.read_text().splitlines():
             if line.startswith("RESULT "):
                 r = json.loads(line[7:])
                 if r.get("batch") == batch:
-                    rates[r.get("mode", "")] = r.get("tok_s")
-    emit, plain = rates.get("omni-emit"), rates.get("vllm")
+                    rows[r.get("mode", "")] = r
+    return rows
+
+
+def _runner_ratio(out: Path, batch: int) -> float | None:
+    """omni-with-emission tok/s / vllm tok/s at this batch."""
+    rows = _runner(out, batch)
+    emit, plain = _get(rows, "omni-emit", "tok_s"), _get(rows, "vllm", "tok_s")
     return round(emit / plain, 3) if emit and plain else None
+
+
+def _hbm_fraction(out: Path) -> float | None:
+    """The emitting stage's batch-1 decode bytes/s (weights + KV per step) / the H200's 4.3 TB/s."""
+    tb_s = _get(_runner(out, 1), "omni-emit", "hbm_tb_s")
+    return round(tb_s / H200_HBM_TB_S, 3) if tb_s else None
 
 
 def _ready_s(log: Path) -> float | None:
@@ -46,19 +61,22 @@ def _ready_s(log: Path) -> float | None:
 
 def collect(out: Path) -> dict:
     c1, c16 = _level(out / "bench7b_c1.json"), _level(out / "bench7b_c16.json")
+    full_c1, full_c16 = _level(out / "bench7b_full_c1.json"), _level(out / "bench7b_full_c16.json")
     ref = _level(out / "bench7b_c16_ref.json")
     return {
         "p1_runner_vs_vllm_bs1": _runner_ratio(out, 1),
         "p1_runner_vs_vllm_bs32": _runner_ratio(out, 32),
         "p2_ttfp_ms_c1": _get(c1, "ttfp_ms", "p50"),
         "p2_ttfp_ms_c16": _get(c16, "ttfp_ms", "p50"),
-        "p2_ttfp_ms_c1_full_payload": _get(_level(out / "bench7b_c1_full.json"), "ttfp_ms", "p50"),
+        "p2_ttfp_ms_c1_full_payload": _get(full_c1, "ttfp_ms", "p50"),
+        "p2_ttfp_ms_c16_full_payload": _get(full_c16, "ttfp_ms", "p50"),
         "p3_rtf_c1": _get(c1, "rtf", "p50"),
         "p3_rtf_c16": _get(c16, "rtf", "p50"),
         "p4_vs_hf_c16": _get(ref, "vs_reference"),
-        "p5_hbm_fraction_bs1": None,  # needs the profiler numbers; not collected yet
-        "p6_ready_s_cold": _ready_s(out / "serve7b.log"),
-        "p6_ready_s_warm": _ready_s(out / "serve7b_full.log"),  # second start: compile cache warm
+        "p5_hbm_fraction_bs1": _hbm_fraction(out),
+        "p6_ready_s_cold": _ready_s(out / "serve_bench7b.log"),
+        # the full-payload server starts second, from the streaming one's compile cache
+        "p6_ready_s_warm": _ready_s(out / "serve_bench7b_full.log"),
     }
 
 

@@ -30,6 +30,21 @@ def qwen2_7b_dir() -> str:
     return d
 
 
+def decode_bytes_per_step(model_dir: str, batch: int, context: int, dtype_bytes: int = 2) -> int:
+    """HBM bytes one decode step must read: every weight but the input embedding (one row of it is
+    gathered) plus the batch's KV cache at `context` tokens. Qwen2-style dense decoder."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads
+    hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    qkv = h + 2 * kv * hd
+    layer = h * qkv + qkv + h * h + 3 * h * i + 2 * h
+    weights = c.num_hidden_layers * layer + h + c.vocab_size * h
+    kv_bytes = batch * context * c.num_hidden_layers * 2 * kv * hd
+    return (weights + kv_bytes) * dtype_bytes
+
+
 def prompts(n: int, length: int) -> list[list[int]]:
     return [[(i * 7919 + j * 104729) % 1000 + 10 for j in range(length)] for i in range(n)]
 
@@ -125,6 +140,9 @@ def main() -> None:
     else:
         res = run_omni(engine_args, a.batch, a.input_len, a.output_len, emit=a.mode == "omni")
     for r in res:
+        # Achieved HBM read bandwidth of the decode steps (prefill's share of the wall time ignored).
+        step = decode_bytes_per_step(model, r["batch"], a.input_len + a.output_len // 2)
+        r["hbm_tb_s"] = round(r["tok_s"] / r["batch"] * step / 1e12, 3)
         print("RESULT " + json.dumps({"model": a.model, **r}), flush=True)
 
 

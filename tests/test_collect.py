@@ -16,10 +16,12 @@ def _bench(path, **level):
 def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     _bench(tmp_path / "bench7b_c1.json", ttfp_ms={"p50": 180.5}, rtf={"p50": 0.08})
     _bench(tmp_path / "bench7b_c16.json", ttfp_ms={"p50": 700.0}, rtf={"p50": 0.2})
+    _bench(tmp_path / "bench7b_full_c1.json", ttfp_ms={"p50": 4000.0})
     _bench(tmp_path / "bench7b_c16_ref.json", vs_reference=25.5)
     (tmp_path / "runner_a.txt").write_text(
-        'noise\nRESULT {"mode": "vllm", "batch": 1, "tok_s": 200.0}\nRESULT {"mode": "omni-emit", "batch": 1, "tok_s": 198.0}\n')
-    (tmp_path / "serve7b.log").write_text("... all 3 stages ready in 142.5 s; serving on http://x\n")
+        'noise\nRESULT {"mode": "vllm", "batch": 1, "tok_s": 200.0}\n'
+        'RESULT {"mode": "omni-emit", "batch": 1, "tok_s": 198.0, "hbm_tb_s": 2.8}\n')
+    (tmp_path / "serve_bench7b.log").write_text("... all 3 stages ready in 142.5 s; serving on http://x\n")
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "benchmarks/collect.py", str(tmp_path), "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True)
@@ -27,4 +29,6 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     r = json.loads(out.read_text())
     assert r["p1_runner_vs_vllm_bs1"] == 0.99 and r["p1_runner_vs_vllm_bs32"] is None
     assert (r["p2_ttfp_ms_c1"], r["p2_ttfp_ms_c16"], r["p3_rtf_c1"], r["p3_rtf_c16"]) == (180.5, 700.0, 0.08, 0.2)
+    assert r["p2_ttfp_ms_c1_full_payload"] == 4000.0 and r["p2_ttfp_ms_c16_full_payload"] is None
+    assert r["p5_hbm_fraction_bs1"] == round(2.8 / 4.3, 3)
     assert r["p4_vs_hf_c16"] == 25.5 and r["p6_ready_s_cold"] == 142.5 and r["p6_ready_s_warm"] is None

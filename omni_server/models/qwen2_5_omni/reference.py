@@ -12,7 +12,11 @@ class Reference:
         from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        # On a GPU, device_map (needs accelerate) initialises weights missing from the checkpoint (a
+        # dummy-shape run) on the device itself instead of on the CPU first (minutes for 7B).
+        placement = {"device_map": device} if device != "cpu" else {}
+        self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, **placement)
+        self.model = self.model.to(device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.device = device
         self.voices = sorted(self.model.speaker_map)

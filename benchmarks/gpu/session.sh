@@ -1,0 +1,132 @@
+# The whole device session as one background job (start it with `setsid bash benchmarks/gpu/session.sh &`
+# in the call that brings the last chunk; then `bash benchmarks/gpu/poll.sh` in each following call).
+# Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
+# poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
+# is benched, and the two-GPU layouts (issue 8) run too.
+# Steps can be chosen: STEPS="main ref layouts tests runner" (default: all, in that order).
+set -u
+R=/tmp/res; mkdir -p $R
+cd "$(dirname "$0")/../.."
+T0=$(date +%s)
+say() { echo "$(( $(date +%s) - T0 )) s: $*" | tee -a $R/progress.log; }
+# DRY=1: a CPU rehearsal of this script (no bundle; M and CFG point at the tiny checkpoint and config).
+[ -n "${DRY:-}" ] || source benchmarks/gpu/setup.sh > $R/setup.log 2>&1
+set +e
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+nvidia-smi > $R/nvidia-smi.txt 2>&1
+say "setup done, $NGPU GPU(s)"
+STEPS=${STEPS:-main ref layouts tests runner}
+M=${M:-/tmp/omni7b}
+CFG=${CFG:-configs/qwen2_5_omni.yaml}
+TALKER_MAX=${TALKER_MAX:-500}
+export MODEL=${MODEL:-qwen2.5-omni}
+B="python3 -m omni_server.cli bench --model $MODEL --max-tokens 100 --audio"
+
+# The shape checkpoint's tokenizer (the tiny one's) lacks the real media token ids, so the thinker
+# serves text only (vLLM then skips its multimodal start-up profiling).
+[ -n "${TEXT_ONLY+set}" ] || TEXT_ONLY='--stage-arg thinker.limit_mm_per_prompt={"image":0,"audio":0,"video":0}'
+# serve NAME PORT CONFIG [--stage-arg ...]: start in the background, wait for /health ok (or 600 s).
+serve() {
+  local name=$1 port=$2 cfg=$3; shift 3
+  setsid python3 -m omni_server.cli serve $cfg --port $port \
+    --stage-arg thinker.model=$M --stage-arg talker.model=$M --stage-arg token2wav.model=$M \
+    --stage-arg thinker.load_format=dummy --stage-arg talker.load_format=dummy \
+    --stage-arg talker.default_sampling.max_tokens=$TALKER_MAX $TEXT_ONLY "$@" > $R/serve_$name.log 2>&1 &
+  echo $! > $R/serve_$name.pid
+}
+wait_ready() {  # NAME PORT
+  local t=$(date +%s)
+  for i in $(seq 1 600); do
+    if curl -s localhost:$2/health | grep -q '"ok"'; then say "$1 ready after $(( $(date +%s) - t )) s"; return 0; fi
+    if ! kill -0 $(cat $R/serve_$1.pid) 2>/dev/null; then break; fi
+    sleep 1
+  done
+  say "$1 FAILED to start"; grep -a -i "error\|Traceback" $R/serve_$1.log | head -20 | tee -a $R/progress.log
+  return 1
+}
+stop() { kill -TERM -$(cat $R/serve_$1.pid) 2>/dev/null; sleep 8; kill -KILL -$(cat $R/serve_$1.pid) 2>/dev/null; }
+bench() {  # NAME PORT: warm-up, c=1 x3, c=16 x16
+  $B --base-url http://127.0.0.1:$2 --concurrency 1 --requests 1 --output $R/warm_$1.json > $R/bench_$1.log 2>&1
+  $B --base-url http://127.0.0.1:$2 --concurrency 1 --requests 3 --output $R/$1_c1.json >> $R/bench_$1.log 2>&1
+  $B --base-url http://127.0.0.1:$2 --concurrency 16 --requests 16 --output $R/$1_c16.json >> $R/bench_$1.log 2>&1
+  say "$1 benched: $(python3 benchmarks/gpu/brief.py $R/$1_c1.json $R/$1_c16.json)"
+}
+
+if [ ! -f $M/config.json ]; then
+  python3 benchmarks/qwen2_5_omni_shape.py --out $M --size 7b --device cuda > $R/shape.log 2>&1
+  say "7B shape checkpoint written (rc $?)"
+fi
+
+if [[ " $STEPS " == *" main "* ]]; then
+  # Streaming server (bench7b, cold compile cache: p6 cold), then the same with token2wav in
+  # full-payload mode (bench7b_full, from the first one's compile cache: p6 warm): the TTFP ratio.
+  # With two GPUs the second starts on GPU 1 while the first is benched on GPU 0.
+  export VLLM_CACHE_ROOT=/tmp/vc
+  FULL="--stage-arg token2wav.input_mode=full"
+  serve bench7b 8010 $CFG
+  wait_ready bench7b 8010; UP=$?
+  nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv >> $R/progress.log
+  if [ "$NGPU" -ge 2 ]; then
+    serve bench7b_full 8011 $CFG $FULL \
+      --stage-arg thinker.devices=1 --stage-arg talker.devices=1 --stage-arg token2wav.devices=1
+    [ $UP = 0 ] && bench bench7b 8010
+    wait_ready bench7b_full 8011 && bench bench7b_full 8011
+    stop bench7b_full
+  else
+    [ $UP = 0 ] && bench bench7b 8010
+    stop bench7b
+    serve bench7b_full 8011 $CFG $FULL
+    wait_ready bench7b_full 8011 && bench bench7b_full 8011
+    stop bench7b_full
+    serve bench7b_again 8010 $CFG && wait_ready bench7b_again 8010
+  fi
+fi
+
+if [[ " $STEPS " == *" ref "* ]]; then
+  # p4: transformers' pipeline on the same prompts, on the second GPU when there is one.
+  REFDEV=$(( NGPU - 1 ))
+  CUDA_VISIBLE_DEVICES=$REFDEV $B --base-url http://127.0.0.1:8010 --concurrency 16 --requests 16 --reference $M \
+    --reference-talker-max-tokens $TALKER_MAX --reference-requests 2 --output $R/bench7b_c16_ref.json > $R/ref.log 2>&1
+  say "reference done (rc $?): $(python3 -c "import json;d=json.load(open('$R/bench7b_c16_ref.json'));print(d.get('reference'), d['levels'][0].get('vs_reference'))" 2>&1 | tail -1)"
+  python3 - > $R/one_chat.txt 2>&1 <<'PY'
+import os, time, openai
+c = openai.OpenAI(base_url="http://127.0.0.1:8010/v1", api_key="x")
+t = time.perf_counter()
+r = c.chat.completions.create(model=os.environ.get("MODEL", "qwen2.5-omni"), messages=[{"role": "user", "content": "Hello, who are you?"}],
+                              max_tokens=100, extra_body={"ignore_eos": True}, audio={"voice": "Chelsie", "format": "wav"},
+                              modalities=["text", "audio"])
+print("one text+audio chat:", round(time.perf_counter() - t, 3), "s; usage", r.usage, "; audio b64 chars",
+      len(r.choices[0].message.audio.data))
+PY
+  say "$(tail -1 $R/one_chat.txt)"
+fi
+stop bench7b 2>/dev/null; stop bench7b_again 2>/dev/null
+
+if [[ " $STEPS " == *" layouts "* ]] && [ "$NGPU" -ge 2 ]; then
+  # Issue 8: thinker on GPU 0, talker + token2wav on GPU 1; then a tensor-parallel thinker over both.
+  serve gpu2 8012 configs/qwen2_5_omni_2gpu.yaml
+  wait_ready gpu2 8012 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log; bench gpu2 8012; }
+  stop gpu2
+  serve tp2 8013 configs/qwen2_5_omni_2gpu.yaml --stage-arg thinker.devices=0,1 \
+    --stage-arg thinker.tensor_parallel_size=2 --stage-arg thinker.gpu_memory_utilization=0.5 \
+    --stage-arg talker.gpu_memory_utilization=0.2
+  wait_ready tp2 8013 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log; bench tp2 8013; }
+  stop tp2
+fi
+
+if [[ " $STEPS " == *" tests "* ]]; then
+  mkdir -p $R/testlogs
+  OMNI_TEST_LOG_DIR=$R/testlogs timeout 540 python3 -m pytest -p no:cacheprovider -q tests/test_e2e_speech.py \
+    tests/test_e2e_two_stage.py > $R/tests.log 2>&1
+  say "CUDA e2e tests: $(tail -1 $R/tests.log)"
+fi
+
+if [[ " $STEPS " == *" runner "* ]]; then
+  for mode in vllm omni; do
+    timeout 400 python3 benchmarks/runner_overhead.py --model qwen2-7b --mode $mode --batch 1 32 > $R/runner_$mode.txt 2>&1
+    say "runner $mode: $(grep RESULT $R/runner_$mode.txt | tr '\n' ' ')"
+  done
+fi
+python3 benchmarks/collect.py $R --out $R/results.json > /dev/null 2>&1
+say "DONE"
