@@ -10,7 +10,9 @@ cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 say() { echo "$(( $(date +%s) - T0 )) s: $*" | tee -a $R/progress.log; }
 # DRY=1: a CPU rehearsal of this script (no bundle; M and CFG point at the tiny checkpoint and config).
-[ -n "${DRY:-}" ] || source benchmarks/gpu/setup.sh > $R/setup.log 2>&1
+if [ -z "${DRY:-}" ] && ! source benchmarks/gpu/setup.sh > $R/setup.log 2>&1; then
+  say "setup FAILED: $(tail -1 $R/setup.log)"; say "DONE"; exit 1
+fi
 set +e
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -108,9 +110,11 @@ if [[ " $STEPS " == *" layouts "* ]] && [ "$NGPU" -ge 2 ]; then
   serve gpu2 8012 configs/qwen2_5_omni_2gpu.yaml
   wait_ready gpu2 8012 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log; bench gpu2 8012; }
   stop gpu2
-  serve tp2 8013 configs/qwen2_5_omni_2gpu.yaml --stage-arg thinker.devices=0,1 \
+  # 2026-11-29 on nvidia-h200-x2 the TP=2 thinker died in its first forward (cublasCreate internal
+  # error, then an illegal memory access) with vLLM's custom (CUDA IPC) all-reduce on: NCCL only here.
+  VLLM_ALLREDUCE_USE_SYMM_MEM=0 serve tp2 8013 configs/qwen2_5_omni_2gpu.yaml --stage-arg thinker.devices=0,1 \
     --stage-arg thinker.tensor_parallel_size=2 --stage-arg thinker.gpu_memory_utilization=0.5 \
-    --stage-arg talker.gpu_memory_utilization=0.2
+    --stage-arg thinker.disable_custom_all_reduce=true --stage-arg talker.gpu_memory_utilization=0.2
   wait_ready tp2 8013 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log; bench tp2 8013; }
   stop tp2
 fi

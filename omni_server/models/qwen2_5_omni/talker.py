@@ -86,6 +86,22 @@ class TalkerDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+def _banned_ids(model: str, config) -> torch.Tensor:
+    """True for ids the talker must never sample: everything but the codes token2wav decodes
+    ([0, num_embeds]) and the two ends of speech. A trained talker never picks them; an untrained
+    one (dummy weights) does, and token2wav would reject the whole reply."""
+    from transformers import AutoConfig
+
+    try:
+        codes = AutoConfig.from_pretrained(model).token2wav_config.dit_config.num_embeds + 1
+    except (OSError, AttributeError, ValueError):
+        codes = config.tts_codec_pad_token_id
+    banned = torch.ones(config.vocab_size, dtype=torch.bool)
+    banned[:codes] = False
+    banned[[config.tts_codec_pad_token_id, config.tts_codec_end_token_id]] = False
+    return banned
+
+
 class Qwen2_5OmniTalker(nn.Module):
     """vLLM model for `model_class: qwen2_5_omni.talker` (hf_config = the checkpoint's talker_config)."""
 
@@ -106,6 +122,7 @@ class Qwen2_5OmniTalker(nn.Module):
         self.codec_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                          prefix=f"{prefix}codec_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.register_buffer("banned_ids", _banned_ids(vllm_config.model_config.model, config), persistent=False)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
     def embed_input_ids(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -120,7 +137,10 @@ class Qwen2_5OmniTalker(nn.Module):
         return self.model(None, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.codec_head, hidden_states)
+        logits = self.logits_processor(self.codec_head, hidden_states)
+        if logits is not None:
+            logits[:, : self.banned_ids.numel()].masked_fill_(self.banned_ids, float("-inf"))
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Take the talker's tensors out of a full checkpoint (thinker/token2wav ones are skipped)."""
