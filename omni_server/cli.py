@@ -44,7 +44,7 @@ def cmd_stage(args) -> int:
         print("error: --runtime-dir (or runtime_dir in the config) is required unless every stage has an "
               "`address` and server.output_address is set", file=sys.stderr)
         return 2
-    run_stage(cfg, args.stage, runtime_dir or "", parent_pid=args.parent_pid, replica=args.replica)
+    run_stage(cfg, args.stage, runtime_dir or "", parent_pid=args.parent_pid, replica=args.replica, hold=args.hold)
     return 0
 
 
@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replica", type=int, default=0, help="which replica of the stage (see `replicas`)")
     p.add_argument("--runtime-dir", help="directory of the default ipc sockets (set by `serve`)")
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--hold", action="store_true",
+                   help="after start-up imports, wait for a line 'go' on stdin before building the engine")
     _config_args(p)
     p.set_defaults(fn=cmd_stage)
 

@@ -59,9 +59,14 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
         while True:
             orch = state.orch
             ready = set(orch.ready) if orch is not None else set()
+            # Every process starts at once; one that shares a GPU with earlier engines builds its own
+            # only when they are ready (vLLM sizes its KV cache from the GPU memory it finds free).
             for unit in list(waiting):
-                if all(e in ready for e in launcher.start_after(unit)):
-                    launcher.start(unit)
+                before = launcher.start_after(unit)
+                if unit not in launcher.procs:
+                    launcher.start(unit, hold=bool(before))
+                if all(e in ready for e in before):
+                    launcher.release(unit)
                     waiting.remove(unit)
             await asyncio.sleep(0.2)
             now = time.monotonic()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from omni_server.config import load_config_text
+from omni_server.config import load_config, load_config_text
 from omni_server.orchestrator.launcher import Launcher
+from tests.conftest import REPO
 
 CONFIG = """
 model: m
@@ -38,3 +40,39 @@ def test_gpu_host_waits_for_earlier_stages_on_overlapping_devices():
 def test_cpu_host_starts_everything_at_once():
     launcher = _launcher(False)
     assert [launcher.start_after(u) for u in launcher.cfg.units()] == [[]] * 6
+
+
+def _wait_for(capfd, seen: list[str], text: str, timeout: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen.append(capfd.readouterr().err)
+        if text in "".join(seen):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_held_stage_imports_then_builds_its_engine_only_when_released(tiny_models, tmp_path, capfd):
+    # A real stage process (token2wav of the default pipeline): held, it gets as far as its imports
+    # and waits; released, it builds its generator and reports ready; EOF without "go" ends it.
+    cfg_path = str(REPO / "configs" / "default.yaml")
+    launcher = Launcher(load_config(cfg_path), cfg_path, tmp_path)
+    held, dropped = (2, 0), (1, 0)
+    launcher.start(held, hold=True)
+    launcher.start(dropped, hold=True)
+    seen: list[str] = []
+    try:
+        assert _wait_for(capfd, seen, "stage 2 (token2wav) imported; waiting")
+        time.sleep(2.0)
+        seen.append(capfd.readouterr().err)
+        assert "stage 2 (token2wav) ready in" not in "".join(seen)
+        assert launcher.exited() == {}
+        launcher.release(held)
+        assert _wait_for(capfd, seen, "stage 2 (token2wav) ready in")
+        assert _wait_for(capfd, seen, "stage 1 (talker) imported; waiting")
+        launcher.procs[dropped].stdin.close()  # the server went away before releasing it
+        assert launcher.procs[dropped].wait(60) == 0
+        assert "stage 1 (talker): no go from the server; exiting" in "".join(seen) + capfd.readouterr().err
+    finally:
+        launcher.stop_all()
+    assert launcher.procs[held].returncode is not None

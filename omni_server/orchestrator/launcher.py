@@ -53,16 +53,32 @@ class Launcher:
         return [u for u in units[:units.index(unit)]
                 if _overlap(mine, _device_set(self.cfg.stage(u[0]).devices_of(u[1])))]
 
-    def start(self, unit: Unit) -> None:
+    def start(self, unit: Unit, hold: bool = False) -> None:
+        """Start a stage process. `hold`: it imports everything, then waits for `release` before it
+        builds its engine (the imports take ~15 s a process on the H200 host; they need not wait)."""
         stage_id, replica = unit
         cmd = [sys.executable, "-m", "omni_server.cli", "stage", "--config", self.config_path,
                "--stage", str(stage_id), "--replica", str(replica), "--runtime-dir", str(self.runtime_dir),
                "--parent-pid", str(os.getpid())]
         for o in self.overrides:
             cmd += ["--stage-arg", o]
+        if hold:
+            cmd.append("--hold")
         # Own session: a terminal Ctrl-C reaches only `serve`, which then stops stages in order.
-        self.procs[unit] = subprocess.Popen(cmd, start_new_session=True)
-        log.info("stage %d (%s) starting, pid %d", stage_id, self.cfg.unit_name(unit), self.procs[unit].pid)
+        self.procs[unit] = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.PIPE if hold else None)
+        log.info("stage %d (%s) starting, pid %d%s", stage_id, self.cfg.unit_name(unit), self.procs[unit].pid,
+                 " (builds its engine once the earlier stages on its GPUs are ready)" if hold else "")
+
+    def release(self, unit: Unit) -> None:
+        """Let a held stage process build its engine."""
+        stdin = self.procs[unit].stdin
+        if stdin is None:
+            return
+        try:
+            stdin.write(b"go\n")
+            stdin.close()
+        except OSError:  # it already exited; supervision reports that
+            pass
 
     def exited(self) -> dict[Unit, int]:
         """Exit codes of stage processes that are no longer running."""

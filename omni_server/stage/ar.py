@@ -74,6 +74,21 @@ class _Tracked:
         self.pending.clear()
 
 
+def preload(cfg: PipelineConfig, stage_id: int) -> None:
+    """Import what building the engine takes (most of a stage's start-up seconds before the engine
+    itself), touching no GPU: a stage held back while another engine profiles its GPU does this first."""
+    import importlib
+
+    import vllm.engine.arg_utils  # noqa: F401
+    import vllm.v1.engine.core  # noqa: F401
+    import vllm.v1.engine.input_processor  # noqa: F401
+    import vllm.v1.executor  # noqa: F401
+    from vllm.platforms import current_platform
+
+    cpu = current_platform.device_type == "cpu"
+    importlib.import_module("omni_server.stage.cpu_worker" if cpu else "omni_server.stage.gpu_worker")
+
+
 def build_engine_args(cfg: PipelineConfig, stage_id: int):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform

@@ -28,6 +28,11 @@ from omni_server.wire.transport import StageSockets
 log = logging.getLogger(__name__)
 
 
+def preload(cfg: PipelineConfig, stage_id: int) -> None:
+    """Import the generator's module (transformers' model code) without building it."""
+    generators.load(cfg.stage(stage_id).generator)
+
+
 class GenerationStage(Stage):
     def __init__(self, cfg: PipelineConfig, stage_id: int, sockets: StageSockets):
         t0 = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -23,7 +24,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: int | None = None,
-              replica: int = 0) -> None:
+              replica: int = 0, hold: bool = False) -> None:
     stage = cfg.stage(stage_id)
     if not 0 <= replica < stage.replicas:
         raise SystemExit(f"stage {stage_id} ({stage.name}) has {stage.replicas} replica(s); no replica {replica}")
@@ -56,14 +57,20 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
     sockets = StageSockets(cfg, stage_id, runtime_dir, replica)
     if stage.kind == "ar":
         from omni_server.models import register_vllm_models
-        from omni_server.stage.ar import ARStage
+        from omni_server.stage.ar import ARStage as Stage, preload
 
         register_vllm_models()
-        engine = ARStage(cfg, stage_id, sockets)
     else:
-        from omni_server.stage.generation import GenerationStage
-
-        engine = GenerationStage(cfg, stage_id, sockets)
+        from omni_server.stage.generation import GenerationStage as Stage, preload
+    if hold:
+        preload(cfg, stage_id)
+        name = cfg.unit_name((stage_id, replica))
+        log.info("stage %d (%s) imported; waiting for the earlier stages on its GPUs", stage_id, name)
+        if sys.stdin.readline().strip() != "go":
+            log.info("stage %d (%s): no go from the server; exiting", stage_id, name)
+            sockets.close()
+            return
+    engine = Stage(cfg, stage_id, sockets)
 
     def _stop(signum, frame):
         engine.running = False
