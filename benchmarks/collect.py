@@ -15,7 +15,8 @@ def _level(path: Path) -> dict | None:
     if not path.exists():
         return None
     (level,) = json.loads(path.read_text())["levels"][:1]
-    return level
+    # A level where requests failed measured something else (the survivors only): no numbers from it.
+    return None if level.get("errors") else level
 
 
 def _get(d: dict | None, *keys):

@@ -17,6 +17,7 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     _bench(tmp_path / "bench7b_c1.json", ttfp_ms={"p50": 180.5}, rtf={"p50": 0.08})
     _bench(tmp_path / "bench7b_c16.json", ttfp_ms={"p50": 700.0}, rtf={"p50": 0.2})
     _bench(tmp_path / "bench7b_full_c1.json", ttfp_ms={"p50": 4000.0})
+    _bench(tmp_path / "bench7b_full_c16.json", ttfp_ms={"p50": 9000.0}, errors=15)  # failures: not a measurement
     _bench(tmp_path / "bench7b_c16_ref.json", vs_reference=25.5)
     (tmp_path / "runner_a.txt").write_text(
         'noise\nRESULT {"mode": "vllm", "batch": 1, "tok_s": 200.0}\n'
