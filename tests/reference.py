@@ -98,6 +98,9 @@ def omni_speech(model_dir: Path, prompt_ids: list[int] | None, thinker_max_new_t
     if inputs is None:
         ids = torch.tensor([prompt_ids])
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    # Pixels are the thinker's alone; generate() would hand unprefixed ones to the talker too, which
+    # rejects them. The image grid stays shared: the talker's positions need it.
+    inputs = {("thinker_" + k if k.startswith("pixel_values") else k): v for k, v in inputs.items()}
     hook = model.token2wav.register_forward_pre_hook(lambda m, args: codes.append(args[0][0].tolist()))
     try:
         ids = inputs["input_ids"]

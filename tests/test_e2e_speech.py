@@ -125,10 +125,17 @@ def test_chat_with_image_matches_transformers(client, tiny_models):
     inputs = reference.omni_inputs(model_dir, [{"role": "user", "content": [
         {"type": "image"}, {"type": "text", "text": "What is this?"}]}], images=[rgb])
     assert resp.choices[0].model_extra["token_ids"] == reference.thinker_greedy_inputs(model_dir, inputs, 10)
-    # With speech out too, the request goes through (the talker reads image positions as 1-D).
-    spoken = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                            max_tokens=6, audio={"voice": "Ethan", "format": "wav"})
-    assert len(_wave(spoken.choices[0].message.audio.data)[0]) > 0
+    # Speech too: the talker reads the image prompt's 3-D positions (sent by the thinker stage).
+    spoken = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=10, temperature=0, seed=5,
+        modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"}, extra_body={"return_token_ids": True})
+    ours = _outputs(spoken)
+    ref_tokens, ref_codes, ref_wave = reference.omni_speech(model_dir, None, 10, TALKER_MAX_TOKENS, "Ethan", 5,
+                                                            inputs=inputs)
+    assert ours["thinker"] == ref_tokens
+    assert len(ref_codes) > 0 and _same_codes(ours["talker"], ref_codes), (ours["talker"], ref_codes)
+    assert ours["wave"].shape == ref_wave.shape
+    assert np.abs(ours["wave"] - ref_wave.clamp(-1, 1).numpy()).max() < WAVE_TOL
 
 
 def test_bad_image_input_is_400(client):

@@ -16,7 +16,7 @@ import torch
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import model_classes, processors
 from omni_server.stage.base import Stage
-from omni_server.stage.hidden import EMIT_HIDDEN, STEP_EMBEDS
+from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS
 from omni_server.stage.processors import StageInput
 from omni_server.stage.scheduler import scheduler_cls_for
 from omni_server.wire.transport import StageSockets
@@ -55,6 +55,7 @@ class _Tracked:
     output_token_ids: list[int] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
     hidden_len: int = 0
+    positions: torch.Tensor | None = None  # the prompt's M-RoPE positions (M-RoPE models only)
     # Captures whose copy may still be in flight, with the index in `hidden` of this request's view
     # and whether the capture's buffer also holds other requests' rows (then the view is cloned once
     # the copy is done, so a long request does not pin every step buffer of its lifetime).
@@ -224,7 +225,7 @@ class ARStage(Stage):
 
     def start(self, expect: ExpectRequest, stage_input: StageInput, final: bool = True) -> None:
         self._add(expect.request_id, stage_input.prompt, expect.sampling, expect.forward_to,
-                  step_embeds=stage_input.step_embeds)
+                  step_embeds=stage_input.step_embeds, positions=stage_input.positions)
         if not final and expect.request_id in self.in_engine:
             rows = stage_input.step_embeds
             self.stream_in[expect.request_id] = 0 if rows is None else len(rows)
@@ -245,10 +246,11 @@ class ARStage(Stage):
             self.credited.pop(request_id, None)
 
     def _add(self, request_id: str, prompt: dict, spec: SamplingSpec, forward_to: list[int],
-             step_embeds: torch.Tensor | None = None) -> None:
+             step_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
         try:
             with_hidden = any(processors.reads_hidden(self.cfg.stage(c).input_processor) for c in forward_to)
-            params = self._sampling_params(spec, emit_hidden=with_hidden, step_embeds=step_embeds)
+            params = self._sampling_params(spec, emit_hidden=with_hidden, step_embeds=step_embeds,
+                                           positions=positions)
             request = self.inputs.process_inputs(request_id, prompt, params, supported_tasks=self.tasks)
             # The engine's prompt: multimodal placeholders expanded to one token per embedding row.
             prompt_token_ids = list(request.prompt_token_ids or [])
@@ -266,7 +268,8 @@ class ARStage(Stage):
             self.tracked[request_id] = _Tracked(prompt_token_ids, list(forward_to), stream_to, chunk,
                                                 with_hidden=with_hidden, window=window)
 
-    def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool, step_embeds: torch.Tensor | None = None):
+    def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool, step_embeds: torch.Tensor | None = None,
+                         positions: torch.Tensor | None = None):
         from vllm import SamplingParams
 
         extra: dict[str, Any] = {}
@@ -274,6 +277,8 @@ class ARStage(Stage):
             extra[EMIT_HIDDEN] = True
         if step_embeds is not None:
             extra[STEP_EMBEDS] = step_embeds
+        if positions is not None:
+            extra[MROPE_POSITIONS] = positions
         return SamplingParams(
             max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
             top_k=spec.top_k, min_tokens=spec.min_tokens, seed=spec.seed,
@@ -373,6 +378,8 @@ class ARStage(Stage):
         for rid, n, start in zip(capture.req_ids, capture.counts, capture.starts):
             tracked = self.tracked.get(rid)
             if tracked is not None:
+                if rid in capture.positions:
+                    tracked.positions = capture.positions[rid]
                 if start < tracked.hidden_len:  # recomputed after preemption: drop the stale tail
                     tracked.settle()
                     _truncate(tracked, start)
@@ -402,11 +409,14 @@ class ARStage(Stage):
         if rows is None:
             rows = torch.cat(tracked.hidden) if tracked.hidden else torch.empty(0)
         end = len(rows) if final else tracked.hidden_len
+        first = tracked.sent_rows == 0 and tracked.sent_tokens == 0
+        tensors = {"hidden": rows[tracked.sent_rows:end].clone()} if tracked.with_hidden else {}
+        if first:
+            tensors.update(_prompt_tensors(tracked))
         chunk = StagePayload(
             request_id=request_id, source_stage=self.stage_id,
-            prompt_token_ids=tracked.prompt_token_ids if tracked.sent_rows == 0 and tracked.sent_tokens == 0 else [],
-            output_token_ids=tracked.output_token_ids[tracked.sent_tokens:],
-            tensors={"hidden": rows[tracked.sent_rows:end].clone()} if tracked.with_hidden else {}, final=final)
+            prompt_token_ids=tracked.prompt_token_ids if first else [],
+            output_token_ids=tracked.output_token_ids[tracked.sent_tokens:], tensors=tensors, final=final)
         tracked.sent_rows, tracked.sent_tokens = max(end, tracked.sent_rows), len(tracked.output_token_ids)
         for dst in tracked.stream_to:
             if dst not in tracked.done_to:
@@ -428,10 +438,15 @@ class ARStage(Stage):
         payload = StagePayload(
             request_id=request_id, source_stage=self.stage_id,
             prompt_token_ids=tracked.prompt_token_ids, output_token_ids=tracked.output_token_ids,
-            tensors={"hidden": hidden} if tracked.with_hidden else {},
+            tensors={**({"hidden": hidden} if tracked.with_hidden else {}), **_prompt_tensors(tracked)},
         )
         for dst in full_to:
             self.send_stage(dst, request_id, payload)
+
+
+def _prompt_tensors(tracked: _Tracked) -> dict[str, torch.Tensor]:
+    """Per-prompt tensors that travel with the prompt ids (in a stream's first chunk)."""
+    return {"mrope_positions": tracked.positions} if tracked.positions is not None else {}
 
 
 def _media_index(name: str) -> int:

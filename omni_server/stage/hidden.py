@@ -16,6 +16,9 @@ import torch
 EMIT_HIDDEN = "omni_emit_hidden"
 # SamplingParams.extra_args key carrying a request's per-step input embeddings (StageInput.step_embeds).
 STEP_EMBEDS = "omni_step_embeds"
+# SamplingParams.extra_args key carrying a request's prompt M-RoPE positions ([3, prompt_len] int64,
+# StageInput.positions) computed upstream, for a model that cannot derive them from its own prompt.
+MROPE_POSITIONS = "omni_mrope_positions"
 
 
 @dataclass
@@ -27,6 +30,9 @@ class HiddenCapture:
     starts: list[int]
     hidden: torch.Tensor  # [sum(counts), hidden_size], on the host (pinned on CUDA hosts)
     event: Any = field(default=None, repr=False)  # torch.cuda.Event marking the copy done
+    # M-RoPE models: the whole prompt's positions ([3, prompt_len], host) of each request whose
+    # prompt starts in this step; downstream stages reading these rows may need them.
+    positions: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def wait(self) -> None:
         if self.event is not None:

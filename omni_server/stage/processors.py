@@ -24,6 +24,9 @@ class StageInput:
     # AR stages: [rows, hidden] added to the input embedding of output token k (row min(k, rows-1)),
     # for models fed a per-step signal from upstream (e.g. a talker reading the thinker's reply).
     step_embeds: torch.Tensor | None = None
+    # AR stages of M-RoPE models: the prompt's positions, [3, prompt_len] int64, where the model
+    # cannot derive them from its own prompt (e.g. a talker whose prompt mirrors an image prompt).
+    positions: torch.Tensor | None = None
     # Generation stages: the generator's keyword inputs.
     data: dict[str, Any] | None = None
 

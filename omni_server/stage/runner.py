@@ -13,7 +13,7 @@ import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from omni_server.stage.hidden import EMIT_HIDDEN, STEP_EMBEDS, HiddenCapture
+from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS, HiddenCapture
 
 
 class _AsyncWithHidden(AsyncModelRunnerOutput):
@@ -42,6 +42,12 @@ class HiddenStatesEmitter:
         if selection is None:
             return super().sample_tokens(grammar_output)
         req_ids, counts, starts, index = selection
+        positions = {}
+        if self.uses_mrope:
+            for rid, start in zip(req_ids, starts):
+                mrope = self.requests[rid].mrope_positions
+                if start == 0 and mrope is not None:
+                    positions[rid] = mrope[:, : len(self.requests[rid].prompt_token_ids or ())].clone()
         hidden = state.hidden_states
         # A private copy of the rows, enqueued before sampling on the compute stream.
         rows = hidden[index] if index is not None else hidden[: sum(counts)].clone()
@@ -51,6 +57,7 @@ class HiddenStatesEmitter:
             ready.record()
         out = super().sample_tokens(grammar_output)
         capture = self._to_host(req_ids, counts, starts, rows, ready)
+        capture.positions = positions
         if isinstance(out, ModelRunnerOutput):
             out.omni_hidden = capture
             return out
@@ -101,6 +108,21 @@ class HiddenStatesEmitter:
         # `rows` was allocated on the compute stream; keep it alive until the side-stream copy ends.
         rows.record_stream(stream)
         return HiddenCapture(req_ids, counts, starts, host, event)
+
+
+class UpstreamPositions:
+    """Mixin over a vLLM V1 model runner of an M-RoPE model fed by an upstream stage: a request that
+    brings its prompt positions (SamplingParams.extra_args[MROPE_POSITIONS], [3, prompt_len]) uses
+    them; later positions continue 1-D after their maximum, as for text. Others get the model's own."""
+
+    def _init_mrope_positions(self, req_state):
+        params = req_state.sampling_params
+        given = params.extra_args.get(MROPE_POSITIONS) if params is not None and params.extra_args else None
+        if given is None:
+            return super()._init_mrope_positions(req_state)
+        positions = torch.as_tensor(given, dtype=torch.int64)
+        req_state.mrope_positions = positions
+        req_state.mrope_position_delta = int(positions.max()) + 1 - positions.shape[1]
 
 
 class StepEmbedsAdder:
@@ -162,5 +184,5 @@ class StepEmbedsAdder:
         return result
 
 
-class GPUOmniModelRunner(StepEmbedsAdder, HiddenStatesEmitter, GPUModelRunner):
+class GPUOmniModelRunner(UpstreamPositions, StepEmbedsAdder, HiddenStatesEmitter, GPUModelRunner):
     pass

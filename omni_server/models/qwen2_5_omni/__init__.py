@@ -10,20 +10,12 @@ from omni_server.stage import generators, model_classes
 
 
 
-def _talker_positions_1d(config) -> None:
-    # vLLM would treat an `mrope_section` as a request for 3-D positions, which the talker does not
-    # model (see talker.py): plain RoPE over the same positions.
-    if isinstance(getattr(config, "rope_parameters", None), dict):
-        config.rope_parameters = {k: v for k, v in config.rope_parameters.items() if k != "mrope_section"}
-
-
 model_classes.register("qwen2_5_omni.talker", model_classes.ModelClass(
     architecture="OmniServerQwen2_5OmniTalker",
     target="omni_server.models.qwen2_5_omni.talker:Qwen2_5OmniTalker",
     sub_config="talker_config",
     # The talker reads embeddings, never text; prefix caching would skip the per-request prompt rows.
     engine_defaults={"skip_tokenizer_init": True, "enable_prompt_embeds": True, "enable_prefix_caching": False},
-    adapt_config=_talker_positions_1d,
 ))
 
 generators.register("qwen2_5_omni.token2wav", "omni_server.models.qwen2_5_omni.token2wav:Token2Wav")

@@ -138,6 +138,7 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         reply = torch.cat([x[n_prompt + 1:], *ends])
         ids = [t.codec_mask_id] * n_prompt + [t.codec_pad_id, t.codec_start_id]
         return StageInput(
+            positions=_talker_positions(p.tensors.get("mrope_positions"), n_prompt),
             # vLLM's engine-input form: `is_token_ids` False = every prompt position is our embedding.
             prompt={"type": "embeds", "prompt_embeds": prompt.to("cpu", ctx.dtype),
                     "prompt_token_ids": ids, "is_token_ids": [False] * len(ids)},
@@ -146,6 +147,17 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
 
 
 thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model), stage.dtype)
+
+
+def _talker_positions(thinker: torch.Tensor | None, n_prompt: int) -> torch.Tensor | None:
+    """The talker's prompt positions as the reference computes them (its rope index over the
+    thinker's prompt ids + voice token + first reply token): the thinker's prompt positions, then
+    two text positions. None (1-D positions) when the thinker sent none."""
+    if thinker is None:
+        return None
+    head = thinker[:, :n_prompt].to(torch.int64)
+    top = int(head.max()) if head.numel() else -1
+    return torch.cat([head, torch.tensor([[top + 1, top + 2]] * 3)], dim=1)
 
 
 @functools.lru_cache(maxsize=4)

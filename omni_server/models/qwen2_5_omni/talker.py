@@ -7,8 +7,10 @@ it: the input processor projects the thinker part of each row once per request (
 vLLM prompt embeddings, reply rows become per-step embeddings the runner adds), and this model's
 `embed_input_ids` returns `proj(codec_embed(id))` for sampled codec ids.
 
-Positions are 1-D: for text and audio inputs the reference's multimodal RoPE gives every section the
-same position, which is plain RoPE. (Image/video prompts get 3-D positions there; not modelled yet.)
+Positions are multimodal RoPE (3 sections), as in the reference: the talker's prompt mirrors the
+thinker's, so its positions are the thinker's prompt positions (3-D over an image's grid) followed
+by text positions; the thinker stage sends them with its hidden states (`StageInput.positions`, read
+by the runner). A request without them gets 1-D positions, which is what text and audio prompts have.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import SupportsMRoPE
 from vllm.model_executor.models.qwen2 import Qwen2MLP, Qwen2Model
 from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.sequence import IntermediateTensors
@@ -50,10 +53,8 @@ class TalkerAttention(nn.Module):
                                           prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=False, quant_config=quant_config, prefix=f"{prefix}.o_proj")
-        rope = dict(config.rope_parameters)
-        rope.pop("mrope_section", None)  # 1-D positions (see the module docstring)
         self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings,
-                                   rope_parameters=rope)
+                                   rope_parameters=dict(config.rope_parameters))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
                               cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn")
 
@@ -102,7 +103,7 @@ def _banned_ids(model: str, config) -> torch.Tensor:
     return banned
 
 
-class Qwen2_5OmniTalker(nn.Module):
+class Qwen2_5OmniTalker(nn.Module, SupportsMRoPE):
     """vLLM model for `model_class: qwen2_5_omni.talker` (hf_config = the checkpoint's talker_config)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -135,6 +136,10 @@ class Qwen2_5OmniTalker(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
         return self.model(None, positions, intermediate_tensors, inputs_embeds)
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features) -> tuple[torch.Tensor, int]:
+        """Positions of a request that brought none (see the module docstring): 1-D."""
+        return torch.arange(len(input_tokens)).expand(3, -1).clone(), 0
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.logits_processor(self.codec_head, hidden_states)
