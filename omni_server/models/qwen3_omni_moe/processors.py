@@ -1,0 +1,182 @@
+"""Stage input processors of the Qwen3-Omni-MoE pipeline (see docs/qwen3_omni.md, section 1).
+
+thinker -> talker, as transformers' `Qwen3OmniMoeForConditionalGeneration.generate` builds it. Two
+projections (`talker.text_projection` / `talker.hidden_projection`, fc2(silu(fc1(x))), not affine, so
+every row is projected whole) map thinker vectors into the talker:
+- user rows: every position of every user turn (`<|im_start|>user ... <|im_end|>\\n`), in order;
+  text positions as P_text(embed(id)), media placeholders as P_hidden(the thinker's residual stream
+  after `accept_hidden_layer` layers, the payload's "hidden" rows at those positions);
+- 9 assistant rows from the last `<|im_start|>assistant`: P_text of its 3 tokens, tts_pad x4, tts_bos,
+  P_text(first reply token); the codec embedding of [nothink, think_bos, think_eos, voice, pad, bos]
+  is added to the last 6;
+- per talker step k (runner's StepEmbedsAdder): P_text(reply token k + 1), ..., then tts_eos, then
+  tts_pad for ever (the last row repeats). The thinker's last token is never spoken (it has no row
+  in the reference either).
+Prompt token ids are the codec pad id at every position: the reference's talker generates from
+embeddings only, so its repetition penalty counts generated codes alone; pad is never sampled.
+Talker positions are 1-D here, which is what the reference computes for text and audio prompts.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from omni_server.models.checkpoint import load_tensors, read_config
+from omni_server.stage import processors
+from omni_server.stage.processors import StageInput
+from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
+
+DEFAULT_VOICE = "ethan"  # transformers' generate() default ("Ethan"; lookups are lower-case)
+
+
+@dataclass
+class _Mlp:
+    fc1_w: torch.Tensor
+    fc1_b: torch.Tensor
+    fc2_w: torch.Tensor
+    fc2_b: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, self.fc1_w, self.fc1_b)), self.fc2_w, self.fc2_b)
+
+
+@dataclass
+class _Tables:
+    device: torch.device
+    embed: torch.Tensor  # the thinker's token embeddings [vocab, thinker_hidden], float32
+    text: _Mlp
+    hidden: _Mlp
+    codec: torch.Tensor  # the talker's codec embedding [codec_vocab, talker_hidden]
+    voices: dict[str, int]  # lower-case name -> codec id
+    im_start: int
+    user: int
+    assistant: int
+    tts_pad: int
+    tts_bos: int
+    tts_eos: int
+    media_ids: torch.Tensor  # audio / image / video placeholder ids
+    assistant_codec_ids: tuple[int, int, int, int, int]  # nothink, think_bos, think_eos, (voice), pad, bos
+    codec_pad: int
+    codec_bos: int
+
+
+_lock = threading.Lock()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _mlp(tensors: dict[str, torch.Tensor], dev: torch.device) -> _Mlp:
+    t = {k: v.to(dev, torch.float32) for k, v in tensors.items()}
+    return _Mlp(t["linear_fc1.weight"], t["linear_fc1.bias"], t["linear_fc2.weight"], t["linear_fc2.bias"])
+
+
+@functools.lru_cache(maxsize=4)
+def _tables(model_dir: str) -> _Tables:
+    cfg = read_config(model_dir)
+    tcfg, thinker = cfg.talker_config, cfg.thinker_config
+    act = tcfg.text_config.hidden_act
+    if act != "silu":
+        raise ValueError(f"{model_dir}: talker projections use {act!r}; only silu is supported")
+    dev = _device()
+    return _Tables(
+        device=dev,
+        embed=load_tensors(model_dir, "thinker.model.embed_tokens.")["weight"].to(dev, torch.float32),
+        text=_mlp(load_tensors(model_dir, "talker.text_projection."), dev),
+        hidden=_mlp(load_tensors(model_dir, "talker.hidden_projection."), dev),
+        codec=load_tensors(model_dir, "talker.model.codec_embedding.")["weight"].to(dev, torch.float32),
+        voices={k.lower(): int(v) for k, v in tcfg.speaker_id.items()},
+        im_start=cfg.im_start_token_id, user=cfg.user_token_id, assistant=cfg.assistant_token_id,
+        tts_pad=cfg.tts_pad_token_id, tts_bos=cfg.tts_bos_token_id, tts_eos=cfg.tts_eos_token_id,
+        media_ids=torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id], device=dev),
+        assistant_codec_ids=(tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id,
+                             tcfg.codec_pad_id, tcfg.codec_bos_id),
+        codec_pad=tcfg.codec_pad_id, codec_bos=tcfg.codec_bos_id,
+    )
+
+
+def voices(model_dir: str) -> list[str]:
+    """The checkpoint's voice names (lower-case, as the reference looks them up)."""
+    return sorted({k.lower() for k in read_config(model_dir).talker_config.speaker_id})
+
+
+def _single(payloads: dict[int, StagePayload]) -> StagePayload:
+    if len(payloads) != 1:
+        raise ValueError(f"expected the output of one stage, got stages {sorted(payloads)}")
+    return next(iter(payloads.values()))
+
+
+def _user_positions(ids: torch.Tensor, im_start: int, user: int) -> torch.Tensor:
+    """Indices of the positions whose latest <|im_start|> opens a user turn (that token included)."""
+    n = ids.numel()
+    pos = torch.arange(n, device=ids.device)
+    starts = torch.where(ids == im_start, pos, torch.full_like(pos, -1))
+    latest = torch.cummax(starts, dim=0).values
+    role = ids[(latest + 1).clamp(0, n - 1)]
+    return torch.nonzero((latest >= 0) & (role == user)).flatten()
+
+
+@processors.register("qwen3_omni_moe.thinker_to_talker")
+def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str, str]) -> StageInput | None:
+    p = _single(payloads)
+    with _lock:
+        t = _tables(str(ctx.stage.model))
+    voice = (options.get(VOICE_OPTION) or DEFAULT_VOICE).lower()
+    if voice not in t.voices:
+        raise ValueError(f"unknown voice {options.get(VOICE_OPTION)!r}; available: {sorted(t.voices)}")
+    prompt_ids, out_ids = list(p.prompt_token_ids), list(p.output_token_ids)
+    if REPLY_FROM_OPTION in options:  # text to speech: the reply was part of the thinker's prompt
+        cut = int(options[REPLY_FROM_OPTION])
+        if not 0 < cut < len(prompt_ids) or not out_ids:
+            raise ValueError(f"reply_from {cut} outside the prompt of {len(prompt_ids)} tokens")
+        prompt_ids, out_ids = prompt_ids[:cut], prompt_ids[cut:] + out_ids[:1]
+    seq = prompt_ids + out_ids
+    # The reference's thinker rows: prompt + every generated token but the last. Streamed, the newest
+    # token may turn out to be the last, so the same bound holds before the final chunk.
+    rows = len(seq) - 1
+    starts = [i for i in range(len(prompt_ids) - 1) if prompt_ids[i] == t.im_start and prompt_ids[i + 1] == t.assistant]
+    if not starts:
+        raise ValueError("the thinker prompt has no <|im_start|>assistant turn to speak")
+    a = starts[-1]
+    if len(seq) < a + 4:  # the first reply token joins the prompt
+        if p.final:
+            raise ValueError("the thinker produced no reply to speak")
+        return None
+    with torch.inference_mode():
+        ids = torch.tensor(prompt_ids, device=t.device)
+        user = _user_positions(ids, t.im_start, t.user)
+        media = torch.isin(ids[user], t.media_ids)
+        user_rows = t.text(t.embed[ids[user]])
+        if bool(media.any()):
+            hidden = p.tensors.get("hidden")
+            need = int(user[media].max()) + 1
+            if hidden is None or hidden.shape[0] < need:
+                shape = None if hidden is None else tuple(hidden.shape)
+                raise ValueError(f"thinker payload has hidden states {shape}; media rows up to {need} are needed")
+            user_rows[media] = t.hidden(hidden[user[media].cpu()].to(t.device, torch.float32))
+        special = t.text(t.embed[torch.tensor([t.tts_pad, t.tts_bos, t.tts_eos], device=t.device)])
+        tts_pad, tts_bos, tts_eos = special[0:1], special[1:2], special[2:3]
+        head = t.text(t.embed[torch.tensor(seq[a:a + 4], device=t.device)])
+        assistant = torch.cat([head[:3], tts_pad.expand(4, -1), tts_bos, head[3:4]])
+        nothink, think_bos, think_eos, pad, bos = t.assistant_codec_ids
+        codec_ids = torch.tensor([nothink, think_bos, think_eos, t.voices[voice], pad, bos], device=t.device)
+        assistant[3:] += t.codec[codec_ids]
+        prompt = torch.cat([user_rows, assistant])
+        reply = t.text(t.embed[torch.tensor(seq[a + 4:rows], device=t.device, dtype=torch.long)])
+        if p.final:
+            reply = torch.cat([reply, tts_eos, tts_pad])
+    n = prompt.shape[0]
+    return StageInput(
+        prompt={"type": "embeds", "prompt_embeds": prompt.to("cpu", ctx.dtype),
+                "prompt_token_ids": [t.codec_pad] * n, "is_token_ids": [False] * n},
+        step_embeds=reply.to("cpu", ctx.dtype),
+    )
+
+
+thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model))

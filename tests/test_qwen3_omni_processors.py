@@ -1,0 +1,130 @@
+"""Qwen3-Omni thinker -> talker input equals what transformers' generate() hands its talker."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from omni_server.stage import processors
+from omni_server.wire.messages import StagePayload
+from tests.media import tone_wav
+
+
+class _Stop(Exception):
+    pass
+
+
+@lru_cache(maxsize=None)
+def _hf(model_dir):
+    from transformers import AutoProcessor, Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(model_dir)
+
+
+@torch.inference_mode()
+def _hf_talker_input(model_dir, inputs: dict, voice: str, max_new_tokens: int = 8):
+    """(thinker payload as our thinker stage would send it, the talker.generate kwargs transformers built)."""
+    model, _ = _hf(model_dir)
+    seen: dict = {}
+    thinker_generate = model.thinker.generate
+
+    def thinker(*args, **kwargs):
+        seen["thinker"] = thinker_generate(*args, **kwargs)
+        return seen["thinker"]
+
+    def talker(**kwargs):
+        seen["talker"] = kwargs
+        raise _Stop
+
+    model.thinker.generate, model.talker.generate = thinker, talker
+    try:
+        with pytest.raises(_Stop):
+            model.generate(**inputs, speaker=voice, thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False,
+                           talker_max_new_tokens=4)
+    finally:
+        del model.thinker.generate, model.talker.generate
+    result, n_prompt = seen["thinker"], inputs["input_ids"].shape[1]
+    layer = model.config.talker_config.accept_hidden_layer
+    hidden = torch.cat([step[layer] for step in result.hidden_states], dim=1)[0]  # prompt + generated - 1 rows
+    ids = result.sequences[0].tolist()
+    payload = StagePayload(request_id="r", source_stage=0, prompt_token_ids=ids[:n_prompt],
+                           output_token_ids=ids[n_prompt:], tensors={"hidden": hidden})
+    return payload, seen["talker"]
+
+
+def _ours(model_dir, payload, voice):
+    ctx = SimpleNamespace(stage=SimpleNamespace(model=str(model_dir)), dtype=torch.float32)
+    return processors.get("qwen3_omni_moe.thinker_to_talker")({0: payload}, ctx, {"voice": voice})
+
+
+def _check(model_dir, inputs, voice):
+    payload, ref = _hf_talker_input(model_dir, inputs, voice)
+    out = _ours(model_dir, payload, voice)
+    want_prompt = ref["inputs_embeds"][0]
+    # Per step: the reference's trailing rows, then tts_pad for ever (our runner repeats the last row).
+    want_steps = torch.cat([ref["trailing_text_hidden"][0], ref["tts_pad_embed"][0]])
+    assert out.prompt["prompt_embeds"].shape == want_prompt.shape
+    torch.testing.assert_close(out.prompt["prompt_embeds"], want_prompt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.step_embeds, want_steps, rtol=1e-5, atol=1e-5)
+    assert out.prompt["is_token_ids"] == [False] * want_prompt.shape[0]
+    return payload, out
+
+
+def test_text_prompt_multi_turn_with_system(tiny_models):
+    model_dir = tiny_models["tiny-qwen3-omni-moe"]
+    _, proc = _hf(model_dir)
+    messages = [{"role": "system", "content": "You are brief."},
+                {"role": "user", "content": "Hi there."},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Say something about the sea."}]
+    text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = dict(proc(text=text, return_tensors="pt"))
+    payload, out = _check(model_dir, inputs, "Chelsie")
+    # System and earlier assistant turns are not part of the talker's prompt: both user turns + 9 rows.
+    assert out.prompt["prompt_embeds"].shape[0] < len(payload.prompt_token_ids) + 9
+
+
+def test_audio_prompt_reads_the_thinkers_hidden_rows_at_the_audio(tiny_models):
+    model_dir = tiny_models["tiny-qwen3-omni-moe"]
+    _, proc = _hf(model_dir)
+    _, heard = tone_wav()
+    text = proc.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "What do you hear?"}, {"type": "audio"}]}], add_generation_prompt=True, tokenize=False)
+    inputs = dict(proc(text=text, audio=[heard], return_tensors="pt", padding=True))
+    payload, out = _check(model_dir, inputs, "Ethan")
+    # Without the hidden rows the media rows cannot be built.
+    no_hidden = StagePayload(request_id="r", source_stage=0, prompt_token_ids=payload.prompt_token_ids,
+                             output_token_ids=payload.output_token_ids, tensors={})
+    with pytest.raises(ValueError, match="hidden states"):
+        _ours(model_dir, no_hidden, "Ethan")
+
+
+def test_streamed_payload_starts_on_the_first_reply_token_and_grows(tiny_models):
+    model_dir = tiny_models["tiny-qwen3-omni-moe"]
+    _, proc = _hf(model_dir)
+    text = proc.apply_chat_template([{"role": "user", "content": "Count to three."}], add_generation_prompt=True,
+                                    tokenize=False)
+    payload, full = _check(model_dir, dict(proc(text=text, return_tensors="pt")), "Aiden")
+
+    def part(n_out):
+        return StagePayload(request_id="r", source_stage=0, prompt_token_ids=payload.prompt_token_ids,
+                            output_token_ids=payload.output_token_ids[:n_out], tensors={}, final=False)
+
+    assert _ours(model_dir, part(0), "Aiden") is None  # no reply token yet
+    for n_out in (1, 3, len(payload.output_token_ids)):
+        out = _ours(model_dir, part(n_out), "Aiden")
+        torch.testing.assert_close(out.prompt["prompt_embeds"], full.prompt["prompt_embeds"])
+        # Rows settle one token late (the newest may be the last, which is never spoken).
+        assert out.step_embeds.shape[0] == max(n_out - 2, 0)
+        torch.testing.assert_close(out.step_embeds, full.step_embeds[:out.step_embeds.shape[0]])
+
+
+def test_unknown_voice_names_the_valid_ones(tiny_models):
+    model_dir = tiny_models["tiny-qwen3-omni-moe"]
+    payload = StagePayload(request_id="r", source_stage=0, prompt_token_ids=[1, 2], output_token_ids=[3])
+    with pytest.raises(ValueError, match="aiden.*chelsie.*ethan"):
+        _ours(model_dir, payload, "Nobody")
