@@ -84,6 +84,9 @@ def cmd_bench(args) -> int:
               f"{lv['latency_ms']['p50']}/{lv['latency_ms']['p90']}/{lv['latency_ms']['p99']}"
               + (f"  TTFP p50 ms={lv['ttfp_ms']['p50']}  audio s/wall s={lv['audio_s_per_wall_s']}  "
                  f"RTF p50={lv['rtf']['p50']}" if args.audio else ""))
+        for st in lv.get("stages", []):
+            print(f"    stage {st['stage_id']}: {st['steps']} steps, {st['step_ms_mean']} ms/step, busy {st['busy']}, "
+                  f"batch {st['batch_mean']}, {st['payload_mb']} MB to stages, {st['backpressure_pauses']} pauses")
     ref = result.get("reference")
     if ref:
         print(f"reference (transformers, {ref['device']}): n={ref['requests']} out tok/s={ref['output_tok_s']}  "

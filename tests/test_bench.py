@@ -43,6 +43,14 @@ def test_bench_audio_reports_ttfp_and_rtf(speech_server, tmp_path):
     assert 0 < lv["ttft_ms"]["p50"] <= lv["ttfp_ms"]["p50"] <= lv["latency_ms"]["p99"]
     assert lv["rtf"]["p50"] > 0 and lv["audio_s_per_wall_s"] > 0
     assert "TTFP" in proc.stdout
+    # Per-stage profile over the level: every stage stepped; only the thinker sends tensors to a
+    # stage (hidden states to the talker; the talker sends token2wav codes as ids).
+    thinker, talker, t2w = lv["stages"]
+    assert [s["stage_id"] for s in lv["stages"]] == [0, 1, 2]
+    for s in lv["stages"]:
+        assert s["steps"] > 0 and s["step_ms_mean"] > 0 and 0 < s["busy"] and s["batch_mean"] >= 1
+    assert talker["steps"] >= 8  # at least one step per codec token of the shortest reply
+    assert thinker["payload_mb"] > 0 and talker["payload_mb"] == 0 and t2w["payload_mb"] == 0
 
 
 def test_bench_reference_runs_transformers_on_the_same_prompts(speech_server, tiny_models, tmp_path):

@@ -220,9 +220,10 @@ def create_app(state: ServerState) -> FastAPI:
         except asyncio.TimeoutError:
             raise APIError(503, f"stage {stage_id} did not answer") from None
         replicas = [{"replica": s.replica, "num_running": s.num_running, "num_waiting": s.num_waiting,
-                     "request_ids": s.request_ids, "steps": s.steps, "backpressure_pauses": s.backpressure_pauses,
-                     "payload_bytes": s.payload_bytes} for s in per]
-        counters = ("num_running", "num_waiting", "steps", "backpressure_pauses", "payload_bytes")
+                     "request_ids": s.request_ids, "steps": s.steps, "step_s": s.step_s, "batch_sum": s.batch_sum,
+                     "backpressure_pauses": s.backpressure_pauses, "payload_bytes": s.payload_bytes} for s in per]
+        counters = ("num_running", "num_waiting", "steps", "step_s", "batch_sum", "backpressure_pauses",
+                    "payload_bytes")
         total = {k: sum(r[k] for r in replicas) for k in counters}
         return {"stage_id": stage_id, **total, "request_ids": sorted(i for r in replicas for i in r["request_ids"]),
                 "replicas": replicas}

@@ -3,6 +3,8 @@
 Per level it reports TTFT (first text delta), end-to-end latency (p50/p90/p99), output tokens/s
 (completion tokens from the usage chunk / wall time) and errors; with `audio`, also TTFP (first
 audio data delta), seconds of audio per wall second and RTF (request latency / its audio duration).
+Per stage (`stages`, from the stats route before and after the level): steps, mean step time, busy
+fraction of the level's wall time, mean batch, payload MB sent to other stages, backpressure pauses.
 With `reference`, transformers' own pipeline runs the same prompts in this process afterwards, and
 each level reports its throughput relative to it (`vs_reference`).
 """
@@ -139,9 +141,11 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
             progress(concurrency, done, n)
             return res
 
+        before = await _stage_counters(client)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(task(i) for i in range(n)))
         wall = time.perf_counter() - t0
+        stages = _stage_profile(before, await _stage_counters(client), wall)
     ok = [r for r in results if not r.get("error")]
     ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     lat = [r["latency_s"] for r in ok]
@@ -168,7 +172,39 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
                     "mean": ms(statistics.fmean(ttfts)) if ttfts else None},
         "latency_ms": {"p50": ms(_pct(lat, 50)), "p90": ms(_pct(lat, 90)), "p99": ms(_pct(lat, 99))},
         **audio,
+        "stages": stages,
     }
+
+
+async def _stage_counters(client: httpx.AsyncClient) -> list[dict]:
+    """Every stage's counters (`/v1/omni/stages/{i}/stats`, until a 404); [] if the server has none."""
+    out = []
+    for i in range(64):
+        try:
+            r = await client.get(f"/v1/omni/stages/{i}/stats")
+        except httpx.HTTPError:
+            break
+        if r.status_code != 200:
+            break
+        out.append(r.json())
+    return out
+
+
+def _stage_profile(before: list[dict], after: list[dict], wall: float) -> list[dict]:
+    """Per stage over one level: steps, mean step time, busy fraction of the wall time, mean batch,
+    payload MB sent downstream, backpressure pauses."""
+    rows = []
+    for b, a in zip(before, after):
+        d = {k: a.get(k, 0) - b.get(k, 0) for k in ("steps", "step_s", "batch_sum", "payload_bytes",
+                                                     "backpressure_pauses")}
+        steps = d["steps"]
+        rows.append({"stage_id": a["stage_id"], "steps": steps,
+                     "step_ms_mean": round(1000 * d["step_s"] / steps, 3) if steps else None,
+                     "busy": round(d["step_s"] / wall, 3) if wall > 0 else None,
+                     "batch_mean": round(d["batch_sum"] / steps, 2) if steps else None,
+                     "payload_mb": round(d["payload_bytes"] / 2**20, 2),
+                     "backpressure_pauses": d["backpressure_pauses"]})
+    return rows
 
 
 def _round(v: float | None) -> float | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -84,6 +85,10 @@ class Stage:
         # request id -> the replica of each stage on its route that serves it (payloads, credits).
         self.routes: OrderedDict[str, dict[int, int]] = OrderedDict()
         self.steps = 0
+        # Profiling counters: seconds spent in step() and requests running summed over steps (their
+        # deltas over a bench level give the mean step time, busy fraction and batch size).
+        self.step_s = 0.0
+        self.batch_sum = 0
         self.backpressure_pauses = 0
         self.payload_bytes = 0
         self.running = True
@@ -168,8 +173,11 @@ class Stage:
                     if rid in self.waiting:
                         self._maybe_start(rid)
                 if self.running and self.has_work():
+                    t0 = time.perf_counter()
                     self.step()
+                    self.step_s += time.perf_counter() - t0
                     self.steps += 1
+                    self.batch_sum += self.counts()[0]
         finally:
             self.close()
 
@@ -202,7 +210,7 @@ class Stage:
             self.sockets.send_api(StageStats(
                 stage_id=self.stage_id, nonce=msg.nonce, num_running=running, num_waiting=waiting,
                 request_ids=sorted(self.known_requests()), steps=self.steps,
-                backpressure_pauses=self.backpressure_pauses, payload_bytes=self.payload_bytes, pid=os.getpid(),
+                step_s=round(self.step_s, 6), batch_sum=self.batch_sum, backpressure_pauses=self.backpressure_pauses, payload_bytes=self.payload_bytes, pid=os.getpid(),
                 startup_s=round(self.startup_s, 2), info=self.info(), replica=self.replica))
         elif isinstance(msg, Shutdown):
             self.running = False

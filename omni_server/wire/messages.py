@@ -158,6 +158,8 @@ class StageStats(_Msg):
     # Requests the stage knows about (engine, expected inputs, buffered payloads).
     request_ids: list[str]
     steps: int = 0
+    step_s: float = 0.0  # seconds spent in engine steps
+    batch_sum: int = 0  # running requests summed over steps (/ steps = mean batch)
     # Times a running request paused because a streaming consumer was `stream_window` behind.
     backpressure_pauses: int = 0
     # Bytes of tensors this stage sent to other stages (per destination).
