@@ -69,6 +69,8 @@ def run_vllm(engine_args: dict, batches: list[int], in_len: int, out_len: int) -
 class _NullSockets:
     """Stands in for StageSockets: encodes like the wire does, sends nowhere."""
 
+    replica = 0
+
     def __init__(self):
         from omni_server.wire.codec import Encoder
 
@@ -78,7 +80,7 @@ class _NullSockets:
     def send_api(self, msg) -> None:
         self.encoder.encode(msg)
 
-    def send_stage(self, stage_id, msg) -> None:
+    def send_stage(self, stage_id, msg, replica: int = 0) -> None:
         frames = self.encoder.encode(msg)
         self.payload_bytes += sum(len(memoryview(f).cast("B")) for f in frames)
 
@@ -110,7 +112,7 @@ def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, e
                 stage._handle(AddRequest(request_id=f"r{bs}-{rep}-{i}", prompt_token_ids=p, sampling=spec,
                                          forward_to=fwd))
             while stage.core.scheduler.has_requests():
-                stage._step()
+                stage.step()
             dt = time.perf_counter() - t0
         results.append({"mode": "omni-emit" if emit else "omni-plain", "batch": bs, "tok_s": bs * out_len / dt,
                         "wall_s": dt, "payload_mb": round(sockets.payload_bytes / 2**20, 1)})

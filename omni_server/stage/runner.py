@@ -33,6 +33,17 @@ class HiddenStatesEmitter:
     """Mixin over a vLLM V1 model runner; must precede the runner class in the MRO."""
 
     _copy_stream: torch.cuda.Stream | None = None
+    _emit_aux = False  # the model's emitted rows are its auxiliary output, not the final states
+
+    def load_model(self, *args, **kwargs):
+        super().load_model(*args, **kwargs)
+        # A model whose consumers read an intermediate layer names it (`emitted_hidden_layer`) and
+        # returns it as an auxiliary output, vLLM's EAGLE-3 mechanism (unused by our stages otherwise).
+        model = self.get_model()
+        layer = getattr(model, "emitted_hidden_layer", None)
+        if layer is not None and not self.use_aux_hidden_state_outputs:
+            model.set_aux_hidden_state_layers((layer,))
+            self.use_aux_hidden_state_outputs = self._emit_aux = True
 
     def sample_tokens(self, grammar_output):
         state = self.execute_model_state
@@ -48,7 +59,7 @@ class HiddenStatesEmitter:
                 mrope = self.requests[rid].mrope_positions
                 if start == 0 and mrope is not None:
                     positions[rid] = mrope[:, : len(self.requests[rid].prompt_token_ids or ())].clone()
-        hidden = state.hidden_states
+        hidden = state.aux_hidden_states[0] if self._emit_aux else state.hidden_states
         # A private copy of the rows, enqueued before sampling on the compute stream.
         rows = hidden[index] if index is not None else hidden[: sum(counts)].clone()
         ready = None

@@ -1,0 +1,81 @@
+"""Run one AR stage of a pipeline in this process on one prompt and save what it sends downstream.
+
+    python -m tests.stage_probe CONFIG STAGE OUT_DIR --processor NAME --prompt-ids 1,2,3 [--max-tokens N]
+
+A sink stage reading STAGE through input processor NAME is added (never started), so STAGE captures
+and forwards its hidden states as in a served pipeline; every StagePayload it sends is written to
+OUT_DIR/<request>.<n>.safetensors (tensors, with the token ids in the metadata). Greedy, ignore_eos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+
+class _Recorder:
+    """Stands in for StageSockets: keeps what the stage sends."""
+
+    replica = 0
+
+    def __init__(self):
+        self.payloads = []
+
+    def send_api(self, msg) -> None:
+        pass
+
+    def send_stage(self, stage_id, msg, replica: int = 0) -> None:
+        self.payloads.append(msg)
+
+    def recv_inputs(self, timeout_ms):
+        return iter(())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("config")
+    p.add_argument("stage", type=int)
+    p.add_argument("out", type=Path)
+    p.add_argument("--processor", required=True)
+    p.add_argument("--prompt-ids", required=True)
+    p.add_argument("--max-tokens", type=int, default=6)
+    a = p.parse_args()
+    from omni_server.config import load_config
+    from omni_server.config.schema import PipelineConfig
+
+    cfg = load_config(a.config)
+    stage = cfg.stage(a.stage)
+    for k, v in {**stage.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}.items():
+        os.environ.setdefault(k, v)
+    data = cfg.model_dump(exclude_none=True)
+    sink = len(data["stages"])
+    data["stages"].append({"id": sink, "name": "sink", "model": "unused", "inputs": [a.stage],
+                           "input_processor": a.processor})
+    cfg = PipelineConfig(**data)
+
+    from omni_server.models import register_vllm_models
+    from omni_server.stage.ar import ARStage
+    from omni_server.wire.messages import AddRequest, SamplingSpec
+
+    register_vllm_models()
+    rec = _Recorder()
+    engine = ARStage(cfg, a.stage, rec)
+    ids = [int(t) for t in a.prompt_ids.split(",")]
+    engine._handle(AddRequest(request_id="probe", prompt_token_ids=ids, forward_to=[sink],
+                              sampling=SamplingSpec(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    a.out.mkdir(parents=True, exist_ok=True)
+    for n, msg in enumerate(rec.payloads):
+        meta = {"prompt_token_ids": ",".join(map(str, msg.prompt_token_ids)),
+                "output_token_ids": ",".join(map(str, msg.output_token_ids))}
+        save_file({k: v.contiguous() for k, v in msg.tensors.items()}, str(a.out / f"{msg.request_id}.{n}.safetensors"),
+                  metadata=meta)
+    engine.core.shutdown()
+
+
+if __name__ == "__main__":
+    main()

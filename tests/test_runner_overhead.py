@@ -1,0 +1,22 @@
+"""benchmarks/runner_overhead.py's stage mode runs (on the tiny LM here; the H200 runs it on 7B shapes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_stage_mode_reports_a_rate_per_batch(tiny_models):
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/runner_overhead.py", "--model", str(tiny_models["tiny-embeds-lm"]),
+         "--mode", "omni", "--batch", "1", "2", "--input-len", "16", "--output-len", "8", "--dtype", "float32",
+         "--enforce-eager"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [(r["mode"], r["batch"]) for r in rows] == [("omni-emit", 1), ("omni-emit", 2)]
+    assert all(r["tok_s"] > 0 and r["hbm_tb_s"] >= 0 for r in rows)
