@@ -1,7 +1,8 @@
 """Qwen3-Omni-MoE thinker served by vLLM through the real server, checked against transformers.
 
 The tiny random-weight checkpoint (omni_server.models.tiny_checkpoints.build_tiny_qwen3_omni) is
-served as a one-stage text pipeline (tests/configs/qwen3_omni_text.yaml); its greedy tokens must be
+served as thinker (text out) + talker decoder (codes in `omni_outputs`) (tests/configs/qwen3_omni.yaml);
+the thinker's greedy tokens must be
 transformers' Qwen3OmniMoeThinkerForConditionalGeneration.generate tokens on the same prompt ids
 (float32, CPU); with an input_audio or image_url part, transformers runs on the checkpoint's own
 Qwen3OmniMoeProcessor's inputs for the same samples / pixels.  This module starts its own server:
@@ -24,7 +25,7 @@ from tests.media import png, tone_wav
 from tests.conftest import MODELS, REPO, STARTUP_TIMEOUT, Server
 
 MODEL = "omni-tiny-qwen3"
-CONFIG = REPO / "tests" / "configs" / "qwen3_omni_text.yaml"
+CONFIG = REPO / "tests" / "configs" / "qwen3_omni.yaml"
 MESSAGES = [{"role": "user", "content": "Tell me about the weather in the city today."}]
 OTHER_MESSAGES = [
     {"role": "system", "content": "Keep the answers short and polite."},
@@ -307,3 +308,41 @@ def test_vllm_base_positions_are_one_token_late(client):
                                   thinker.config.vision_config.spatial_merge_size,
                                   thinker.config.position_id_per_seconds)
     assert torch.equal(fixed, hf_pos)
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.inference_mode()
+def _hf_first_talker_code(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, voice: str) -> int:
+    """transformers' whole pipeline up to the talker's first sampled code (greedy, no early stop)."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.thinker.generation_config.eos_token_id = None  # the server runs with ignore_eos
+    seen = {}
+    talker_generate = model.talker.generate
+
+    def talker(**kwargs):
+        seen["talker"] = talker_generate(**{**kwargs, "max_new_tokens": 1, "do_sample": False})
+        raise _Stop
+
+    model.talker.generate = talker
+    ids = torch.tensor([prompt_ids])
+    with pytest.raises(_Stop):
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice,
+                       thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False, talker_do_sample=False,
+                       talker_repetition_penalty=1.0)
+    return int(seen["talker"].sequences[0, -1])
+
+
+def test_talker_decoder_first_code_equals_transformers(client):
+    """The thinker's reply goes through the Qwen3 input processor into our vLLM talker decoder; its
+    first code (the one the code predictor does not influence yet) is transformers' greedy one.
+    (On this prompt the reference's first code depends on the voice: Ethan 1050, Chelsie 414.)"""
+    resp, prompt_ids, tokens = _greedy_chat(client, MESSAGES)
+    codes = resp.model_extra["omni_outputs"]["talker"]["token_ids"]
+    first = _hf_first_talker_code(_model_dir(), prompt_ids, MAX_TOKENS, "Ethan")  # the processor's default
+    assert codes and codes[0] == first, (codes, first)
+    assert all(c < 2048 or c == 2150 for c in codes)  # codebook-0 codes or the end of speech

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from tests.conftest import REPO
 
-CONFIG = REPO / "tests" / "configs" / "qwen3_omni_text.yaml"
+CONFIG = REPO / "tests" / "configs" / "qwen3_omni.yaml"
 
 
 @torch.inference_mode()

@@ -1,0 +1,88 @@
+"""The Qwen3-Omni-MoE talker's decoder as a vLLM model: talker-space rows in, codebook-0 codes out.
+
+The decoder is vLLM's own Qwen3-MoE stack (attention with q/k norms, every layer sparse, a shared
+expert behind a sigmoid gate) over `talker_config.text_config`; its token embedding is the talker's
+`codec_embedding`, so `embed_input_ids(c0)` is the reference's codec row. Prompt rows come from the
+input processor (`qwen3_omni_moe.thinker_to_talker`) as prompt embeddings, the text row of each step
+through the runner's StepEmbedsAdder.
+
+Sampling may only pick codebook-0 codes or the end of speech: the reference suppresses the top 1024
+ids but `codec_eos_token_id` (mask in `compute_logits`).
+
+Not yet here (docs/qwen3_omni.md, section 4.3): the code predictor, which turns each c0 into the
+frame's 15 residual codes and adds their embeddings to the next step's input. Until it runs, only
+the first code of a reply follows the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
+from vllm.sequence import IntermediateTensors
+
+PREFIX = "talker."
+SUPPRESSED_TOP = 1024  # the reference never samples the last 1024 ids, except the end of speech
+
+
+def banned_ids(vocab_size: int, eos: int) -> torch.Tensor:
+    banned = torch.zeros(vocab_size, dtype=torch.bool)
+    banned[vocab_size - SUPPRESSED_TOP:] = True
+    banned[eos] = False
+    return banned
+
+
+class Qwen3OmniMoeTalker(nn.Module):
+    """vLLM model for `model_class: qwen3_omni_moe.talker` (hf_config = the checkpoint's talker_config)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        text = config.text_config
+        self.config = config
+        self.model = Qwen3MoeModel(vllm_config=vllm_config, prefix=f"{prefix}model")
+        self.codec_head = ParallelLMHead(text.vocab_size, text.hidden_size, quant_config=vllm_config.quant_config,
+                                         prefix=f"{prefix}codec_head")
+        self.logits_processor = LogitsProcessor(text.vocab_size)
+        self.register_buffer("banned_ids", banned_ids(text.vocab_size, config.codec_eos_token_id), persistent=False)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+    def embed_input_ids(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = self.logits_processor(self.codec_head, hidden_states)
+        if logits is not None:
+            logits[:, : self.banned_ids.numel()].masked_fill_(self.banned_ids, float("-inf"))
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The decoder and codec head out of a full checkpoint; the thinker, the projections (the
+        input processor's), the code predictor and code2wav are skipped."""
+        head = dict(self.codec_head.named_parameters())
+        loaded: set[str] = set()
+
+        def decoder():
+            for name, tensor in weights:
+                if name.startswith(PREFIX + "model."):
+                    rest = name[len(PREFIX + "model."):]
+                    yield ("embed_tokens." + rest[len("codec_embedding."):]
+                           if rest.startswith("codec_embedding.") else rest), tensor
+                elif name.startswith(PREFIX + "codec_head."):
+                    param = head[name[len(PREFIX + "codec_head."):]]
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                    loaded.add("codec_head." + name[len(PREFIX + "codec_head."):])
+
+        loaded |= {"model." + n for n in self.model.load_weights(decoder())}
+        return loaded
