@@ -1,0 +1,63 @@
+"""Qwen3-Omni code predictor: our batched frame loop equals transformers' code_predictor.generate."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from omni_server.models.qwen3_omni_moe.code_predictor import CodePredictor
+
+
+@lru_cache(maxsize=None)
+def _hf_talker(model_dir):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval().talker
+
+
+@torch.inference_mode()
+def _hf_frame(talker, h: torch.Tensor, c0: int) -> tuple[list[int], torch.Tensor]:
+    """As transformers' talker prepares its next step: the residual codes and the summed embeddings."""
+    e0 = talker.get_input_embeddings()(torch.tensor([[c0]]))
+    res = talker.code_predictor.generate(inputs_embeds=torch.cat([h[None, None], e0], dim=1),
+                                         max_new_tokens=talker.config.num_code_groups - 1, do_sample=False,
+                                         output_hidden_states=True, return_dict_in_generate=True)
+    mid = [hid[0] for hid in res.hidden_states[1:]]
+    last = talker.code_predictor.get_input_embeddings()[-1](res.sequences[..., -1:])
+    total = torch.cat([e0] + mid + [last], dim=1).sum(1)[0]
+    return res.sequences[0].tolist(), total
+
+
+def test_greedy_frames_equal_transformers_batched(tiny_models):
+    model_dir = tiny_models["tiny-qwen3-omni-moe"]
+    talker = _hf_talker(model_dir)
+    ours = CodePredictor(str(model_dir), "cpu")
+    torch.manual_seed(0)
+    hidden = talker.config.text_config.hidden_size
+    h = torch.randn(3, hidden) * 3
+    c0 = [5, 1777, 2047]
+    e0 = talker.get_input_embeddings()(torch.tensor(c0))
+    codes, residual = ours(h, e0)
+    assert codes.shape == (3, 15)
+    for i in range(3):
+        want_codes, want_sum = _hf_frame(talker, h[i], c0[i])
+        assert codes[i].tolist() == want_codes
+        torch.testing.assert_close(e0[i] + residual[i], want_sum, rtol=1e-5, atol=1e-5)
+    assert len({tuple(c.tolist()) for c in codes}) == 3  # the rows really differ
+
+
+def test_sampled_rows_follow_their_own_generator(tiny_models):
+    ours = CodePredictor(str(tiny_models["tiny-qwen3-omni-moe"]), "cpu")
+    talker = _hf_talker(tiny_models["tiny-qwen3-omni-moe"])
+    h = torch.randn(2, talker.config.text_config.hidden_size, generator=torch.Generator().manual_seed(3)) * 3
+    e0 = talker.get_input_embeddings()(torch.tensor([7, 7]))
+    gens = lambda: [torch.Generator().manual_seed(1), None]  # noqa: E731
+    a, _ = ours(h, e0, gens())
+    b, _ = ours(h, e0, gens())
+    greedy, _ = ours(h, e0)
+    assert torch.equal(a, b)  # same seed, same codes
+    assert torch.equal(a[1], greedy[1])  # the greedy row is unaffected by its neighbour's sampling
+    assert not torch.equal(a[0], greedy[0])  # the sampled row did sample
+    alone, _ = ours(h[:1], e0[:1], [torch.Generator().manual_seed(1)])
+    assert torch.equal(a[0], alone[0])  # a sampled row does not depend on its batch
