@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 import torch
@@ -134,6 +135,7 @@ def client(qwen3_server):
 
 def _greedy_chat(client, messages):
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                          modalities=["text"],  # text only: talker and code2wav skip it
                                           extra_body={"return_token_ids": True, "ignore_eos": True})
     return resp, resp.model_extra["prompt_token_ids"], resp.choices[0].model_extra["token_ids"]
 
@@ -310,39 +312,48 @@ def test_vllm_base_positions_are_one_token_late(client):
     assert torch.equal(fixed, hf_pos)
 
 
-class _Stop(Exception):
-    pass
-
-
 @torch.inference_mode()
-def _hf_first_talker_code(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, voice: str) -> int:
-    """transformers' whole pipeline up to the talker's first sampled code (greedy, no early stop)."""
+def _hf_speech(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, voice: str, talker_max: int):
+    """transformers' whole pipeline, greedy (thinker never stopping early): (thinker tokens, talker
+    codes c0, frames [n, 16], waveform)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.thinker.generation_config.eos_token_id = None  # the server runs with ignore_eos
+    model.thinker.generation_config.eos_token_id = None
     seen = {}
     talker_generate = model.talker.generate
 
     def talker(**kwargs):
-        seen["talker"] = talker_generate(**{**kwargs, "max_new_tokens": 1, "do_sample": False})
-        raise _Stop
+        seen["talker"] = talker_generate(**kwargs)
+        return seen["talker"]
 
     model.talker.generate = talker
     ids = torch.tensor([prompt_ids])
-    with pytest.raises(_Stop):
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice,
-                       thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False, talker_do_sample=False,
-                       talker_repetition_penalty=1.0)
-    return int(seen["talker"].sequences[0, -1])
+    sequences, wave = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice,
+                                     thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False,
+                                     talker_do_sample=False, talker_repetition_penalty=1.0,
+                                     talker_max_new_tokens=talker_max)
+    result = seen["talker"]
+    frames = torch.stack([hid[-1] for hid in result.hidden_states if hid[-1] is not None], dim=1)[0]
+    return (sequences[0, len(prompt_ids):].tolist(), result.sequences[0, -talker_max:].tolist(), frames,
+            wave.reshape(-1).float())
 
 
-def test_talker_decoder_first_code_equals_transformers(client):
-    """The thinker's reply goes through the Qwen3 input processor into our vLLM talker decoder; its
-    first code (the one the code predictor does not influence yet) is transformers' greedy one.
-    (On this prompt the reference's first code depends on the voice: Ethan 1050, Chelsie 414.)"""
-    resp, prompt_ids, tokens = _greedy_chat(client, MESSAGES)
+def test_speech_equals_transformers(client):
+    """Thinker -> talker (decoder + code predictor, frame by frame) -> code2wav, greedy: the reply,
+    the talker's codes and the waveform are transformers' own pipeline's (without the code
+    predictor's residual embeddings the codes part from transformers' at the second one)."""
+    import base64
+
+    resp = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, modalities=["text", "audio"],
+        audio={"voice": "chelsie", "format": "pcm16"}, extra_body={"return_token_ids": True, "ignore_eos": True})
+    prompt_ids = resp.model_extra["prompt_token_ids"]
     codes = resp.model_extra["omni_outputs"]["talker"]["token_ids"]
-    first = _hf_first_talker_code(_model_dir(), prompt_ids, MAX_TOKENS, "Ethan")  # the processor's default
-    assert codes and codes[0] == first, (codes, first)
-    assert all(c < 2048 or c == 2150 for c in codes)  # codebook-0 codes or the end of speech
+    pcm = np.frombuffer(base64.b64decode(resp.choices[0].message.audio.data), dtype="<i2").astype(np.float32) / 32768
+    thinker, ref_codes, frames, wave = _hf_speech(_model_dir(), prompt_ids, MAX_TOKENS, "chelsie", len(codes))
+    assert resp.choices[0].model_extra["token_ids"] == thinker
+    assert codes == ref_codes, (codes, ref_codes)
+    assert frames.shape == (len(codes) - 1, 16)  # the last sampled code is never fed: n - 1 frames
+    assert pcm.shape == wave.shape, (pcm.shape, wave.shape)
+    assert np.abs(pcm - wave.clamp(-1, 1).numpy()).max() < 2e-4  # pcm16 rounding

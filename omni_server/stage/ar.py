@@ -56,6 +56,9 @@ class _Tracked:
     hidden: list[torch.Tensor] = field(default_factory=list)
     hidden_len: int = 0
     positions: torch.Tensor | None = None  # the prompt's M-RoPE positions (M-RoPE models only)
+    # Models that complete each token into a frame (runner's StepPredictor): one row per fed output token.
+    frames: list[torch.Tensor] = field(default_factory=list)
+    sent_frames: int = 0
     # Captures whose copy may still be in flight, with the index in `hidden` of this request's view
     # and whether the capture's buffer also holds other requests' rows (then the view is cloned once
     # the copy is done, so a long request does not pin every step buffer of its lifetime).
@@ -323,6 +326,12 @@ class ARStage(Stage):
         self._stream_out()
         self._unsettled = [t for c in self.core.scheduler.hidden_captures for t in self._collect_hidden(c)]
         self.core.scheduler.hidden_captures.clear()
+        for frames in self.core.scheduler.frames:
+            for rid, (k, frame) in frames.items():
+                tracked = self.tracked.get(rid)
+                if tracked is not None and k == len(tracked.frames):
+                    tracked.frames.append(frame)
+        self.core.scheduler.frames.clear()
         if not outputs:
             return
         deltas: list[RequestDelta] = []
@@ -413,6 +422,9 @@ class ARStage(Stage):
         tensors = {"hidden": rows[tracked.sent_rows:end].clone()} if tracked.with_hidden else {}
         if first:
             tensors.update(_prompt_tensors(tracked))
+        if len(tracked.frames) > tracked.sent_frames:
+            tensors["codes"] = torch.stack(tracked.frames[tracked.sent_frames:])
+            tracked.sent_frames = len(tracked.frames)
         chunk = StagePayload(
             request_id=request_id, source_stage=self.stage_id,
             prompt_token_ids=tracked.prompt_token_ids if first else [],
@@ -438,7 +450,8 @@ class ARStage(Stage):
         payload = StagePayload(
             request_id=request_id, source_stage=self.stage_id,
             prompt_token_ids=tracked.prompt_token_ids, output_token_ids=tracked.output_token_ids,
-            tensors={**({"hidden": hidden} if tracked.with_hidden else {}), **_prompt_tensors(tracked)},
+            tensors={**({"hidden": hidden} if tracked.with_hidden else {}), **_prompt_tensors(tracked),
+                     **({"codes": torch.stack(tracked.frames)} if tracked.frames else {})},
         )
         for dst in full_to:
             self.send_stage(dst, request_id, payload)

@@ -9,14 +9,14 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from omni_server.stage.runner import HiddenStatesEmitter, StepEmbedsAdder, UpstreamPositions
+from omni_server.stage.runner import HiddenStatesEmitter, StepEmbedsAdder, StepPredictor, UpstreamPositions
 from omni_server.models import register_vllm_models
 
 # Worker processes are fresh interpreters: vLLM resolves our model classes here too.
 register_vllm_models()
 
 
-class CPUOmniModelRunner(UpstreamPositions, StepEmbedsAdder, HiddenStatesEmitter, CPUModelRunner):
+class CPUOmniModelRunner(UpstreamPositions, StepPredictor, StepEmbedsAdder, HiddenStatesEmitter, CPUModelRunner):
     pass
 
 

@@ -121,6 +121,107 @@ class HiddenStatesEmitter:
         return HiddenCapture(req_ids, counts, starts, host, event)
 
 
+class _AsyncWithFrames(AsyncModelRunnerOutput):
+    def __init__(self, inner: AsyncModelRunnerOutput, frames: dict):
+        self._inner, self._frames = inner, frames
+
+    def get_output(self) -> ModelRunnerOutput:
+        out = self._inner.get_output()
+        out.omni_frames = self._frames
+        return out
+
+
+class StepPredictor:
+    """Mixin over a vLLM V1 model runner for models that complete each sampled token into a frame
+    (a talker with a code predictor). Such a model defines
+
+        predict_step(hidden [B, H], token_embeds [B, H], generators) -> (codes [B, G], input_add [B, H])
+
+    When output token k is fed back, the model predicts the rest of its frame from the final hidden
+    state that produced it; `input_add` joins the token's input embedding (before the forward,
+    outside CUDA graphs) and [token, *codes] is that step's frame for the request
+    (`ModelRunnerOutput.omni_frames`: {req_id: (k, frame)}). A request that is recomputed after
+    preemption gets the same additions again. `generators`: None per greedy request, else its own
+    seeded generator (sampling requests)."""
+
+    def _predict_state(self) -> dict:
+        return self.__dict__.setdefault("_predict", {"hidden": {}, "added": {}, "gen": {}})
+
+    def _update_states(self, scheduler_output):
+        result = super()._update_states(scheduler_output)
+        st = self._predict_state()
+        for rid in scheduler_output.finished_req_ids:
+            for table in st.values():
+                table.pop(rid, None)
+        return result
+
+    def sample_tokens(self, grammar_output):
+        state = self.execute_model_state
+        if state is not None and getattr(self.get_model(), "predict_step", None) is not None:
+            # The row that samples each request's next token: its h for that token's frame.
+            hidden = self._predict_state()["hidden"]
+            for i, rid in enumerate(self.input_batch.req_ids[: state.sample_hidden_states.shape[0]]):
+                hidden[rid] = state.sample_hidden_states[i].clone()
+        out = super().sample_tokens(grammar_output)
+        frames = self.__dict__.pop("_frames_now", None)
+        if frames:
+            if isinstance(out, AsyncModelRunnerOutput):
+                return _AsyncWithFrames(out, frames)
+            if isinstance(out, ModelRunnerOutput):
+                out.omni_frames = frames
+        return out
+
+    def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
+        result = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
+        inputs_embeds = result[1]
+        model = self.get_model()
+        predict = getattr(model, "predict_step", None)
+        if predict is None or inputs_embeds is None:
+            return result
+        st = self._predict_state()
+        num_sched = scheduler_output.num_scheduled_tokens
+        batch = self.input_batch
+        rows, rids, ks, hs = [], [], [], []
+        offset = 0
+        for i, rid in enumerate(batch.req_ids):
+            n = num_sched.get(rid, 0)
+            start, prompt_len = int(batch.num_computed_tokens_cpu[i]), int(batch.num_prompt_tokens[i])
+            added = st["added"].setdefault(rid, [])
+            for pos in range(max(start, prompt_len), start + n):
+                k = pos - prompt_len  # output token k is fed at this position
+                row = offset + pos - start
+                if k < len(added):  # recomputed after preemption: the same addition again
+                    inputs_embeds[row] += added[k]
+                elif k == len(added) and rid in st["hidden"]:
+                    rows.append(row), rids.append(rid), ks.append(k), hs.append(st["hidden"][rid])
+            offset += n
+        if not rows:
+            return result
+        index = torch.tensor(rows, device=inputs_embeds.device)
+        tokens = self.input_ids.gpu[index]
+        gens = [self._predict_generator(rid) for rid in rids]
+        codes, add = predict(torch.stack(hs), model.embed_input_ids(tokens), gens)
+        inputs_embeds[index] += add.to(inputs_embeds.dtype)
+        frames = torch.cat([tokens[:, None].to(codes.dtype), codes], dim=1).cpu()
+        now = self.__dict__.setdefault("_frames_now", {})
+        for j, (rid, k) in enumerate(zip(rids, ks)):
+            st["added"][rid].append(add[j].to(inputs_embeds.dtype))
+            now[rid] = (k, frames[j])
+        return result
+
+    def _predict_generator(self, rid: str):
+        st = self._predict_state()["gen"]
+        if rid not in st:
+            params = self.requests[rid].sampling_params
+            if params is None or params.temperature == 0:
+                st[rid] = None
+            else:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(params.seed if params.seed is not None else torch.seed())
+                st[rid] = g
+        return st[rid]
+
+
 class UpstreamPositions:
     """Mixin over a vLLM V1 model runner of an M-RoPE model fed by an upstream stage: a request that
     brings its prompt positions (SamplingParams.extra_args[MROPE_POSITIONS], [3, prompt_len]) uses
@@ -195,5 +296,5 @@ class StepEmbedsAdder:
         return result
 
 
-class GPUOmniModelRunner(UpstreamPositions, StepEmbedsAdder, HiddenStatesEmitter, GPUModelRunner):
+class GPUOmniModelRunner(UpstreamPositions, StepPredictor, StepEmbedsAdder, HiddenStatesEmitter, GPUModelRunner):
     pass

@@ -22,6 +22,7 @@ class _TakesHiddenCaptures:
         super().__init__(*args, **kwargs)
         # Filled in update_from_output, drained by the stage loop after each engine step.
         self.hidden_captures: list[HiddenCapture] = []
+        self.frames: list[dict] = []  # per step: {request id: (output token index, frame)}
         # Set by the stage loop: True for a running request that must sit this step out (its next
         # step's input embedding is still on its way from the upstream stage).
         self.held: Callable[[Request], bool] | None = None
@@ -56,6 +57,9 @@ class _TakesHiddenCaptures:
         capture = getattr(model_runner_output, "omni_hidden", None)
         if capture is not None:
             self.hidden_captures.append(capture)
+        frames = getattr(model_runner_output, "omni_frames", None)
+        if frames:
+            self.frames.append(frames)
         return super().update_from_output(scheduler_output, model_runner_output)
 
 

@@ -180,3 +180,16 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
 
 
 thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model))
+
+
+@processors.register("qwen3_omni_moe.talker_to_code2wav")
+def talker_to_code2wav(payloads: dict[int, StagePayload], ctx, options: dict[str, str]) -> StageInput:
+    """The talker's frames ([frames, 16], one per fed code: the reference's n - 1 for n sampled codes)
+    as code2wav's [16, frames]."""
+    codes = _single(payloads).tensors.get("codes")
+    if codes is None:  # no frame yet (or the talker stopped at once)
+        codes = torch.zeros(0, read_config(str(ctx.stage.model)).talker_config.num_code_groups, dtype=torch.long)
+    return StageInput(data={"codes": codes.to(torch.long).T.contiguous()})
+
+
+talker_to_code2wav.reads_hidden = False  # frames only: the talker skips its hidden states

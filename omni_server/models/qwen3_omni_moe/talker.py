@@ -9,9 +9,9 @@ through the runner's StepEmbedsAdder.
 Sampling may only pick codebook-0 codes or the end of speech: the reference suppresses the top 1024
 ids but `codec_eos_token_id` (mask in `compute_logits`).
 
-Not yet here (docs/qwen3_omni.md, section 4.3): the code predictor, which turns each c0 into the
-frame's 15 residual codes and adds their embeddings to the next step's input. Until it runs, only
-the first code of a reply follows the reference.
+Each sampled c0 becomes a 16-code frame: when c0 is fed back, `predict_step` (called by the
+runner's StepPredictor) runs the code predictor on the hidden state that produced it and adds the
+15 residual codes' embeddings to c0's input row, as the reference's next step does.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
 from vllm.sequence import IntermediateTensors
+
+from omni_server.models.qwen3_omni_moe.code_predictor import CodePredictor
 
 PREFIX = "talker."
 SUPPRESSED_TOP = 1024  # the reference never samples the last 1024 ids, except the end of speech
@@ -52,6 +54,12 @@ class Qwen3OmniMoeTalker(nn.Module):
         self.logits_processor = LogitsProcessor(text.vocab_size)
         self.register_buffer("banned_ids", banned_ids(text.vocab_size, config.codec_eos_token_id), persistent=False)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        # Its own weights, read from the checkpoint now (vLLM's loader sees only the decoder's).
+        self.code_predictor = CodePredictor(vllm_config.model_config.model, self.banned_ids.device,
+                                            vllm_config.model_config.dtype)
+
+    def predict_step(self, hidden: torch.Tensor, token_embeds: torch.Tensor, generators):
+        return self.code_predictor(hidden, token_embeds, generators)
 
     def embed_input_ids(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
