@@ -83,9 +83,12 @@ class ServerState:
             raise APIError(503, "the audio stage is not ready")
         if voice is None:
             return voices[0]
-        if voice not in voices:
+        # Case-insensitive ("ethan" and "Ethan" alike; checkpoints disagree on the case); the
+        # checkpoint's own spelling goes to the stages.
+        known = {v.lower(): v for v in voices}
+        if voice.lower() not in known:
             raise APIError(400, f"unknown voice {voice!r}; available voices: {', '.join(voices)}", param=param)
-        return voice
+        return known[voice.lower()]
 
 
 def _check_format(fmt: str, param: str) -> str:

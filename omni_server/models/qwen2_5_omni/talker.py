@@ -34,6 +34,8 @@ from vllm.model_executor.models.qwen2 import Qwen2MLP, Qwen2Model
 from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.sequence import IntermediateTensors
 
+from omni_server.models.masking import suppress
+
 # Checkpoint prefix of the talker inside a full Qwen2.5-Omni checkpoint.
 PREFIX = "talker."
 
@@ -142,10 +144,7 @@ class Qwen2_5OmniTalker(nn.Module, SupportsMRoPE):
         return torch.arange(len(input_tokens)).expand(3, -1).clone(), 0
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = self.logits_processor(self.codec_head, hidden_states)
-        if logits is not None:
-            logits[:, : self.banned_ids.numel()].masked_fill_(self.banned_ids, float("-inf"))
-        return logits
+        return suppress(self.logits_processor(self.codec_head, hidden_states), self.banned_ids)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Take the talker's tensors out of a full checkpoint (thinker/token2wav ones are skipped)."""

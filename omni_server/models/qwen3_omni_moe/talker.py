@@ -27,6 +27,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
 from vllm.sequence import IntermediateTensors
 
+from omni_server.models.masking import suppress
 from omni_server.models.qwen3_omni_moe.code_predictor import CodePredictor
 
 PREFIX = "talker."
@@ -70,10 +71,7 @@ class Qwen3OmniMoeTalker(nn.Module):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = self.logits_processor(self.codec_head, hidden_states)
-        if logits is not None:
-            logits[:, : self.banned_ids.numel()].masked_fill_(self.banned_ids, float("-inf"))
-        return logits
+        return suppress(self.logits_processor(self.codec_head, hidden_states), self.banned_ids)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder and codec head out of a full checkpoint; the thinker, the projections (the
