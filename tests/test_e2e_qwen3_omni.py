@@ -357,3 +357,21 @@ def test_speech_equals_transformers(client):
     assert frames.shape == (len(codes) - 1, 16)  # the last sampled code is never fed: n - 1 frames
     assert pcm.shape == wave.shape, (pcm.shape, wave.shape)
     assert np.abs(pcm - wave.clamp(-1, 1).numpy()).max() < 2e-4  # pcm16 rounding
+
+
+def test_streamed_speech_arrives_in_pieces_equal_to_the_whole(client):
+    """code2wav decodes the talker's frames window by window as they arrive (input_mode: stream):
+    the SSE audio pieces concatenate to exactly the unstreamed audio of the same request."""
+    import base64
+
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                  modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
+                  extra_body={"ignore_eos": True})
+    pieces = []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.audio and choice.delta.audio.data:
+                pieces.append(base64.b64decode(choice.delta.audio.data))
+    whole = base64.b64decode(client.chat.completions.create(**kwargs).choices[0].message.audio.data)
+    assert len(pieces) >= 2, "audio arrived in one piece"
+    assert b"".join(pieces) == whole and len(whole) > 0
