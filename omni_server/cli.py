@@ -14,18 +14,26 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="override a stage setting, e.g. 1.max_num_seqs=8 or thinker.devices=1 (repeatable)")
 
 
-def _load(path: str, overrides: list[str]):
+def _load(path: str, overrides: list[str], check_names: bool = False):
     from omni_server.config import ConfigError, load_config
 
     try:
-        return load_config(path, overrides)
+        cfg = load_config(path, overrides)
     except ConfigError as e:
         print(f"error: invalid config\n{e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if check_names:
+        from omni_server.stage.names import problems
+
+        found = problems(cfg, path)
+        if found:
+            print("error: invalid config\n" + "\n".join(found), file=sys.stderr)
+            raise SystemExit(2)
+    return cfg
 
 
 def cmd_check(args) -> int:
-    cfg = _load(args.config, args.stage_arg)
+    cfg = _load(args.config, args.stage_arg, check_names=True)
     print(f"{args.config}: ok — model {cfg.model!r}, {len(cfg.stages)} stage(s): "
           + ", ".join(f"{s.id}:{s.name}({s.kind})" for s in cfg.stages))
     return 0
@@ -49,7 +57,7 @@ def cmd_stage(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    cfg = _load(args.config, args.stage_arg)
+    cfg = _load(args.config, args.stage_arg, check_names=True)
     if args.host:
         cfg.server.host = args.host
     if args.port is not None:

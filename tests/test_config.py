@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from omni_server.config import (
     load_config_text,
     parse_override,
 )
+from tests.conftest import REPO
 
 VALID = """\
 model: qwen-omni
@@ -592,3 +595,33 @@ def test_keys_command_refuses_to_overwrite(tmp_path):
     second = keys()
     assert second.returncode == 1 and "exists" in second.stderr and "Traceback" not in second.stderr
     assert (tmp_path / "k" / "omni.key_secret").read_bytes() == secret
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path):
+    """What users start from loads: stages, registered processors / generators / model classes."""
+    from omni_server.stage.names import problems
+
+    cfg = load_config(str(path))
+    assert cfg.stages and cfg.model and problems(cfg, path.name) == []
+
+
+def test_check_names_unknown_processors_generators_and_families(tmp_path):
+    path = tmp_path / "typos.yaml"
+    path.write_text(textwrap.dedent("""\
+        model: m
+        stages:
+          - {id: 0, name: a, model: x, model_class: qwen2_5_omni.talkr, output: text}
+          - {id: 1, name: b, model: x, inputs: [0], input_processor: nofamily.proc}
+          - {id: 2, name: c, kind: generation, model: x, generator: qwen2_5_omni.tokenwav, inputs: [1],
+             input_processor: qwen2_5_omni.talker_to_token2wav, output: audio}
+        """))
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "check", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()[1:]
+    assert len(lines) == 3, proc.stderr
+    assert lines[0].startswith(f"{path}: stage 0 (a): model_class: unknown model class 'qwen2_5_omni.talkr'")
+    assert lines[1] == (f"{path}: stage 1 (b): input_processor: unknown input processor 'nofamily.proc' "
+                        "(no model family 'nofamily')")
+    assert lines[2].startswith(f"{path}: stage 2 (c): generator: unknown generator 'qwen2_5_omni.tokenwav'; known:")

@@ -1,0 +1,27 @@
+"""A pipeline's registered names (input processors, generators, model classes), checked before any
+process starts: a typo is a config error naming the file, stage and field, not a stage crash later."""
+
+from __future__ import annotations
+
+from omni_server.config.schema import PipelineConfig
+from omni_server.stage import generators, model_classes, processors
+
+_LOOKUPS = (("input_processor", processors.get), ("generator", generators.load), ("model_class", model_classes.get))
+
+
+def problems(cfg: PipelineConfig, source: str) -> list[str]:
+    out = []
+    for stage in cfg.stages:
+        for field, lookup in _LOOKUPS:
+            name = getattr(stage, field, None)
+            if not name:
+                continue
+            try:
+                lookup(name)
+            except KeyError as e:
+                out.append(f"{source}: stage {stage.id} ({stage.name}): {field}: {e.args[0]}")
+            except ModuleNotFoundError:
+                family = name.split(".", 1)[0]
+                out.append(f"{source}: stage {stage.id} ({stage.name}): {field}: unknown {field.replace('_', ' ')} "
+                           f"{name!r} (no model family {family!r})")
+    return out
