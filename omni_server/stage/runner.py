@@ -8,6 +8,8 @@ the step's ModelRunnerOutput as `omni_hidden` (the OmniScheduler takes it off).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
@@ -217,7 +219,8 @@ class StepPredictor:
                 st[rid] = None
             else:
                 g = torch.Generator(device=self.device)
-                g.manual_seed(params.seed if params.seed is not None else torch.seed())
+                # Unseeded requests draw a fresh seed without touching the global RNG.
+                g.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
                 st[rid] = g
         return st[rid]
 
