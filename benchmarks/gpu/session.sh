@@ -122,7 +122,7 @@ fi
 if [[ " $STEPS " == *" tests "* ]]; then
   mkdir -p $R/testlogs
   OMNI_TEST_LOG_DIR=$R/testlogs timeout 540 python3 -m pytest -p no:cacheprovider -q tests/test_e2e_speech.py \
-    tests/test_e2e_two_stage.py > $R/tests.log 2>&1
+    tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py tests/test_qwen3_thinker_tap.py > $R/tests.log 2>&1
   say "CUDA e2e tests: $(tail -1 $R/tests.log)"
 fi
 
