@@ -210,7 +210,8 @@ class Stage:
             self.sockets.send_api(StageStats(
                 stage_id=self.stage_id, nonce=msg.nonce, num_running=running, num_waiting=waiting,
                 request_ids=sorted(self.known_requests()), steps=self.steps,
-                step_s=round(self.step_s, 6), batch_sum=self.batch_sum, backpressure_pauses=self.backpressure_pauses, payload_bytes=self.payload_bytes, pid=os.getpid(),
+                step_s=round(self.step_s, 6), batch_sum=self.batch_sum,
+                backpressure_pauses=self.backpressure_pauses, payload_bytes=self.payload_bytes, pid=os.getpid(),
                 startup_s=round(self.startup_s, 2), info=self.info(), replica=self.replica))
         elif isinstance(msg, Shutdown):
             self.running = False

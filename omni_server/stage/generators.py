@@ -30,14 +30,19 @@ def register(name: str, target: str) -> None:
     _REGISTRY[name] = target
 
 
-def load(name: str):
-    """The generator class registered as `name` (imports its family, then its module)."""
+def target(name: str) -> str:
+    """"module:Class" registered as `name` (imports its family, not the module: cheap, for checks)."""
     if name not in _REGISTRY:
         from omni_server.models import import_family
 
         import_family(name)
     try:
-        module, cls = _REGISTRY[name].split(":")
+        return _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown generator {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def load(name: str):
+    """The generator class registered as `name` (imports its family, then its module)."""
+    module, cls = target(name).split(":")
     return getattr(importlib.import_module(module), cls)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import generators, model_classes, processors
 
-_LOOKUPS = (("input_processor", processors.get), ("generator", generators.load), ("model_class", model_classes.get))
+# Name lookups only: a generator's module (model code) is imported by its stage, not by `serve`.
+_LOOKUPS = (("input_processor", processors.get), ("generator", generators.target), ("model_class", model_classes.get))
 
 
 def problems(cfg: PipelineConfig, source: str) -> list[str]:

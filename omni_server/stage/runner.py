@@ -160,10 +160,12 @@ class StepPredictor:
     def sample_tokens(self, grammar_output):
         state = self.execute_model_state
         if state is not None and getattr(self.get_model(), "predict_step", None) is not None:
-            # The row that samples each request's next token: its h for that token's frame.
+            # The row that samples each request's next token: its h for that token's frame. One
+            # private copy per step (vLLM reuses its buffers); requests keep (copy, row).
+            rows = state.sample_hidden_states.clone()
             hidden = self._predict_state()["hidden"]
-            for i, rid in enumerate(self.input_batch.req_ids[: state.sample_hidden_states.shape[0]]):
-                hidden[rid] = state.sample_hidden_states[i].clone()
+            for i, rid in enumerate(self.input_batch.req_ids[: rows.shape[0]]):
+                hidden[rid] = (rows, i)
         out = super().sample_tokens(grammar_output)
         frames = self.__dict__.pop("_frames_now", None)
         if frames:
@@ -195,7 +197,8 @@ class StepPredictor:
                 if k < len(added):  # recomputed after preemption: the same addition again
                     inputs_embeds[row] += added[k]
                 elif k == len(added) and rid in st["hidden"]:
-                    rows.append(row), rids.append(rid), ks.append(k), hs.append(st["hidden"][rid])
+                    step_rows, i_row = st["hidden"][rid]
+                    rows.append(row), rids.append(rid), ks.append(k), hs.append(step_rows[i_row])
             offset += n
         if not rows:
             return result

@@ -34,6 +34,7 @@ from vllm.model_executor.models.qwen2 import Qwen2MLP, Qwen2Model
 from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.sequence import IntermediateTensors
 
+from omni_server.models.checkpoint import read_config
 from omni_server.models.masking import suppress
 
 # Checkpoint prefix of the talker inside a full Qwen2.5-Omni checkpoint.
@@ -93,10 +94,8 @@ def _banned_ids(model: str, config) -> torch.Tensor:
     """True for ids the talker must never sample: everything but the codes token2wav decodes
     ([0, num_embeds]) and the two ends of speech. A trained talker never picks them; an untrained
     one (dummy weights) does, and token2wav would reject the whole reply."""
-    from transformers import AutoConfig
-
     try:
-        codes = AutoConfig.from_pretrained(model).token2wav_config.dit_config.num_embeds + 1
+        codes = read_config(model).token2wav_config.dit_config.num_embeds + 1
     except (OSError, AttributeError, ValueError):
         codes = config.tts_codec_pad_token_id
     banned = torch.ones(config.vocab_size, dtype=torch.bool)
