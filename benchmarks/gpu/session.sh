@@ -3,7 +3,7 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps can be chosen: STEPS="main ref layouts tests runner" (default: all, in that order).
+# Steps run in the order STEPS names them (default "main ref tests runner layouts").
 set -u
 R=/tmp/res; mkdir -p $R
 cd "$(dirname "$0")/../.."
@@ -18,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main ref layouts tests runner}
+STEPS=${STEPS:-main ref tests runner layouts}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -47,7 +47,11 @@ wait_ready() {  # NAME PORT
   say "$1 FAILED to start"; grep -a -i "error\|Traceback" $R/serve_$1.log | head -20 | tee -a $R/progress.log
   return 1
 }
-stop() { kill -TERM -$(cat $R/serve_$1.pid) 2>/dev/null; sleep 8; kill -KILL -$(cat $R/serve_$1.pid) 2>/dev/null; }
+stop() {  # NAME (no-op unless it runs)
+  local pid; pid=$(cat $R/serve_$1.pid 2>/dev/null) && kill -0 $pid 2>/dev/null || return 0
+  kill -TERM -$pid 2>/dev/null; sleep 8; kill -KILL -$pid 2>/dev/null
+}
+free_gpus() { stop bench7b; stop bench7b_again; }  # the main server stays up for `ref` only
 bench() {  # NAME PORT: warm-up, c=1 x3, c=16 x16
   $B --base-url http://127.0.0.1:$2 --concurrency 1 --requests 1 --output $R/warm_$1.json > $R/bench_$1.log 2>&1
   $B --base-url http://127.0.0.1:$2 --concurrency 1 --requests 3 --output $R/$1_c1.json >> $R/bench_$1.log 2>&1
@@ -60,7 +64,7 @@ if [ ! -f $M/config.json ]; then
   say "7B shape checkpoint written (rc $?)"
 fi
 
-if [[ " $STEPS " == *" main "* ]]; then
+step_main() {
   # Streaming server (bench7b, cold compile cache: p6 cold), then the same with token2wav in
   # full-payload mode (bench7b_full, from the first one's compile cache: p6 warm): the TTFP ratio.
   # With two GPUs the second starts on GPU 1 while the first is benched on GPU 0.
@@ -83,14 +87,11 @@ if [[ " $STEPS " == *" main "* ]]; then
     stop bench7b_full
     serve bench7b_again 8010 $CFG && wait_ready bench7b_again 8010
   fi
-fi
+}
 
-if [[ " $STEPS " == *" ref "* ]]; then
-  # p4: transformers' pipeline on the same prompts, on the second GPU when there is one.
-  REFDEV=$(( NGPU - 1 ))
-  CUDA_VISIBLE_DEVICES=$REFDEV $B --base-url http://127.0.0.1:8010 --concurrency 16 --requests 16 --reference $M \
-    --reference-talker-max-tokens $TALKER_MAX --reference-requests 2 --output $R/bench7b_c16_ref.json > $R/ref.log 2>&1
-  say "reference done (rc $?): $(python3 -c "import json;d=json.load(open('$R/bench7b_c16_ref.json'));print(d.get('reference'), d['levels'][0].get('vs_reference'))" 2>&1 | tail -1)"
+step_ref() {
+  # Issue 3: one text+audio chat through the openai client; then p4 (transformers' pipeline on the
+  # same prompts, on the second GPU when there is one).
   python3 - > $R/one_chat.txt 2>&1 <<'PY'
 import os, time, openai
 c = openai.OpenAI(base_url="http://127.0.0.1:8010/v1", api_key="x")
@@ -98,14 +99,21 @@ t = time.perf_counter()
 r = c.chat.completions.create(model=os.environ.get("MODEL", "qwen2.5-omni"), messages=[{"role": "user", "content": "Hello, who are you?"}],
                               max_tokens=100, extra_body={"ignore_eos": True}, audio={"voice": "Chelsie", "format": "wav"},
                               modalities=["text", "audio"])
-print("one text+audio chat:", round(time.perf_counter() - t, 3), "s; usage", r.usage, "; audio b64 chars",
-      len(r.choices[0].message.audio.data))
+import base64, io, wave
+w = wave.open(io.BytesIO(base64.b64decode(r.choices[0].message.audio.data)))
+print("one text+audio chat:", round(time.perf_counter() - t, 3), "s;", r.usage.completion_tokens, "tokens;",
+      "wav", w.getframerate(), "Hz", round(w.getnframes() / w.getframerate(), 2), "s")
 PY
   say "$(tail -1 $R/one_chat.txt)"
-fi
-stop bench7b 2>/dev/null; stop bench7b_again 2>/dev/null
+  REFDEV=$(( NGPU - 1 ))
+  CUDA_VISIBLE_DEVICES=$REFDEV $B --base-url http://127.0.0.1:8010 --concurrency 16 --requests 16 --reference $M \
+    --reference-talker-max-tokens $TALKER_MAX --reference-requests 2 --output $R/bench7b_c16_ref.json > $R/ref.log 2>&1
+  say "reference done (rc $?): $(python3 -c "import json;d=json.load(open('$R/bench7b_c16_ref.json'));print(d.get('reference'), d['levels'][0].get('vs_reference'))" 2>&1 | tail -1)"
+}
 
-if [[ " $STEPS " == *" layouts "* ]] && [ "$NGPU" -ge 2 ]; then
+step_layouts() {
+  free_gpus
+  [ "$NGPU" -ge 2 ] || { say "layouts skipped: one GPU"; return; }
   # Issue 8: thinker on GPU 0, talker + token2wav on GPU 1; then a tensor-parallel thinker over both.
   serve gpu2 8012 configs/qwen2_5_omni_2gpu.yaml
   wait_ready gpu2 8012 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log; bench gpu2 8012; }
@@ -117,20 +125,24 @@ if [[ " $STEPS " == *" layouts "* ]] && [ "$NGPU" -ge 2 ]; then
     --stage-arg thinker.disable_custom_all_reduce=true --stage-arg talker.gpu_memory_utilization=0.2
   wait_ready tp2 8013 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log; bench tp2 8013; }
   stop tp2
-fi
+}
 
-if [[ " $STEPS " == *" tests "* ]]; then
+step_tests() {
+  free_gpus
   mkdir -p $R/testlogs
   OMNI_TEST_LOG_DIR=$R/testlogs timeout 540 python3 -m pytest -p no:cacheprovider -q tests/test_e2e_speech.py \
     tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py tests/test_qwen3_thinker_tap.py > $R/tests.log 2>&1
   say "CUDA e2e tests: $(tail -1 $R/tests.log)"
-fi
+}
 
-if [[ " $STEPS " == *" runner "* ]]; then
+step_runner() {
+  free_gpus
   for mode in vllm omni; do
     timeout 400 python3 benchmarks/runner_overhead.py --model qwen2-7b --mode $mode --batch 1 32 > $R/runner_$mode.txt 2>&1
     say "runner $mode: $(grep RESULT $R/runner_$mode.txt | tr '\n' ' ')"
   done
-fi
+}
+for step in $STEPS; do step_$step; done
+free_gpus
 python3 benchmarks/collect.py $R --out $R/results.json > /dev/null 2>&1
 say "DONE"
