@@ -314,6 +314,31 @@ def copy_tiny_files(tiny: Path, out: Path) -> list[str]:
     return copied
 
 
+def fill_vocab(tokenizer_json: Path, vocab_size: int) -> int:
+    """Give every id below `vocab_size` that the tiny tokenizer lacks a token of its own ("Ġw<id>",
+    never produced by encoding: no merge leads to it), so that whatever a dummy-weight thinker
+    samples decodes to text and the bench sees first tokens (TTFT). Returns how many were added."""
+    data = json.loads(tokenizer_json.read_text())
+    vocab = data["model"]["vocab"]
+    # tokenizers numbers added (special) tokens from the end of the model's vocab on load: with ids
+    # past them in the model, they would move. Listed in the model too, they keep their ids.
+    for t in data.get("added_tokens", ()):
+        vocab.setdefault(t["content"], t["id"])
+    taken = set(vocab.values())
+    names = set(vocab)
+    added = 0
+    for i in range(vocab_size):
+        if i not in taken:
+            name = f"\u0120w{i}"
+            while name in names:
+                name += "x"
+            vocab[name] = i
+            names.add(name)
+            added += 1
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False))
+    return added
+
+
 def main(argv: list[str] | None = None) -> None:
     import torch
 
@@ -343,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     config = build_config(args.size)
     config.save_pretrained(out)
     copied = copy_tiny_files(args.tiny, out)
+    fill_vocab(out / "tokenizer.json", config.thinker_config.text_config.vocab_size)
     torch.save(speaker_dict(config, args.seed), out / "spk_dict.pt")
 
     t = time.perf_counter()

@@ -13,6 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+# Exact float32 on GPUs for the parity tests (this process's transformers reference and every server
+# it starts inherit these; both are ignored on CPU): fp32 Triton dots (vLLM's attention, fused MoE)
+# and cuBLAS / cuDNN (convolutions) would otherwise use TF32. The H200 run of 2026-11-30 saw talker
+# codes, thinker tokens (audio input) and waveforms part from transformers without them.
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "var" / "models"
 STARTUP_TIMEOUT = 420

@@ -8,7 +8,7 @@ import sys
 import torch
 from transformers import Qwen2_5OmniConfig
 
-from omni_server.models.qwen2_5_omni.talker import _banned_ids
+from omni_server.models.qwen2_5_omni.codec import banned_ids
 from tests.conftest import REPO
 
 
@@ -19,7 +19,7 @@ def test_talker_bans_every_id_token2wav_cannot_decode(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(Qwen2_5OmniConfig(**config_dicts("7b")).to_dict()))
     talker = Qwen2_5OmniConfig(**config_dicts("7b")).talker_config
-    banned = _banned_ids(str(tmp_path), talker)
+    banned = banned_ids(str(tmp_path), talker)
     allowed = torch.nonzero(~banned).flatten().tolist()
     assert banned.shape == (8448,)
     assert allowed == list(range(8194)) + [8292, 8294]  # codes, pad (ends speech), end
@@ -32,5 +32,21 @@ def test_talker_without_a_token2wav_config_still_bans_the_specials(tmp_path):
     from qwen2_5_omni_shape import config_dicts
 
     talker = Qwen2_5OmniConfig(**config_dicts("7b")).talker_config
-    allowed = torch.nonzero(~_banned_ids(str(tmp_path / "missing"), talker)).flatten().tolist()
+    allowed = torch.nonzero(~banned_ids(str(tmp_path / "missing"), talker)).flatten().tolist()
     assert allowed == list(range(8293)) + [8294]  # everything below the specials, pad, end
+
+
+def test_the_bench_reference_talker_bans_the_same_ids():
+    # transformers' talker in `omni-server bench --reference` masks what ours masks: on a GPU an
+    # undecodable id is a device assert in token2wav (seen with dummy 7B weights on the H200).
+    from omni_server.models.qwen2_5_omni.reference import _Ban
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from qwen2_5_omni_shape import config_dicts
+
+    talker = Qwen2_5OmniConfig(**config_dicts("7b")).talker_config
+    banned = banned_ids("missing-dir", talker)
+    scores = torch.randn(3, talker.vocab_size)
+    out = _Ban(banned)(torch.zeros(3, 5, dtype=torch.long), scores.clone())
+    assert torch.isneginf(out[:, banned]).all()
+    assert torch.equal(out[:, ~banned], scores[:, ~banned])

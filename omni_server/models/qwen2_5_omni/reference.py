@@ -5,11 +5,22 @@ bench on the same prompts as the server (`omni-server bench --reference DIR`).""
 from __future__ import annotations
 
 import torch
+from transformers import LogitsProcessor
+
+from .codec import banned_ids
+
+
+class _Ban(LogitsProcessor):
+    def __init__(self, banned: torch.Tensor):
+        self.banned = banned
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(self.banned[: scores.shape[-1]], float("-inf"))
 
 
 class Reference:
     def __init__(self, model_dir: str, device: str):
-        from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+        from transformers import AutoTokenizer, LogitsProcessorList, Qwen2_5OmniForConditionalGeneration
 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         # On a GPU, device_map (needs accelerate) initialises weights missing from the checkpoint (a
@@ -20,6 +31,10 @@ class Reference:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.device = device
         self.voices = sorted(self.model.speaker_map)
+        # The same ban as our talker: an untrained (dummy-weight) talker samples ids token2wav cannot
+        # embed, which on a GPU is a device assert that ends the process.
+        self._talker_logits = LogitsProcessorList(
+            [_Ban(banned_ids(model_dir, self.model.config.talker_config).to(device))])
         self.sample_rate = 24000
 
     @torch.inference_mode()
@@ -33,5 +48,6 @@ class Reference:
         sequences, wave = self.model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice or self.voices[0],
             thinker_max_new_tokens=max_tokens, thinker_do_sample=False,
-            talker_max_new_tokens=talker_max_tokens, talker_do_sample=False, **extra)
+            talker_max_new_tokens=talker_max_tokens, talker_do_sample=False,
+            talker_logits_processor=self._talker_logits, **extra)
         return int(sequences.shape[1] - ids.shape[1]), wave.numel() / self.sample_rate

@@ -34,8 +34,9 @@ from vllm.model_executor.models.qwen2 import Qwen2MLP, Qwen2Model
 from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.sequence import IntermediateTensors
 
-from omni_server.models.checkpoint import read_config
 from omni_server.models.masking import suppress
+
+from .codec import banned_ids
 
 # Checkpoint prefix of the talker inside a full Qwen2.5-Omni checkpoint.
 PREFIX = "talker."
@@ -90,20 +91,6 @@ class TalkerDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-def _banned_ids(model: str, config) -> torch.Tensor:
-    """True for ids the talker must never sample: everything but the codes token2wav decodes
-    ([0, num_embeds]) and the two ends of speech. A trained talker never picks them; an untrained
-    one (dummy weights) does, and token2wav would reject the whole reply."""
-    try:
-        codes = read_config(model).token2wav_config.dit_config.num_embeds + 1
-    except (OSError, AttributeError, ValueError):
-        codes = config.tts_codec_pad_token_id
-    banned = torch.ones(config.vocab_size, dtype=torch.bool)
-    banned[:codes] = False
-    banned[[config.tts_codec_pad_token_id, config.tts_codec_end_token_id]] = False
-    return banned
-
-
 class Qwen2_5OmniTalker(nn.Module, SupportsMRoPE):
     """vLLM model for `model_class: qwen2_5_omni.talker` (hf_config = the checkpoint's talker_config)."""
 
@@ -124,7 +111,7 @@ class Qwen2_5OmniTalker(nn.Module, SupportsMRoPE):
         self.codec_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                          prefix=f"{prefix}codec_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.register_buffer("banned_ids", _banned_ids(vllm_config.model_config.model, config), persistent=False)
+        self.register_buffer("banned_ids", banned_ids(vllm_config.model_config.model, config), persistent=False)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
     def embed_input_ids(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
