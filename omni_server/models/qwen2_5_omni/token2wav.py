@@ -20,6 +20,7 @@ response of at most `first_chunk_frames + future_frames` mel frames equals the f
 
 from __future__ import annotations
 
+import logging
 import secrets
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ import torch
 
 from omni_server.models.checkpoint import load_module, read_config
 from .speakers import load_speakers
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SAMPLE_RATE = 24000
 WEIGHTS_PREFIX = "token2wav."
@@ -66,11 +69,17 @@ class Token2Wav:
 
     def __init__(self, model_dir: str, device: str | torch.device = "cpu", chunk_frames: int = 72,
                  past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20,
-                 first_chunk_frames: int | None = None):
+                 first_chunk_frames: int | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
+                 max_graph_batch: int = 32, tf32: bool = False):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
         self.device = torch.device(device)
+        if tf32 and self.device.type == "cuda":
+            # float32 weights and activations, TF32 tensor-core matmuls and convolutions (~10 bits of
+            # mantissa in the products): several times the DiT's fp32 throughput. Process-wide, which
+            # is this generator's own stage process.
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         model = load_module(Qwen2_5OmniToken2WavModel, config, model_dir, WEIGHTS_PREFIX, self.device)
         self.dit = model.code2wav_dit_model
         self.vocoder = model.code2wav_bigvgan_model
@@ -103,6 +112,11 @@ class Token2Wav:
         self.hop = 1  # waveform samples per mel frame
         for rate in config.bigvgan_config.upsample_rates:
             self.hop *= int(rate)
+        # CUDA graphs of the DiT's ODE solve (see DiTGraphs): the DiT is small, so eager mode spends
+        # its time launching ~30k kernels per window, not computing.
+        self.graphs = DiTGraphs(self._rk4, max_graphs, max_graph_batch, block * repeats,
+                                max(past_frames + chunk_frames, first_chunk_frames) + future_frames) \
+            if cuda_graphs and self.device.type == "cuda" else None
         # The DiT's speaker encoder sees only the voice's reference mel (or, for the unconditioned
         # half of guidance, zeros of its shape): encode both once per voice.
         with torch.inference_mode():
@@ -144,8 +158,8 @@ class Token2Wav:
             noise = [torch.randn([t[1].numel() * self.dit.repeats, self.dit.mel_dim], generator=_rng(t[3]))
                      for t in todo]
             mels = self._sample_mels([t[1] for t in todo], [t[2] for t in todo], noise, grid, guidance_scale)
-            for (i, *_), mel in zip(todo, mels):
-                results[i] = self.vocoder(mel).reshape(-1).float().cpu()
+            for (i, *_), wave in zip(todo, self._vocode([(mel, 0, None) for mel in mels])):
+                results[i] = wave
         return results
 
     # ---- streaming ----------------------------------------------------------------------------
@@ -189,8 +203,10 @@ class Token2Wav:
         if windows:
             mels = self._sample_mels([w[1] for w in windows], [streams[w[0]].voice for w in windows],
                                      [w[2] for w in windows], grid, guidance_scale)
-            for (k, _, _, offset, n), mel in zip(windows, mels):
-                results[k] = self._vocode_stream(streams[k], mel[:, :, offset:offset + n])
+            plans = [self._vocode_plan(streams[k], mel[:, :, offset:offset + n])
+                     for (k, _, _, offset, n), mel in zip(windows, mels)]
+            for (k, *_), piece in zip(windows, self._vocode(plans)):
+                results[k] = piece
         return results
 
     def stream_all(self, codes: torch.Tensor, voice: str | None = None, seed: int | None = None,
@@ -233,26 +249,45 @@ class Token2Wav:
     def _chunk(self, settled: int) -> int:
         return self.first_chunk_frames if settled == 0 else self.chunk_frames
 
-    def _vocode_stream(self, st: CodeStream, new_mel: torch.Tensor | None) -> torch.Tensor:
-        """Append newly settled mel frames and return the audio whose context is complete: all of
-        it once the DiT is done, else all but the last `vocoder_context_frames` frames."""
+    def _vocode_plan(self, st: CodeStream, new_mel: torch.Tensor | None) -> tuple[torch.Tensor, int, int] | None:
+        """Append newly settled mel frames; the vocoder input that yields the audio whose context
+        is complete (all of it once the DiT is done, else all but the last `vocoder_context_frames`
+        frames) as (mel [1, mel_dim, n], first sample kept, samples kept), or None for none."""
         if new_mel is not None:
             st.mel = new_mel if st.mel is None else torch.cat([st.mel, new_mel], dim=2)
         avail = st.mel_start + (0 if st.mel is None else st.mel.shape[2])
         last = st.final and st.settled >= st.codes.numel() * self.dit.repeats
         ctx = self.vocoder_context_frames
         upto = avail if last else max(avail - ctx, st.emitted)
-        piece = torch.zeros(0)
+        plan = None
         if upto > st.emitted:
             lo = max(st.emitted - ctx, st.mel_start)
-            wave = self.vocoder(st.mel[:, :, lo - st.mel_start:]).reshape(-1)
-            piece = wave[(st.emitted - lo) * self.hop:(upto - lo) * self.hop].float().cpu()
+            plan = (st.mel[:, :, lo - st.mel_start:], (st.emitted - lo) * self.hop, (upto - st.emitted) * self.hop)
             st.emitted = upto
             cut = max(upto - ctx, st.mel_start)  # left context of the next piece
             st.mel, st.mel_start = st.mel[:, :, cut - st.mel_start:], cut
         if last:
             st.done, st.mel = True, None
-        return piece
+        return plan
+
+    def _vocode_stream(self, st: CodeStream, new_mel: torch.Tensor | None) -> torch.Tensor:
+        return self._vocode([self._vocode_plan(st, new_mel)])[0]
+
+    def _vocode(self, plans: list[tuple[torch.Tensor, int, int | None] | None]) -> list[torch.Tensor]:
+        """Audio pieces (1-D float32 CPU) for vocoder plans (mel, first sample, samples or None for
+        all); inputs of one length run as one batch
+        (the vocoder treats batch rows independently), each of the rest alone."""
+        pieces = [torch.zeros(0)] * len(plans)
+        by_length: dict[int, list[int]] = {}
+        for i, plan in enumerate(plans):
+            if plan is not None:
+                by_length.setdefault(plan[0].shape[2], []).append(i)
+        for group in by_length.values():
+            waves = self.vocoder(torch.cat([plans[i][0] for i in group])).reshape(len(group), -1)
+            for i, wave in zip(group, waves):
+                _, skip, keep = plans[i]
+                pieces[i] = wave[skip:None if keep is None else skip + keep].float().cpu()
+        return pieces
 
     def _check(self, codes, voice: str | None, limit: bool = True) -> tuple[torch.Tensor, str]:
         voice = self.voices[0] if voice is None else voice
@@ -286,13 +321,22 @@ class Token2Wav:
         return grid
 
     def _sample_mels(self, codes: list[torch.Tensor], voices: list[str], noise: list[torch.Tensor],
-                     grid: torch.Tensor, guidance_scale: float) -> list[torch.Tensor]:
+                     grid: torch.Tensor, guidance_scale: float, pad: bool | None = None) -> list[torch.Tensor]:
         """Mel spectrograms [1, mel_dim, frames_i]: transformers' DiT `sample` (flow matching, RK4
         3/8 rule, classifier-free guidance) over a padded batch, from the given starting noise
-        ([frames_i, mel_dim] each, on CPU)."""
+        ([frames_i, mel_dim] each, on CPU). `pad` (default: when a CUDA graph can serve the call)
+        rounds the batch and frame counts up to the graphs' buckets; padding never changes a result
+        beyond rounding."""
         dit, repeats = self.dit, self.dit.repeats
         lengths = [c.numel() * repeats for c in codes]
-        frames, n = max(lengths), len(codes)
+        count, frames = len(codes), max(lengths)
+        graphs = self.graphs if self.graphs is not None and self.graphs.serves(count, frames) else None
+        if pad if pad is not None else graphs is not None:
+            rows, frames = DiTGraphs.bucket(count, frames, self.graphs.frame_unit if self.graphs else repeats * dit.block_size)
+            # Extra rows repeat the first request (real inputs, no empty attention rows); dropped below.
+            codes, voices, noise = (list(v) + [v[0]] * (rows - count) for v in (codes, voices, noise))
+            lengths = lengths + [lengths[0]] * (rows - count)
+        n = len(codes)
         code_batch = torch.zeros(n, frames // repeats, dtype=torch.long, device=self.device)
         x = torch.zeros(n, frames, dit.mel_dim, device=self.device)
         for b, (c, x0) in enumerate(zip(codes, noise)):
@@ -311,18 +355,27 @@ class Token2Wav:
         fixed = torch.cat([ref.unsqueeze(1).expand(-1, frames, -1), code_emb,
                            speaker.unsqueeze(1).expand(-1, frames, -1)], dim=-1)
         positions = torch.arange(frames, device=self.device)[None].expand(n * halves, -1)
-        rotary = dit.rotary_embed(fixed, positions)
+        cos, sin = dit.rotary_embed(fixed, positions)
         block_diff = dit._create_block_diff(fixed[:, :, :1])
-        valid = torch.arange(frames, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
-        if not bool(valid.all()):
+        if any(length < frames for length in lengths):
             # A real frame never attends padding: those keys fall outside every layer's block window.
+            valid = torch.arange(frames, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
             valid = valid.repeat(halves, 1)
             hide = valid[:, None, :, None] & ~valid[:, None, None, :]
             block_diff = block_diff.masked_fill(hide, float(frames + dit.block_size))
+        inputs = (x, fixed, cos, sin, block_diff, grid)
+        x = graphs.run(inputs, (cfg, guidance_scale)) if graphs is not None else self._rk4(*inputs, cfg, guidance_scale)
+        return [x[b:b + 1, :lengths[b]].permute(0, 2, 1) for b in range(count)]
+
+    def _rk4(self, x: torch.Tensor, fixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             block_diff: torch.Tensor, grid: torch.Tensor, cfg: bool, guidance_scale: float) -> torch.Tensor:
+        """The ODE solve from noise `x` to mel frames: fixed shapes, no host syncs (CUDA-graphable)."""
+        dit, rows = self.dit, fixed.shape[0]
+        rotary = (cos, sin)
 
         def velocity(t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-            temb = dit.time_embed(t.repeat(n * halves))
-            h = dit.input_embed.proj(torch.cat([state.repeat(halves, 1, 1), fixed], dim=-1))
+            temb = dit.time_embed(t.repeat(rows))
+            h = dit.input_embed.proj(torch.cat([state.repeat(rows // state.shape[0], 1, 1), fixed], dim=-1))
             for block in dit.transformer_blocks:
                 h = block(h, temb, position_embeddings=rotary, block_diff=block_diff)
             out = dit.proj_out(dit.norm_out(h, temb))
@@ -332,14 +385,75 @@ class Token2Wav:
             return guided + (guided - null) * guidance_scale
 
         # RK4 "3/8 rule", operand order as in transformers so float32 rounding matches.
-        for t0, t1 in zip(grid[:-1], grid[1:]):
+        for i in range(grid.shape[0] - 1):
+            t0, t1 = grid[i], grid[i + 1]
             dt = t1 - t0
             k1 = velocity(t0, x)
             k2 = velocity(t0 + dt * _ONE_THIRD, x + dt * k1 * _ONE_THIRD)
             k3 = velocity(t0 + dt * _TWO_THIRDS, x + dt * (k2 - k1 * _ONE_THIRD))
             k4 = velocity(t1, x + dt * (k1 - k2 + k3))
             x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
-        return [x[b:b + 1, :lengths[b]].permute(0, 2, 1) for b in range(n)]
+        return x
+
+
+class DiTGraphs:
+    """CUDA graphs of one ODE solve each, per input shape: a captured solve replays its ~30k kernel
+    launches at once. Shapes are bucketed (rows to a power of two, frames to `frame_unit`) so a few
+    graphs serve every streaming window; a shape is captured on first use, up to `max_graphs` (then,
+    and for windows longer than `max_frames` or batches above `max_batch`, the solve runs eagerly).
+    All graphs share one memory pool: they never run at the same time, and each keeps its own
+    inputs and output alive, so no capture reuses another's."""
+
+    def __init__(self, solve, max_graphs: int, max_batch: int, frame_unit: int, max_frames: int):
+        self.solve, self.max_graphs, self.max_batch = solve, max_graphs, max_batch
+        self.frame_unit = frame_unit
+        self.max_frames = -(-max_frames // frame_unit) * frame_unit
+        self.graphs: dict[tuple, tuple] = {}
+        self.pool = None
+        self.failed = False
+
+    @staticmethod
+    def bucket(rows: int, frames: int, frame_unit: int) -> tuple[int, int]:
+        return 1 << (rows - 1).bit_length(), -(-frames // frame_unit) * frame_unit
+
+    def serves(self, rows: int, frames: int) -> bool:
+        rows, frames = self.bucket(rows, frames, self.frame_unit)
+        return rows <= self.max_batch and frames <= self.max_frames and (
+            len(self.graphs) < self.max_graphs or any(k[:2] == (rows, frames) for k in self.graphs))
+
+    def run(self, inputs: tuple[torch.Tensor, ...], options: tuple) -> torch.Tensor:
+        grid = inputs[-1]
+        key = (inputs[0].shape[0], inputs[0].shape[1], *options, tuple(grid.tolist()))
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.max_graphs or self.failed:
+                return self.solve(*inputs, *options)
+            try:
+                entry = self.graphs[key] = self._capture(inputs, options)
+            except RuntimeError:  # keep serving, eagerly, and say why once
+                log.exception("token2wav: CUDA graph capture failed; the DiT runs eagerly from now on")
+                self.failed = True
+                torch.cuda.synchronize()
+                return self.solve(*inputs, *options)
+        graph, static, out = entry
+        for dst, src in zip(static, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return out.clone()  # the next replay of this graph overwrites `out`
+
+    def _capture(self, inputs, options):
+        static = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up run outside the capture (lazy inits, workspaces)
+            self.solve(*static, *options)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.solve(*static, *options)
+        return graph, static, out
 
 
 def _rng(seed: int | None) -> torch.Generator:
