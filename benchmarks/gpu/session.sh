@@ -3,7 +3,7 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main ref tests runner layouts").
+# Steps run in the order STEPS names them (default "main ref t2w tests runner layouts").
 set -u
 R=/tmp/res; mkdir -p $R
 cd "$(dirname "$0")/../.."
@@ -18,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main ref tests runner layouts}
+STEPS=${STEPS:-main ref t2w tests runner layouts}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -131,11 +131,20 @@ step_layouts() {
   stop tp2
 }
 
+step_t2w() {
+  # Token2wav alone on the 7B shape: eager vs CUDA graphs vs graphs + TF32, batch 1 and 16.
+  free_gpus
+  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 > $R/t2w.txt 2>&1
+  say "token2wav: $(grep RESULT $R/t2w.txt | python3 -c "import sys,json
+for l in sys.stdin: d=json.loads(l[7:]); print(d['mode'], 'b', d['batch'], d['step_ms_p50'], 'ms/step rtf', d['rtf'], end='; ')")"
+}
+
 step_tests() {
   free_gpus
   mkdir -p $R/testlogs
   OMNI_TEST_LOG_DIR=$R/testlogs timeout 540 python3 -m pytest -p no:cacheprovider -q tests/test_e2e_speech.py \
-    tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py tests/test_qwen3_thinker_tap.py > $R/tests.log 2>&1
+    tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py tests/test_qwen3_thinker_tap.py tests/test_token2wav.py \
+    > $R/tests.log 2>&1
   say "CUDA e2e tests: $(tail -1 $R/tests.log)"
 }
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -70,7 +71,7 @@ class Token2Wav:
     def __init__(self, model_dir: str, device: str | torch.device = "cpu", chunk_frames: int = 72,
                  past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20,
                  first_chunk_frames: int | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
-                 max_graph_batch: int = 32, tf32: bool = False):
+                 max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
@@ -123,6 +124,25 @@ class Token2Wav:
             encode = self.dit.input_embed.spk_encoder
             self._voice_codes = {name: (encode(mel), encode(torch.zeros_like(mel)))
                                  for name, (_, mel) in self._speakers.items()}
+        if self.graphs is not None and warmup_graphs:
+            self._warm_graphs()
+
+    @torch.inference_mode()
+    def _warm_graphs(self) -> None:
+        """Capture now (not on the first requests) the graphs of the streaming windows' two sizes
+        for every batch bucket, with `stream_step`'s default solver settings."""
+        t0, repeats = time.monotonic(), self.dit.repeats
+        grid = self._time_grid(10, -1.0)
+        for frames in sorted({self.first_chunk_frames + self.future_frames,
+                              self.past_frames + self.chunk_frames + self.future_frames}):
+            rows = 1
+            while rows <= self.graphs.max_batch:
+                codes = [torch.zeros(frames // repeats, dtype=torch.long)] * rows
+                noise = [torch.zeros(frames, self.dit.mel_dim)] * rows
+                if self.graphs.serves(rows, frames):
+                    self._sample_mels(codes, [self.voices[0]] * rows, noise, grid, 0.5)
+                rows *= 2
+        log.info("token2wav: %d CUDA graphs captured in %.1f s", len(self.graphs.graphs), time.monotonic() - t0)
 
     @torch.inference_mode()
     def __call__(self, codes: torch.Tensor, voice: str | None = None, seed: int | None = None, num_steps: int = 10,
@@ -443,15 +463,15 @@ class DiTGraphs:
 
     def _capture(self, inputs, options):
         static = tuple(t.clone() for t in inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # a warm-up run outside the capture (lazy inits, workspaces)
-            self.solve(*static, *options)
-        torch.cuda.current_stream().wait_stream(side)
-        if self.pool is None:
+        if self.pool is None:  # the first capture: one eager run before it (lazy inits, workspaces)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.solve(*static, *options)
+            torch.cuda.current_stream().wait_stream(side)
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.solve(*static, *options)
         return graph, static, out
 

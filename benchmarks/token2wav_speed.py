@@ -1,0 +1,69 @@
+"""Token2wav alone: time per streaming DiT window step and real-time factor, eager vs CUDA graphs
+vs graphs + TF32, at several batch sizes (streams advanced together), same process, same codes.
+
+    python benchmarks/token2wav_speed.py --model /tmp/omni7b --batch 1 16
+    python benchmarks/token2wav_speed.py --model var/models/tiny-qwen2_5-omni --device cpu --modes eager
+
+Each stream gets `--codes` random codec ids (final) and is decoded window by window with
+`stream_step` until done (the default window sizes of configs/qwen2_5_omni.yaml); one warm-up
+decode per mode and batch first (it also captures the graphs). Prints one RESULT JSON line per
+(mode, batch): median ms per step, steps, audio seconds per stream, RTF = wall / audio seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
+
+WINDOWS = dict(chunk_frames=72, first_chunk_frames=72, past_frames=48, future_frames=24, vocoder_context_frames=20)
+MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "graphs_tf32": dict(cuda_graphs=True, tf32=True)}
+
+
+def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:
+    """Step times (s) and total wall (s) to stream-decode every code sequence together."""
+    streams = [t2w.open_stream(None, seed=i) for i in range(len(codes))]
+    for st, c in zip(streams, codes):
+        st.feed(c, final=True)
+    steps, t0 = [], time.perf_counter()
+    while not all(st.done for st in streams):
+        t = time.perf_counter()
+        t2w.stream_step([st for st in streams if not st.done])
+        if t2w.device.type == "cuda":
+            torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t)
+    return steps, time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="checkpoint dir with a token2wav (e.g. the 7B shape one)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--codes", type=int, default=500, help="codes per stream (500 = 10 s of audio)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    args = parser.parse_args()
+
+    gen = torch.Generator().manual_seed(0)
+    for mode in args.modes:
+        # TF32 is process-wide once on: keep it last (the default order).
+        t2w = Token2Wav(args.model, args.device, **WINDOWS, **MODES[mode])
+        for b in args.batch:
+            codes = [torch.randint(0, 8192, (args.codes,), generator=gen) for _ in range(b)]
+            decode(t2w, codes)  # warm-up (captures this batch's graphs)
+            steps, wall = decode(t2w, codes)
+            audio_s = args.codes * t2w.dit.repeats * t2w.hop / t2w.sample_rate
+            print("RESULT " + json.dumps({
+                "mode": mode, "batch": b, "device": args.device, "step_ms_p50": round(statistics.median(steps) * 1e3, 1),
+                "steps": len(steps), "audio_s_per_stream": round(audio_s, 2), "rtf": round(wall / audio_s, 4),
+                "audio_s_per_wall_s": round(b * audio_s / wall, 2),
+                "graphs": len(t2w.graphs.graphs) if t2w.graphs is not None else 0}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
