@@ -78,6 +78,8 @@ def collect(out: Path) -> dict:
         "p6_ready_s_cold": _ready_s(out / "serve_bench7b.log"),
         # the full-payload server starts second, from the streaming one's compile cache
         "p6_ready_s_warm": _ready_s(out / "serve_bench7b_full.log"),
+        # warm, thinker and talker given kv_cache_memory_bytes: their engines build side by side
+        "p6_ready_s_warm_fixed_kv": _ready_s(out / "serve_sized.log"),
     }
 
 

@@ -23,6 +23,7 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
         'noise\nRESULT {"mode": "vllm", "batch": 1, "tok_s": 200.0}\n'
         'RESULT {"mode": "omni-emit", "batch": 1, "tok_s": 198.0, "hbm_tb_s": 2.8}\n')
     (tmp_path / "serve_bench7b.log").write_text("... all 3 stages ready in 142.5 s; serving on http://x\n")
+    (tmp_path / "serve_sized.log").write_text("... all 3 stages ready in 51.0 s; serving on http://x\n")
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "benchmarks/collect.py", str(tmp_path), "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True)
@@ -33,3 +34,4 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert r["p2_ttfp_ms_c1_full_payload"] == 4000.0 and r["p2_ttfp_ms_c16_full_payload"] is None
     assert r["p5_hbm_fraction_bs1"] == round(2.8 / 4.3, 3)
     assert r["p4_vs_hf_c16"] == 25.5 and r["p6_ready_s_cold"] == 142.5 and r["p6_ready_s_warm"] is None
+    assert r["p6_ready_s_warm_fixed_kv"] == 51.0

@@ -37,6 +37,26 @@ def test_gpu_host_waits_for_earlier_stages_on_overlapping_devices():
     assert launcher.start_after((3, 2)) == [(0, 0), (3, 0)]
 
 
+SIZED = """
+model: m
+stages:
+  - {id: 0, name: thinker, model: x, devices: "0", output: text, engine_args: {kv_cache_memory_bytes: 1000000}}
+  - {id: 1, name: talker, model: x, devices: "0", inputs: [0], input_processor: hidden_to_embeds,
+     engine_args: {kv_cache_memory_bytes: 1000000}}
+  - {id: 2, name: voc, kind: generation, generator: qwen2_5_omni.token2wav, model: x, devices: "0", inputs: [1],
+     input_processor: qwen2_5_omni.talker_to_token2wav, output: audio}
+  - {id: 3, name: late, model: x, devices: "0", inputs: [1], input_processor: hidden_to_embeds}
+"""
+
+
+def test_engines_with_a_fixed_kv_size_share_a_gpu_from_the_start():
+    # Given kv_cache_memory_bytes, vLLM does not measure memory while starting: such engines and
+    # generation stages build side by side; an engine that profiles still starts alone.
+    launcher = Launcher(load_config_text(SIZED), "unused.yaml", Path("/tmp"))
+    launcher.sequential = True
+    assert [launcher.start_after(u) for u in launcher.cfg.units()] == [[], [], [], [(0, 0), (1, 0), (2, 0)]]
+
+
 def test_cpu_host_starts_everything_at_once():
     launcher = _launcher(False)
     assert [launcher.start_after(u) for u in launcher.cfg.units()] == [[]] * 6

@@ -79,6 +79,12 @@ step_main() {
     [ $UP = 0 ] && bench bench7b 8010
     wait_ready bench7b_full 8011 && bench bench7b_full 8011
     stop bench7b_full
+    # Start time when thinker and talker are given KV cache sizes (no memory profiling: the two
+    # engines build side by side): p6 warm for that variant.
+    serve sized 8014 $CFG --stage-arg thinker.devices=1 --stage-arg talker.devices=1 --stage-arg token2wav.devices=1 \
+      --stage-arg thinker.kv_cache_memory_bytes=$((50 * 2**30)) --stage-arg talker.kv_cache_memory_bytes=$((20 * 2**30))
+    wait_ready sized 8014
+    stop sized
   else
     [ $UP = 0 ] && bench bench7b 8010
     stop bench7b

@@ -40,18 +40,27 @@ class Launcher:
         self.overrides = list(overrides)
         self.procs: dict[Unit, subprocess.Popen] = {}
 
-        # vLLM sizes its KV cache from the free GPU memory it measures while starting, so engines
-        # sharing a GPU must start one after the other; on CPU hosts they all start at once.
+        # vLLM sizes its KV cache from the GPU memory it sees used while it profiles, so while one
+        # engine does, nothing else may allocate on its GPUs: engines sharing a GPU start one after
+        # the other. On CPU hosts they all start at once.
         self.sequential = _cuda_host()
 
+    def _profiles(self, stage_id: int) -> bool:
+        """Whether the stage's engine measures GPU memory while starting: every vLLM (AR) stage
+        but one given its KV cache size (`kv_cache_memory_bytes`: vLLM then skips the profiling)."""
+        stage = self.cfg.stage(stage_id)
+        return stage.kind == "ar" and not stage.engine_args.get("kv_cache_memory_bytes")
+
     def start_after(self, unit: Unit) -> list[Unit]:
-        """Processes that must be ready before this one starts: earlier ones on the same devices."""
+        """Processes that must be ready before this one starts: earlier ones on the same devices,
+        unless neither of the two profiles memory (those build their engines side by side)."""
         if not self.sequential:
             return []
         units = self.cfg.units()
         mine = _device_set(self.cfg.stage(unit[0]).devices_of(unit[1]))
         return [u for u in units[:units.index(unit)]
-                if _overlap(mine, _device_set(self.cfg.stage(u[0]).devices_of(u[1])))]
+                if _overlap(mine, _device_set(self.cfg.stage(u[0]).devices_of(u[1])))
+                and (self._profiles(u[0]) or self._profiles(unit[0]))]
 
     def start(self, unit: Unit, hold: bool = False) -> None:
         """Start a stage process. `hold`: it imports everything, then waits for `release` before it
