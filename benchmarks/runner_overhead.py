@@ -7,7 +7,8 @@
 any checkpoint dir works too. `omni` runs our stage loop (ARStage: EngineCore + OmniScheduler +
 hidden-emitting runner) with every request forwarding its hidden states to a consumer, whose
 payloads are encoded as for the wire and dropped; `vllm` runs vllm.LLM.generate. Prints one JSON
-line per batch size: decode tokens/s = batch * output_len / wall time of the whole generate.
+line per batch size: decode tokens/s = batch * output_len / median wall time of `--repeats` whole
+generates (after a warm-up one), with the range of the runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -49,7 +51,14 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [[(i * 7919 + j * 104729) % 1000 + 10 for j in range(length)] for i in range(n)]
 
 
-def run_vllm(engine_args: dict, batches: list[int], in_len: int, out_len: int) -> list[dict]:
+def _rate(mode: str, bs: int, out_len: int, walls: list[float]) -> dict:
+    """Median wall time of the measured runs (the first run of each batch size is a warm-up)."""
+    dt = statistics.median(walls)
+    return {"mode": mode, "batch": bs, "tok_s": bs * out_len / dt, "wall_s": dt, "runs": len(walls),
+            "tok_s_min": bs * out_len / max(walls), "tok_s_max": bs * out_len / min(walls)}
+
+
+def run_vllm(engine_args: dict, batches: list[int], in_len: int, out_len: int, repeats: int) -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -58,11 +67,13 @@ def run_vllm(engine_args: dict, batches: list[int], in_len: int, out_len: int) -
     results = []
     for bs in batches:
         ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(bs, in_len)]
-        llm.generate(ps, sp, use_tqdm=False)  # warm-up
-        t0 = time.perf_counter()
-        llm.generate(ps, sp, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        results.append({"mode": "vllm", "batch": bs, "tok_s": bs * out_len / dt, "wall_s": dt})
+        walls = []
+        for rep in range(repeats + 1):
+            t0 = time.perf_counter()
+            llm.generate(ps, sp, use_tqdm=False)
+            if rep:
+                walls.append(time.perf_counter() - t0)
+        results.append(_rate("vllm", bs, out_len, walls))
     return results
 
 
@@ -88,7 +99,8 @@ class _NullSockets:
         return iter(())
 
 
-def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, emit: bool) -> list[dict]:
+def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, emit: bool,
+             repeats: int) -> list[dict]:
     from omni_server.config.schema import PipelineConfig
     from omni_server.stage.ar import ARStage
     from omni_server.wire.messages import AddRequest, SamplingSpec
@@ -105,7 +117,8 @@ def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, e
     fwd = [1] if emit else []
     results = []
     for bs in batches:
-        for rep in range(2):  # warm-up, then measured
+        walls = []
+        for rep in range(repeats + 1):
             ps = prompts(bs, in_len)
             t0 = time.perf_counter()
             for i, p in enumerate(ps):
@@ -113,9 +126,10 @@ def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, e
                                          forward_to=fwd))
             while stage.core.scheduler.has_requests():
                 stage.step()
-            dt = time.perf_counter() - t0
-        results.append({"mode": "omni-emit" if emit else "omni-plain", "batch": bs, "tok_s": bs * out_len / dt,
-                        "wall_s": dt, "payload_mb": round(sockets.payload_bytes / 2**20, 1)})
+            if rep:
+                walls.append(time.perf_counter() - t0)
+        results.append({**_rate("omni-emit" if emit else "omni-plain", bs, out_len, walls),
+                        "payload_mb": round(sockets.payload_bytes / 2**20, 1)})
     stage.core.shutdown()
     return results
 
@@ -130,6 +144,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--repeats", type=int, default=3, help="measured runs per batch size (median), after a warm-up")
     a = p.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     model = qwen2_7b_dir() if a.model == "qwen2-7b" else a.model
@@ -138,9 +153,9 @@ def main() -> None:
                        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
                        enable_prefix_caching=False)
     if a.mode == "vllm":
-        res = run_vllm(engine_args, a.batch, a.input_len, a.output_len)
+        res = run_vllm(engine_args, a.batch, a.input_len, a.output_len, a.repeats)
     else:
-        res = run_omni(engine_args, a.batch, a.input_len, a.output_len, emit=a.mode == "omni")
+        res = run_omni(engine_args, a.batch, a.input_len, a.output_len, emit=a.mode == "omni", repeats=a.repeats)
     for r in res:
         # Achieved HBM read bandwidth of the decode steps (prefill's share of the wall time ignored).
         step = decode_bytes_per_step(model, r["batch"], a.input_len + a.output_len // 2)

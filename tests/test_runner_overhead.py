@@ -22,3 +22,4 @@ def test_stage_mode_reports_a_rate_per_batch(tiny_models):
     rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert [(r["mode"], r["batch"]) for r in rows] == [("omni-emit", 1), ("omni-emit", 2)]
     assert all(r["tok_s"] > 0 and r["hbm_tb_s"] >= 0 for r in rows)
+    assert all(r["runs"] == 3 and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"] for r in rows)  # median of 3
