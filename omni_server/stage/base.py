@@ -99,7 +99,8 @@ class Stage:
     def has_work(self) -> bool:
         raise NotImplementedError
 
-    def step(self) -> None:
+    def step(self) -> int | None:
+        """Advance the stage one step; how many requests it served (None: `counts()[0]`)."""
         raise NotImplementedError
 
     def add_prompt(self, msg: AddRequest) -> None:
@@ -174,10 +175,10 @@ class Stage:
                         self._maybe_start(rid)
                 if self.running and self.has_work():
                     t0 = time.perf_counter()
-                    self.step()
+                    served = self.step()
                     self.step_s += time.perf_counter() - t0
                     self.steps += 1
-                    self.batch_sum += self.counts()[0]
+                    self.batch_sum += self.counts()[0] if served is None else served
         finally:
             self.close()
 

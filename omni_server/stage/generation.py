@@ -92,13 +92,15 @@ class GenerationStage(Stage):
             self.sources.pop(rid, None)
             self.credited.pop(rid, None)
 
-    def step(self) -> None:
+    def step(self) -> int:
+        served = 0
         if self.ready:
-            self._step_full()
+            served += self._step_full()
         if self.streams:
-            self._step_streams()
+            served += self._step_streams()
+        return served
 
-    def _step_full(self) -> None:
+    def _step_full(self) -> int:
         batch = [self.ready.popitem(last=False) for _ in range(min(self.stage.max_batch_size, len(self.ready)))]
         requests = [{**(inp.data or {}), "voice": exp.options.get(VOICE_OPTION), "seed": exp.sampling.seed}
                     for _, (exp, inp) in batch]
@@ -107,14 +109,15 @@ class GenerationStage(Stage):
             waves = self.generator.batch(requests)
         except Exception as e:  # the pass itself failed: every request in it fails
             self._fail_pass(rids, e)
-            return
+            return len(rids)
         self._send(rids, waves, [True] * len(rids), [_num_codes(inp.data) for _, (_, inp) in batch])
+        return len(rids)
 
-    def _step_streams(self) -> None:
+    def _step_streams(self) -> int:
         rids = [rid for rid, s in self.streams.items() if self.generator.stream_ready(s)]
         rids = rids[:self.stage.max_batch_size]
         if not rids:
-            return
+            return 0
         streams = [self.streams[rid] for rid in rids]
         for rid in rids:  # served: to the back of the line
             self.streams.move_to_end(rid)
@@ -122,7 +125,7 @@ class GenerationStage(Stage):
             pieces = self.generator.stream_step(streams)
         except Exception as e:
             self._fail_pass(rids, e)
-            return
+            return len(rids)
         for rid, stream in zip(rids, streams):
             if stream.done:
                 del self.streams[rid]
@@ -132,6 +135,7 @@ class GenerationStage(Stage):
                 self.credited[rid] = stream.consumed
                 self.send_credit(rid, self.sources.get(rid, []), stream.consumed)
         self._send(rids, pieces, [s.done for s in streams], [_num_codes(vars(s)) for s in streams])
+        return len(rids)
 
     def _fail_pass(self, rids: list[str], e: Exception) -> None:
         log.exception("stage %d: generator failed on %d requests", self.stage_id, len(rids))
