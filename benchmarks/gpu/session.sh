@@ -145,6 +145,20 @@ step_t2w() {
 for l in sys.stdin: d=json.loads(l[7:]); print(d['mode'], 'b', d['batch'], d['step_ms_p50'], 'ms/step rtf', d['rtf'], end='; ')")"
 }
 
+step_mps() {
+  # The one-GPU layout under CUDA MPS (stage processes' kernels run side by side instead of
+  # time-slicing the GPU), if the host has the daemon. Not in the default steps.
+  free_gpus
+  command -v nvidia-cuda-mps-control > /dev/null || { say "mps skipped: no nvidia-cuda-mps-control"; return; }
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d && say "MPS daemon up"
+  serve mps 8015 $CFG && wait_ready mps 8015 && bench mps 8015
+  stop mps
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
 step_tests() {
   free_gpus
   mkdir -p $R/testlogs
