@@ -162,7 +162,7 @@ step_mps() {
 step_tests() {
   free_gpus
   mkdir -p $R/testlogs
-  # TESTS: other pytest arguments (e.g. only the ones that failed last time: -k "matches_transformers").
+  # TESTS: other pytest arguments, split on spaces (e.g. tests/test_token2wav.py -k graph).
   TESTS=${TESTS:-tests/test_e2e_speech.py tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py \
     tests/test_qwen3_thinker_tap.py tests/test_token2wav.py}
   OMNI_TEST_LOG_DIR=$R/testlogs timeout 540 python3 -m pytest -p no:cacheprovider -q $TESTS > $R/tests.log 2>&1
