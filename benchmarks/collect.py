@@ -30,21 +30,24 @@ def _get(d: dict | None, *keys):
 H200_HBM_TB_S = 4.3
 
 
-def _runner(out: Path, batch: int) -> dict[str, dict]:
-    """runner_overhead RESULT lines at this batch, by mode."""
+TINY = "tiny-qwen2_5-omni"
+
+
+def _runner(out: Path, batch: int, model: str = "qwen2-7b") -> dict[str, dict]:
+    """runner_overhead RESULT lines at this batch for this model (its name or its dir's), by mode."""
     rows: dict[str, dict] = {}
     for f in sorted(out.glob("runner_*.txt")):
         for line in f.read_text().splitlines():
             if line.startswith("RESULT "):
                 r = json.loads(line[7:])
-                if r.get("batch") == batch:
+                if r.get("batch") == batch and Path(str(r.get("model", ""))).name == model:
                     rows[r.get("mode", "")] = r
     return rows
 
 
-def _runner_ratio(out: Path, batch: int) -> float | None:
+def _runner_ratio(out: Path, batch: int, model: str = "qwen2-7b") -> float | None:
     """omni-with-emission tok/s / vllm tok/s at this batch."""
-    rows = _runner(out, batch)
+    rows = _runner(out, batch, model)
     emit, plain = _get(rows, "omni-emit", "tok_s"), _get(rows, "vllm", "tok_s")
     return round(emit / plain, 3) if emit and plain else None
 
@@ -67,6 +70,9 @@ def collect(out: Path) -> dict:
     return {
         "p1_runner_vs_vllm_bs1": _runner_ratio(out, 1),
         "p1_runner_vs_vllm_bs32": _runner_ratio(out, 32),
+        # issue 2: the same ratio for the tiny thinker (float32)
+        "tiny_runner_vs_vllm_bs1": _runner_ratio(out, 1, TINY),
+        "tiny_runner_vs_vllm_bs32": _runner_ratio(out, 32, TINY),
         "p2_ttfp_ms_c1": _get(c1, "ttfp_ms", "p50"),
         "p2_ttfp_ms_c16": _get(c16, "ttfp_ms", "p50"),
         "p2_ttfp_ms_c1_full_payload": _get(full_c1, "ttfp_ms", "p50"),

@@ -37,7 +37,7 @@ def decode_bytes_per_step(model_dir: str, batch: int, context: int, dtype_bytes:
     gathered) plus the batch's KV cache at `context` tokens. Qwen2-style dense decoder."""
     from transformers import AutoConfig
 
-    c = AutoConfig.from_pretrained(model_dir)
+    c = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)  # an omni thinker: its LM
     h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads
     hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
     qkv = h + 2 * kv * hd

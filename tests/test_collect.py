@@ -20,8 +20,11 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     _bench(tmp_path / "bench7b_full_c16.json", ttfp_ms={"p50": 9000.0}, errors=15)  # failures: not a measurement
     _bench(tmp_path / "bench7b_c16_ref.json", vs_reference=25.5)
     (tmp_path / "runner_a.txt").write_text(
-        'noise\nRESULT {"mode": "vllm", "batch": 1, "tok_s": 200.0}\n'
-        'RESULT {"mode": "omni-emit", "batch": 1, "tok_s": 198.0, "hbm_tb_s": 2.8}\n')
+        'noise\nRESULT {"model": "qwen2-7b", "mode": "vllm", "batch": 1, "tok_s": 200.0}\n'
+        'RESULT {"model": "qwen2-7b", "mode": "omni-emit", "batch": 1, "tok_s": 198.0, "hbm_tb_s": 2.8}\n')
+    (tmp_path / "runner_tiny_a.txt").write_text(
+        'RESULT {"model": "/w/var/models/tiny-qwen2_5-omni", "mode": "vllm", "batch": 1, "tok_s": 900.0}\n'
+        'RESULT {"model": "/w/var/models/tiny-qwen2_5-omni", "mode": "omni-emit", "batch": 1, "tok_s": 880.0}\n')
     (tmp_path / "serve_bench7b.log").write_text("... all 3 stages ready in 142.5 s; serving on http://x\n")
     (tmp_path / "serve_sized.log").write_text("... all 3 stages ready in 51.0 s; serving on http://x\n")
     out = tmp_path / "r.json"
@@ -35,3 +38,4 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert r["p5_hbm_fraction_bs1"] == round(2.8 / 4.3, 3)
     assert r["p4_vs_hf_c16"] == 25.5 and r["p6_ready_s_cold"] == 142.5 and r["p6_ready_s_warm"] is None
     assert r["p6_ready_s_warm_fixed_kv"] == 51.0
+    assert r["tiny_runner_vs_vllm_bs1"] == round(880 / 900, 3) and r["tiny_runner_vs_vllm_bs32"] is None

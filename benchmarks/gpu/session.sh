@@ -175,6 +175,11 @@ step_runner() {
     timeout 400 python3 benchmarks/runner_overhead.py --model qwen2-7b --mode $mode --batch 1 32 > $R/runner_$mode.txt 2>&1
     say "runner $mode: $(grep RESULT $R/runner_$mode.txt | tr '\n' ' ')"
   done
+  for mode in vllm omni; do  # issue 2: the tiny thinker too (float32, as the tests run it)
+    timeout 300 python3 benchmarks/runner_overhead.py --model $PWD/var/models/tiny-qwen2_5-omni --dtype float32 \
+      --mode $mode --batch 1 32 > $R/runner_tiny_$mode.txt 2>&1
+    say "runner tiny $mode: $(grep RESULT $R/runner_tiny_$mode.txt | tr '\n' ' ')"
+  done
 }
 for step in $STEPS; do step_$step; done
 free_gpus
