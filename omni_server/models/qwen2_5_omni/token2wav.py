@@ -376,7 +376,8 @@ class Token2Wav:
                            speaker.unsqueeze(1).expand(-1, frames, -1)], dim=-1)
         positions = torch.arange(frames, device=self.device)[None].expand(n * halves, -1)
         cos, sin = dit.rotary_embed(fixed, positions)
-        block_diff = dit._create_block_diff(fixed[:, :, :1])
+        # One head's worth ([rows, 1, F, F]): every head has the same mask, and attention broadcasts it.
+        block_diff = dit._create_block_diff(fixed[:, :, :1])[:, :1]
         if any(length < frames for length in lengths):
             # A real frame never attends padding: those keys fall outside every layer's block window.
             valid = torch.arange(frames, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
@@ -438,21 +439,23 @@ class DiTGraphs:
 
     def serves(self, rows: int, frames: int) -> bool:
         rows, frames = self.bucket(rows, frames, self.frame_unit)
-        return rows <= self.max_batch and frames <= self.max_frames and (
+        return not self.failed and rows <= self.max_batch and frames <= self.max_frames and (
             len(self.graphs) < self.max_graphs or any(k[:2] == (rows, frames) for k in self.graphs))
 
     def run(self, inputs: tuple[torch.Tensor, ...], options: tuple) -> torch.Tensor:
-        grid = inputs[-1]
-        key = (inputs[0].shape[0], inputs[0].shape[1], *options, tuple(grid.tolist()))
+        # The grid's values are a static input like the others: only its length shapes the graph.
+        key = (inputs[0].shape[0], inputs[0].shape[1], inputs[-1].shape[0], *options)
         entry = self.graphs.get(key)
         if entry is None:
             if len(self.graphs) >= self.max_graphs or self.failed:
                 return self.solve(*inputs, *options)
+            stream = torch.cuda.current_stream()
             try:
                 entry = self.graphs[key] = self._capture(inputs, options)
             except RuntimeError:  # keep serving, eagerly, and say why once
                 log.exception("token2wav: CUDA graph capture failed; the DiT runs eagerly from now on")
                 self.failed = True
+                torch.cuda.set_stream(stream)  # a failed capture's exit does not restore it
                 torch.cuda.synchronize()
                 return self.solve(*inputs, *options)
         graph, static, out = entry
