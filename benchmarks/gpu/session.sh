@@ -145,6 +145,18 @@ step_t2w() {
 for l in sys.stdin: d=json.loads(l[7:]); print(d['mode'], 'b', d['batch'], d['step_ms_p50'], 'ms/step rtf', d['rtf'], end='; ')")"
 }
 
+step_prof() {
+  # torch-profiler tables of each stage's steps at c=16 (OMNI_PROFILE, omni_server/stage/profiling.py):
+  # the AR stages once 8 requests run (50 steps after 20), token2wav 4 steps after 2. In $R/prof.
+  free_gpus
+  local p="dir=$R/prof,batch=8"
+  serve prof 8016 $CFG --stage-arg thinker.env.OMNI_PROFILE=$p,skip=20,steps=50 \
+    --stage-arg talker.env.OMNI_PROFILE=$p,skip=20,steps=50 --stage-arg token2wav.env.OMNI_PROFILE=$p,skip=2,steps=4
+  wait_ready prof 8016 && bench prof 8016
+  stop prof
+  say "profiles: $(ls $R/prof 2>/dev/null | tr '\n' ' ')"
+}
+
 step_mps() {
   # The one-GPU layout under CUDA MPS (stage processes' kernels run side by side instead of
   # time-slicing the GPU), if the host has the daemon. Not in the default steps.

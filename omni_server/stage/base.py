@@ -19,6 +19,7 @@ import torch
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
+from omni_server.stage.profiling import StepProfiler
 from omni_server.wire.messages import (
     AbortRequest,
     AddRequest,
@@ -162,6 +163,7 @@ class Stage:
     def run(self) -> None:
         self.sockets.send_api(StageReady(stage_id=self.stage_id, pid=os.getpid(), replica=self.replica,
                                          startup_s=round(self.startup_s, 2), info=self.info()))
+        prof = StepProfiler.from_env(f"stage{self.stage_id}-{self.stage.name}-r{self.replica}")
         try:
             while self.running:
                 busy = self.has_work()
@@ -174,12 +176,18 @@ class Stage:
                     if rid in self.waiting:
                         self._maybe_start(rid)
                 if self.running and self.has_work():
+                    if prof is not None:
+                        prof.before(self.counts()[0])
                     t0 = time.perf_counter()
                     served = self.step()
                     self.step_s += time.perf_counter() - t0
                     self.steps += 1
                     self.batch_sum += self.counts()[0] if served is None else served
+                    if prof is not None:
+                        prof.after()
         finally:
+            if prof is not None:
+                prof.finish()
             self.close()
 
     def _handle(self, msg) -> None:
