@@ -277,6 +277,16 @@ def test_vocoder_batches_equal_lengths_exactly(t2w):
         assert piece.shape == (200,) and (piece - alone).abs().max().item() < 1e-5
 
 
+def test_vocoder_body_is_transformers_forward(t2w):
+    # What the vocoder's CUDA graphs capture: transformers' BigVGAN forward, op for op.
+    mels = torch.randn(3, t2w.dit.mel_dim, 40, generator=torch.Generator().manual_seed(5))
+    body = t2w._vocoder_body(mels)
+    for i in range(3):
+        alone = t2w.vocoder(mels[i:i + 1]).reshape(-1)
+        assert torch.equal(t2w._vocoder_body(mels[i:i + 1])[0], alone)  # bit for bit
+        assert (body[i] - alone).abs().max().item() < 1e-6  # batched: conv rounding only
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_solve_equals_eager(model_dir):
     warmed = Token2Wav(model_dir, device="cuda", warmup_graphs=True, max_graph_batch=4)
@@ -293,5 +303,10 @@ def test_cuda_graph_solve_equals_eager(model_dir):
         for a, b in zip(want, got):
             assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4
     assert len(graphed.graphs.graphs) == 1
+    # The vocoder's graphs: batch 3 padded to 4, replayed with other mels of the same length.
+    for seed in (1, 2):
+        mels = torch.randn(3, graphed.dit.mel_dim, 112, generator=torch.Generator().manual_seed(seed)).cuda()
+        assert (graphed._vocoder_batch(mels) - eager._vocoder_batch(mels)).abs().max().item() < 1e-4
+    assert list(graphed.vocoder_graphs.graphs) == [(4, 112)]
     # A streamed decode through graphs equals the eager one.
     assert (graphed.stream_all(LONG, seed=4) - eager.stream_all(LONG, seed=4)).abs().max().item() < 1e-3

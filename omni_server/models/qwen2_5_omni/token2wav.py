@@ -21,6 +21,7 @@ response of at most `first_chunk_frames + future_frames` mel frames equals the f
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omni_server.models.checkpoint import load_module, read_config
+from omni_server.models.graphs import ShapeGraphs
 from .speakers import load_speakers
 
 log = logging.getLogger(__name__)
@@ -115,9 +117,14 @@ class Token2Wav:
             self.hop *= int(rate)
         # CUDA graphs of the DiT's ODE solve (see DiTGraphs): the DiT is small, so eager mode spends
         # its time launching ~30k kernels per window, not computing.
+        graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs = DiTGraphs(self._rk4, max_graphs, max_graph_batch, block * repeats,
-                                max(past_frames + chunk_frames, first_chunk_frames) + future_frames) \
-            if cuda_graphs and self.device.type == "cuda" else None
+                                max(past_frames + chunk_frames, first_chunk_frames) + future_frames) if graphs else None
+        # The vocoder's ~2,600 ops per call, likewise: one graph per (batch bucket, mel length).
+        self.vocoder_graphs = ShapeGraphs(self._vocoder_body, max_graphs, "token2wav vocoder") if graphs else None
+        self._max_graph_batch = max_graph_batch
+        # transformers' amplitude_to_db floor, made once on the device (capturable).
+        self._min_level = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), dtype=torch.float32)).to(self.device)
         # The DiT's speaker encoder sees only the voice's reference mel (or, for the unconditioned
         # half of guidance, zeros of its shape): encode both once per voice.
         with torch.inference_mode():
@@ -133,6 +140,7 @@ class Token2Wav:
         for every batch bucket, with `stream_step`'s default solver settings."""
         t0, repeats = time.monotonic(), self.dit.repeats
         grid = self._time_grid(10, -1.0)
+        ctx = self.vocoder_context_frames
         for frames in sorted({self.first_chunk_frames + self.future_frames,
                               self.past_frames + self.chunk_frames + self.future_frames}):
             rows = 1
@@ -142,7 +150,14 @@ class Token2Wav:
                 if self.graphs.serves(rows, frames):
                     self._sample_mels(codes, [self.voices[0]] * rows, noise, grid, 0.5)
                 rows *= 2
-        log.info("token2wav: %d CUDA graphs captured in %.1f s", len(self.graphs.graphs), time.monotonic() - t0)
+        # The vocoder's inputs: the first window's mel, then context + new frames + held-back context.
+        for length in sorted({self.first_chunk_frames, 2 * ctx + self.chunk_frames}):
+            rows = 1
+            while rows <= self._max_graph_batch:
+                self._vocoder_batch(torch.zeros(rows, self.dit.mel_dim, length, device=self.device))
+                rows *= 2
+        log.info("token2wav: %d DiT and %d vocoder CUDA graphs captured in %.1f s", len(self.graphs.graphs),
+                 len(self.vocoder_graphs.graphs), time.monotonic() - t0)
 
     @torch.inference_mode()
     def __call__(self, codes: torch.Tensor, voice: str | None = None, seed: int | None = None, num_steps: int = 10,
@@ -293,6 +308,29 @@ class Token2Wav:
     def _vocode_stream(self, st: CodeStream, new_mel: torch.Tensor | None) -> torch.Tensor:
         return self._vocode([self._vocode_plan(st, new_mel)])[0]
 
+    def _vocoder_body(self, mel: torch.Tensor) -> torch.Tensor:
+        """transformers' BigVGAN forward ([B, mel_dim, T] -> [B, samples], clamped), minus its final
+        squeeze and copy to the CPU and with its dB floor made once: the same float32 operations,
+        and nothing that a CUDA graph cannot capture."""
+        v = self.vocoder
+        decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self._min_level)) - 20
+        hidden = v.conv_pre(v.normalize_spectrogram(decibels, 1, -115))
+        for layer in range(v.num_upsample_layers):
+            hidden = v.ups[layer][0](hidden)
+            blocks = v.resblocks[layer * v.num_residual_blocks:(layer + 1) * v.num_residual_blocks]
+            hidden = sum(block(hidden) for block in blocks) / v.num_residual_blocks
+        return torch.clamp(v.conv_post(v.activation_post(hidden)), min=-1.0, max=1.0)[:, 0]
+
+    def _vocoder_batch(self, mels: torch.Tensor) -> torch.Tensor:
+        """[B, mel_dim, T] -> [B, samples] on the CPU; through a CUDA graph when one serves."""
+        graphs, count = self.vocoder_graphs, mels.shape[0]
+        rows = pow2(count)
+        if graphs is None or rows > self._max_graph_batch or not graphs.has_room((rows, mels.shape[2])):
+            return self._vocoder_body(mels).cpu()
+        if rows > count:  # rows are independent: pad with copies of the first
+            mels = torch.cat([mels, mels[:1].expand(rows - count, -1, -1)])
+        return graphs.run((rows, mels.shape[2]), (mels,))[:count].cpu()
+
     def _vocode(self, plans: list[tuple[torch.Tensor, int, int | None] | None]) -> list[torch.Tensor]:
         """Audio pieces (1-D float32 CPU) for vocoder plans (mel, first sample, samples or None for
         all); inputs of one length run as one batch
@@ -303,7 +341,7 @@ class Token2Wav:
             if plan is not None:
                 by_length.setdefault(plan[0].shape[2], []).append(i)
         for group in by_length.values():
-            waves = self.vocoder(torch.cat([plans[i][0] for i in group])).reshape(len(group), -1)
+            waves = self._vocoder_batch(torch.cat([plans[i][0] for i in group]))
             for i, wave in zip(group, waves):
                 _, skip, keep = plans[i]
                 pieces[i] = wave[skip:None if keep is None else skip + keep].float().cpu()
@@ -352,7 +390,7 @@ class Token2Wav:
         count, frames = len(codes), max(lengths)
         graphs = self.graphs if self.graphs is not None and self.graphs.serves(count, frames) else None
         if pad if pad is not None else graphs is not None:
-            rows, frames = DiTGraphs.bucket(count, frames, self.graphs.frame_unit if self.graphs else repeats * dit.block_size)
+            rows, frames = DiTGraphs.bucket(count, frames, repeats * dit.block_size)
             # Extra rows repeat the first request (real inputs, no empty attention rows); dropped below.
             codes, voices, noise = (list(v) + [v[0]] * (rows - count) for v in (codes, voices, noise))
             lengths = lengths + [lengths[0]] * (rows - count)
@@ -385,7 +423,7 @@ class Token2Wav:
             hide = valid[:, None, :, None] & ~valid[:, None, None, :]
             block_diff = block_diff.masked_fill(hide, float(frames + dit.block_size))
         inputs = (x, fixed, cos, sin, block_diff, grid)
-        x = graphs.run(inputs, (cfg, guidance_scale)) if graphs is not None else self._rk4(*inputs, cfg, guidance_scale)
+        x = graphs.solve(inputs, (cfg, guidance_scale)) if graphs is not None else self._rk4(*inputs, cfg, guidance_scale)
         return [x[b:b + 1, :lengths[b]].permute(0, 2, 1) for b in range(count)]
 
     def _rk4(self, x: torch.Tensor, fixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -417,66 +455,32 @@ class Token2Wav:
         return x
 
 
-class DiTGraphs:
-    """CUDA graphs of one ODE solve each, per input shape: a captured solve replays its ~30k kernel
-    launches at once. Shapes are bucketed (rows to a power of two, frames to `frame_unit`) so a few
-    graphs serve every streaming window; a shape is captured on first use, up to `max_graphs` (then,
-    and for windows longer than `max_frames` or batches above `max_batch`, the solve runs eagerly).
-    All graphs share one memory pool: they never run at the same time, and each keeps its own
-    inputs and output alive, so no capture reuses another's."""
+def pow2(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()
+
+
+class DiTGraphs(ShapeGraphs):
+    """The DiT's ODE solves as CUDA graphs: a captured solve replays its ~30k kernel launches at
+    once. Shapes are bucketed (rows to a power of two, frames to `frame_unit`) so a few graphs serve
+    every streaming window; windows longer than `max_frames` or batches above `max_batch` run
+    eagerly."""
 
     def __init__(self, solve, max_graphs: int, max_batch: int, frame_unit: int, max_frames: int):
-        self.solve, self.max_graphs, self.max_batch = solve, max_graphs, max_batch
-        self.frame_unit = frame_unit
+        super().__init__(solve, max_graphs, "token2wav DiT")
+        self.max_batch, self.frame_unit = max_batch, frame_unit
         self.max_frames = -(-max_frames // frame_unit) * frame_unit
-        self.graphs: dict[tuple, tuple] = {}
-        self.pool = None
-        self.failed = False
 
     @staticmethod
     def bucket(rows: int, frames: int, frame_unit: int) -> tuple[int, int]:
-        return 1 << (rows - 1).bit_length(), -(-frames // frame_unit) * frame_unit
+        return pow2(rows), -(-frames // frame_unit) * frame_unit
 
     def serves(self, rows: int, frames: int) -> bool:
         rows, frames = self.bucket(rows, frames, self.frame_unit)
-        return not self.failed and rows <= self.max_batch and frames <= self.max_frames and (
-            len(self.graphs) < self.max_graphs or any(k[:2] == (rows, frames) for k in self.graphs))
+        return rows <= self.max_batch and frames <= self.max_frames and self.has_room((rows, frames))
 
-    def run(self, inputs: tuple[torch.Tensor, ...], options: tuple) -> torch.Tensor:
+    def solve(self, inputs: tuple[torch.Tensor, ...], options: tuple) -> torch.Tensor:
         # The grid's values are a static input like the others: only its length shapes the graph.
-        key = (inputs[0].shape[0], inputs[0].shape[1], inputs[-1].shape[0], *options)
-        entry = self.graphs.get(key)
-        if entry is None:
-            if len(self.graphs) >= self.max_graphs or self.failed:
-                return self.solve(*inputs, *options)
-            stream = torch.cuda.current_stream()
-            try:
-                entry = self.graphs[key] = self._capture(inputs, options)
-            except RuntimeError:  # keep serving, eagerly, and say why once
-                log.exception("token2wav: CUDA graph capture failed; the DiT runs eagerly from now on")
-                self.failed = True
-                torch.cuda.set_stream(stream)  # a failed capture's exit does not restore it
-                torch.cuda.synchronize()
-                return self.solve(*inputs, *options)
-        graph, static, out = entry
-        for dst, src in zip(static, inputs):
-            dst.copy_(src)
-        graph.replay()
-        return out.clone()  # the next replay of this graph overwrites `out`
-
-    def _capture(self, inputs, options):
-        static = tuple(t.clone() for t in inputs)
-        if self.pool is None:  # the first capture: one eager run before it (lazy inits, workspaces)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.solve(*static, *options)
-            torch.cuda.current_stream().wait_stream(side)
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self.solve(*static, *options)
-        return graph, static, out
+        return self.run((inputs[0].shape[0], inputs[0].shape[1], inputs[-1].shape[0], *options), inputs, options)
 
 
 def _rng(seed: int | None) -> torch.Generator:

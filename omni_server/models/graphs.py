@@ -1,0 +1,64 @@
+"""CUDA graphs of a function of fixed-shape tensors, one per input shape: for model parts outside
+vLLM (a generator's networks) whose eager launches cost more than their kernels."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class ShapeGraphs:
+    """`fn(*tensors, *options) -> tensor`, captured once per `key` (the caller's name for the input
+    shapes and options) and replayed after copying the inputs into the capture's own. At most
+    `max_graphs`; past that, or after a failed capture, `fn` runs eagerly. All graphs share one
+    memory pool: they never run at the same time, and each keeps its inputs and output alive, so
+    no capture reuses another's live tensors (only their dead intermediates)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int, name: str):
+        self.fn, self.max_graphs, self.name = fn, max_graphs, name
+        self.graphs: dict[tuple, tuple] = {}
+        self.pool = None
+        self.failed = False
+
+    def has_room(self, key_prefix: tuple) -> bool:
+        """Whether a key starting with `key_prefix` would replay a graph (held or capturable)."""
+        return not self.failed and (len(self.graphs) < self.max_graphs
+                                    or any(k[:len(key_prefix)] == key_prefix for k in self.graphs))
+
+    def run(self, key: tuple, inputs: tuple[torch.Tensor, ...], options: tuple = ()) -> torch.Tensor:
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.max_graphs or self.failed:
+                return self.fn(*inputs, *options)
+            stream = torch.cuda.current_stream()
+            try:
+                entry = self.graphs[key] = self._capture(inputs, options)
+            except RuntimeError:  # keep serving, eagerly, and say why once
+                log.exception("%s: CUDA graph capture failed; running eagerly from now on", self.name)
+                self.failed = True
+                torch.cuda.set_stream(stream)  # a failed capture's exit does not restore it
+                torch.cuda.synchronize()
+                return self.fn(*inputs, *options)
+        graph, static, out = entry
+        for dst, src in zip(static, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return out.clone()  # the next replay of this graph overwrites `out`
+
+    def _capture(self, inputs, options):
+        static = tuple(t.clone() for t in inputs)
+        if self.pool is None:  # the first capture: one eager run before it (lazy inits, workspaces)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.fn(*static, *options)
+            torch.cuda.current_stream().wait_stream(side)
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = self.fn(*static, *options)
+        return graph, static, out
