@@ -287,6 +287,19 @@ def test_vocoder_body_is_transformers_forward(t2w):
         assert (body[i] - alone).abs().max().item() < 1e-6  # batched: conv rounding only
 
 
+@pytest.mark.parametrize("first", [72, 24])
+def test_graph_warm_up_covers_the_vocoder_lengths_of_a_stream(model_dir, first, monkeypatch):
+    # warmup_graphs captures the vocoder for these lengths only (others run eagerly): they must be
+    # every length a long stream passes it but the last piece's.
+    t2w = Token2Wav(model_dir, chunk_frames=72, first_chunk_frames=first, past_frames=48, future_frames=24,
+                    vocoder_context_frames=20)
+    seen = []
+    vocode = t2w._vocoder_batch
+    monkeypatch.setattr(t2w, "_vocoder_batch", lambda mels: seen.append(mels.shape[2]) or vocode(mels))
+    t2w.stream_all(torch.randint(0, 8000, (300,), generator=torch.Generator().manual_seed(3)), seed=0)
+    assert len(seen) > 4 and set(seen[:-1]) == t2w._stream_vocoder_lengths()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_solve_equals_eager(model_dir):
     warmed = Token2Wav(model_dir, device="cuda", warmup_graphs=True, max_graph_batch=4)

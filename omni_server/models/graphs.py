@@ -18,21 +18,27 @@ class ShapeGraphs:
     memory pool: they never run at the same time, and each keeps its inputs and output alive, so
     no capture reuses another's live tensors (only their dead intermediates)."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int, name: str):
+    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int, name: str, warm_each: bool = False):
         self.fn, self.max_graphs, self.name = fn, max_graphs, name
+        # warm_each: an eager run before every capture, not just the first (cuDNN builds its plans
+        # for a new shape on the host, which it does not promise to be capture-safe).
+        self.warm_each = warm_each
         self.graphs: dict[tuple, tuple] = {}
         self.pool = None
         self.failed = False
+        self.frozen = False  # set: no more captures (shapes not held run eagerly)
+
+    def _capturing(self) -> bool:
+        return not self.failed and not self.frozen and len(self.graphs) < self.max_graphs
 
     def has_room(self, key_prefix: tuple) -> bool:
         """Whether a key starting with `key_prefix` would replay a graph (held or capturable)."""
-        return not self.failed and (len(self.graphs) < self.max_graphs
-                                    or any(k[:len(key_prefix)] == key_prefix for k in self.graphs))
+        return not self.failed and (self._capturing() or any(k[:len(key_prefix)] == key_prefix for k in self.graphs))
 
     def run(self, key: tuple, inputs: tuple[torch.Tensor, ...], options: tuple = ()) -> torch.Tensor:
         entry = self.graphs.get(key)
         if entry is None:
-            if len(self.graphs) >= self.max_graphs or self.failed:
+            if not self._capturing():
                 return self.fn(*inputs, *options)
             stream = torch.cuda.current_stream()
             try:
@@ -51,7 +57,7 @@ class ShapeGraphs:
 
     def _capture(self, inputs, options):
         static = tuple(t.clone() for t in inputs)
-        if self.pool is None:  # the first capture: one eager run before it (lazy inits, workspaces)
+        if self.pool is None or self.warm_each:  # an eager run first (lazy inits, workspaces, plans)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

@@ -121,7 +121,8 @@ class Token2Wav:
         self.graphs = DiTGraphs(self._rk4, max_graphs, max_graph_batch, block * repeats,
                                 max(past_frames + chunk_frames, first_chunk_frames) + future_frames) if graphs else None
         # The vocoder's ~2,600 ops per call, likewise: one graph per (batch bucket, mel length).
-        self.vocoder_graphs = ShapeGraphs(self._vocoder_body, max_graphs, "token2wav vocoder") if graphs else None
+        self.vocoder_graphs = ShapeGraphs(self._vocoder_body, max_graphs, "token2wav vocoder",
+                                          warm_each=True) if graphs else None
         self._max_graph_batch = max_graph_batch
         # transformers' amplitude_to_db floor, made once on the device (capturable).
         self._min_level = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), dtype=torch.float32)).to(self.device)
@@ -140,7 +141,6 @@ class Token2Wav:
         for every batch bucket, with `stream_step`'s default solver settings."""
         t0, repeats = time.monotonic(), self.dit.repeats
         grid = self._time_grid(10, -1.0)
-        ctx = self.vocoder_context_frames
         for frames in sorted({self.first_chunk_frames + self.future_frames,
                               self.past_frames + self.chunk_frames + self.future_frames}):
             rows = 1
@@ -150,12 +150,12 @@ class Token2Wav:
                 if self.graphs.serves(rows, frames):
                     self._sample_mels(codes, [self.voices[0]] * rows, noise, grid, 0.5)
                 rows *= 2
-        # The vocoder's inputs: the first window's mel, then context + new frames + held-back context.
-        for length in sorted({self.first_chunk_frames, 2 * ctx + self.chunk_frames}):
+        for length in sorted(self._stream_vocoder_lengths()):
             rows = 1
             while rows <= self._max_graph_batch:
                 self._vocoder_batch(torch.zeros(rows, self.dit.mel_dim, length, device=self.device))
                 rows *= 2
+        self.vocoder_graphs.frozen = True
         log.info("token2wav: %d DiT and %d vocoder CUDA graphs captured in %.1f s", len(self.graphs.graphs),
                  len(self.vocoder_graphs.graphs), time.monotonic() - t0)
 
@@ -307,6 +307,16 @@ class Token2Wav:
 
     def _vocode_stream(self, st: CodeStream, new_mel: torch.Tensor | None) -> torch.Tensor:
         return self._vocode([self._vocode_plan(st, new_mel)])[0]
+
+    def _stream_vocoder_lengths(self) -> set[int]:
+        """The vocoder's input lengths (mel frames) in a long stream, but for its last piece: the
+        first window's mel (if it settles audio beyond the held-back context), the second's (what
+        the first kept + new frames), then context + new frames + held-back context."""
+        ctx = self.vocoder_context_frames
+        lengths = {min(self.first_chunk_frames, 2 * ctx) + self.chunk_frames, 2 * ctx + self.chunk_frames}
+        if self.first_chunk_frames > ctx:
+            lengths.add(self.first_chunk_frames)
+        return lengths
 
     def _vocoder_body(self, mel: torch.Tensor) -> torch.Tensor:
         """transformers' BigVGAN forward ([B, mel_dim, T] -> [B, samples], clamped), minus its final
