@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+
+import pytest
 from pathlib import Path
 
 from omni_server.config import load_config, load_config_text
@@ -96,3 +98,13 @@ def test_held_stage_imports_then_builds_its_engine_only_when_released(tiny_model
     finally:
         launcher.stop_all()
     assert launcher.procs[held].returncode is not None
+
+
+def test_stage_devices_index_the_gpus_serve_sees():
+    from omni_server.stage.main import visible_devices
+
+    assert visible_devices("0", None) == "0" and visible_devices("1,0", "") == "1,0"
+    assert visible_devices("0", "2,3") == "2" and visible_devices("1,0", "2, 3") == "3,2"
+    assert visible_devices("GPU-abc", "2,3") == "GPU-abc"  # a UUID is taken as given
+    with pytest.raises(SystemExit, match="GPU 2 is not among the 2 visible"):
+        visible_devices("2", "4,5")

@@ -43,7 +43,8 @@ class StageConfig(_Strict):
     max_batch_size: int = Field(8, ge=1)
     # Keyword arguments for the generator's constructor (e.g. token2wav's streaming window sizes).
     generator_args: dict[str, Any] = {}
-    # CUDA_VISIBLE_DEVICES for the stage process, e.g. "0" or "0,1"; None inherits.
+    # The stage process's GPUs, e.g. "0" or "0,1": indices into the GPUs `serve` sees (its own
+    # CUDA_VISIBLE_DEVICES, if set); None inherits them all.
     devices: str | None = None
     env: dict[str, str] = {}
     # Stage ids whose outputs feed this stage; empty = the client's prompt.

@@ -23,6 +23,24 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+def visible_devices(devices: str, inherited: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a stage whose config says `devices`: indices into the GPUs `serve`
+    itself sees (`inherited`, its CUDA_VISIBLE_DEVICES, if set), as for any CUDA program."""
+    if not inherited or not inherited.strip():
+        return devices
+    seen = [d.strip() for d in inherited.split(",") if d.strip()]
+    picked = []
+    for d in (d.strip() for d in devices.split(",")):
+        if not d.isdigit():  # a UUID or MIG name: as given
+            picked.append(d)
+        elif int(d) < len(seen):
+            picked.append(seen[int(d)])
+        else:
+            raise SystemExit(f"devices {devices!r}: GPU {d} is not among the {len(seen)} visible "
+                             f"(CUDA_VISIBLE_DEVICES={inherited})")
+    return ",".join(picked)
+
+
 def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: int | None = None,
               replica: int = 0, hold: bool = False) -> None:
     stage = cfg.stage(stage_id)
@@ -38,7 +56,8 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
     for key, value in stage.env.items():
         os.environ.setdefault(key, value)
     if stage.devices_of(replica) is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = stage.devices_of(replica)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(stage.devices_of(replica),
+                                                             os.environ.get("CUDA_VISIBLE_DEVICES"))
     if parent_pid:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
 
