@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from omni_server.config import load_config, load_config_text
 from omni_server.orchestrator.launcher import Launcher
