@@ -73,7 +73,7 @@ step_main() {
   serve bench7b 8010 $CFG
   wait_ready bench7b 8010; UP=$?
   nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv >> $R/progress.log
-  if [ "$NGPU" -ge 2 ]; then
+  if [ "$NGPU" -ge 2 ] && [ -z "$TESTS_BG" ]; then
     serve bench7b_full 8011 $CFG $FULL \
       --stage-arg thinker.devices=1 --stage-arg talker.devices=1 --stage-arg token2wav.devices=1
     [ $UP = 0 ] && bench bench7b 8010
@@ -91,6 +91,10 @@ step_main() {
     serve bench7b_full 8011 $CFG $FULL
     wait_ready bench7b_full 8011 && bench bench7b_full 8011
     stop bench7b_full
+    serve sized 8014 $CFG --stage-arg thinker.kv_cache_memory_bytes=$((50 * 2**30)) \
+      --stage-arg talker.kv_cache_memory_bytes=$((20 * 2**30))
+    wait_ready sized 8014
+    stop sized
     serve bench7b_again 8010 $CFG && wait_ready bench7b_again 8010
   fi
 }
@@ -111,14 +115,14 @@ print("one text+audio chat:", round(time.perf_counter() - t, 3), "s;", r.usage.c
       "wav", w.getframerate(), "Hz", round(w.getnframes() / w.getframerate(), 2), "s")
 PY
   say "$(tail -1 $R/one_chat.txt)"
-  REFDEV=$(( NGPU - 1 ))
+  REFDEV=$(( NGPU - 1 )); [ -n "$TESTS_BG" ] && REFDEV=0  # GPU 1 runs the CUDA tests
   CUDA_VISIBLE_DEVICES=$REFDEV $B --base-url http://127.0.0.1:8010 --concurrency 16 --requests 16 --reference $M \
     --reference-talker-max-tokens $TALKER_MAX --reference-requests 2 --output $R/bench7b_c16_ref.json > $R/ref.log 2>&1
   say "reference done (rc $?): $(python3 -c "import json;d=json.load(open('$R/bench7b_c16_ref.json'));print(d.get('reference'), d['levels'][0].get('vs_reference'))" 2>&1 | tail -1)"
 }
 
 step_layouts() {
-  free_gpus
+  free_gpus; wait_tests
   [ "$NGPU" -ge 2 ] || { say "layouts skipped: one GPU"; return; }
   # Issue 8: thinker on GPU 0, talker + token2wav on GPU 1; then a tensor-parallel thinker over both.
   serve gpu2 8012 configs/qwen2_5_omni_2gpu.yaml
@@ -172,7 +176,7 @@ step_mps() {
 }
 
 step_tests() {
-  free_gpus
+  [ -n "${CUDA_VISIBLE_DEVICES:-}" ] || free_gpus  # (in the background on GPU 1: nothing to free)
   mkdir -p $R/testlogs
   # TESTS: other pytest arguments, split on spaces (e.g. tests/test_token2wav.py -k graph).
   TESTS=${TESTS:-tests/test_e2e_speech.py tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py \
@@ -193,7 +197,17 @@ step_runner() {
     say "runner tiny $mode: $(grep RESULT $R/runner_tiny_$mode.txt | tr '\n' ' ')"
   done
 }
+# With two GPUs the CUDA tests (~8 min) run on GPU 1 in the background from the start; the steps
+# that need GPU 1 wait for them, the others use GPU 0 only meanwhile.
+TESTS_BG=""
+if [ "$NGPU" -ge 2 ] && [[ " $STEPS " == *" tests "* ]]; then
+  ( export CUDA_VISIBLE_DEVICES=1; step_tests ) &
+  TESTS_BG=$!
+  STEPS=$(echo " $STEPS " | sed 's/ tests / /')
+  say "CUDA tests started on GPU 1 in the background"
+fi
+wait_tests() { if [ -n "$TESTS_BG" ]; then wait $TESTS_BG; TESTS_BG=""; fi; }
 for step in $STEPS; do step_$step; done
-free_gpus
+free_gpus; wait_tests
 python3 benchmarks/collect.py $R --out $R/results.json > /dev/null 2>&1
 say "DONE"
