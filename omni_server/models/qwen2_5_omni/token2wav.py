@@ -399,7 +399,11 @@ class Token2Wav:
         lengths = [c.numel() * repeats for c in codes]
         count, frames = len(codes), max(lengths)
         graphs = self.graphs if self.graphs is not None and self.graphs.serves(count, frames) else None
-        if pad if pad is not None else graphs is not None:
+        if pad is None:
+            pad = graphs is not None
+        if not pad:  # graphs only ever see bucketed shapes
+            graphs = None
+        else:
             rows, frames = DiTGraphs.bucket(count, frames, repeats * dit.block_size)
             # Extra rows repeat the first request (real inputs, no empty attention rows); dropped below.
             codes, voices, noise = (list(v) + [v[0]] * (rows - count) for v in (codes, voices, noise))
@@ -433,7 +437,8 @@ class Token2Wav:
             hide = valid[:, None, :, None] & ~valid[:, None, None, :]
             block_diff = block_diff.masked_fill(hide, float(frames + dit.block_size))
         inputs = (x, fixed, cos, sin, block_diff, grid)
-        x = graphs.solve(inputs, (cfg, guidance_scale)) if graphs is not None else self._rk4(*inputs, cfg, guidance_scale)
+        options = (cfg, guidance_scale)
+        x = graphs.solve(inputs, options) if graphs is not None else self._rk4(*inputs, *options)
         return [x[b:b + 1, :lengths[b]].permute(0, 2, 1) for b in range(count)]
 
     def _rk4(self, x: torch.Tensor, fixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
