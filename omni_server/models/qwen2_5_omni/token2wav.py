@@ -137,8 +137,9 @@ class Token2Wav:
 
     @torch.inference_mode()
     def _warm_graphs(self) -> None:
-        """Capture now (not on the first requests) the graphs of the streaming windows' two sizes
-        for every batch bucket, with `stream_step`'s default solver settings."""
+        """Capture now (not on the first requests), for every batch bucket, the DiT graphs of the
+        streaming windows' two sizes (with `stream_step`'s default solver settings) and the vocoder
+        graphs of a stream's input lengths; after that the vocoder captures nothing new."""
         t0, repeats = time.monotonic(), self.dit.repeats
         grid = self._time_grid(10, -1.0)
         for frames in sorted({self.first_chunk_frames + self.future_frames,
