@@ -137,13 +137,13 @@ class Token2Wav:
 
     @torch.inference_mode()
     def _warm_graphs(self) -> None:
-        """Capture now (not on the first requests), for every batch bucket, the DiT graphs of the
-        streaming windows' two sizes (with `stream_step`'s default solver settings) and the vocoder
-        graphs of a stream's input lengths; after that the vocoder captures nothing new."""
+        """Capture now (not on the first requests), for every batch bucket, the DiT graphs of every
+        streaming window size (with `stream_step`'s default solver settings) and the vocoder graphs
+        of a stream's input lengths; after that nothing new is captured (other shapes run eagerly)."""
         t0, repeats = time.monotonic(), self.dit.repeats
         grid = self._time_grid(10, -1.0)
-        for frames in sorted({self.first_chunk_frames + self.future_frames,
-                              self.past_frames + self.chunk_frames + self.future_frames}):
+        # Every frame bucket a streaming window can fall in (replies end with shorter windows).
+        for frames in range(self.graphs.frame_unit, self.graphs.max_frames + 1, self.graphs.frame_unit):
             rows = 1
             while rows <= self.graphs.max_batch:
                 codes = [torch.zeros(frames // repeats, dtype=torch.long)] * rows
@@ -156,7 +156,7 @@ class Token2Wav:
             while rows <= self._max_graph_batch:
                 self._vocoder_batch(torch.zeros(rows, self.dit.mel_dim, length, device=self.device))
                 rows *= 2
-        self.vocoder_graphs.frozen = True
+        self.graphs.frozen = self.vocoder_graphs.frozen = True  # no capture stalls while serving
         log.info("token2wav: %d DiT and %d vocoder CUDA graphs captured in %.1f s", len(self.graphs.graphs),
                  len(self.vocoder_graphs.graphs), time.monotonic() - t0)
 
