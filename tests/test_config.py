@@ -625,3 +625,22 @@ def test_check_names_unknown_processors_generators_and_families(tmp_path):
     assert lines[1] == (f"{path}: stage 1 (b): input_processor: unknown input processor 'nofamily.proc' "
                         "(no model family 'nofamily')")
     assert lines[2].startswith(f"{path}: stage 2 (c): generator: unknown generator 'qwen2_5_omni.tokenwav'; known:")
+
+
+def test_check_rejects_generator_args_the_generator_does_not_take(tmp_path):
+    path = tmp_path / "args.yaml"
+    path.write_text(textwrap.dedent("""\
+        model: m
+        stages:
+          - {id: 0, name: a, model: x, output: text}
+          - {id: 1, name: t2w, kind: generation, model: x, generator: qwen2_5_omni.token2wav, inputs: [0],
+             input_processor: qwen2_5_omni.talker_to_token2wav, output: audio,
+             generator_args: {chunk_frames: 72, tf_32: true}}
+        """))
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "check", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()[1:]
+    assert line.startswith(f"{path}: stage 1 (t2w): generator_args: 'tf_32' not taken by generator "
+                           "'qwen2_5_omni.token2wav' (it takes: chunk_frames, cuda_graphs,")
+    assert "tf32" in line and "vocoder_context_frames" in line

@@ -19,7 +19,9 @@ Families register a lazy "module:Class" reference, so the module loads only in t
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 
 _REGISTRY: dict[str, str] = {}
 
@@ -40,6 +42,25 @@ def target(name: str) -> str:
         return _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown generator {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def arguments(name: str) -> tuple[set[str], bool] | None:
+    """The keyword arguments the generator registered as `name` takes besides `model_dir` and
+    `device`, and whether it takes any (**kwargs), read from its module's source (nothing is
+    imported); None when the source cannot be read."""
+    module, cls = target(name).split(":")
+    try:
+        spec = importlib.util.find_spec(module)
+        tree = ast.parse(open(spec.origin).read()) if spec and spec.origin else None
+    except (ImportError, OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body if tree else ():
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    a = item.args  # (self, model_dir, device, ...)
+                    return {x.arg for x in a.args[3:] + a.kwonlyargs}, a.kwarg is not None
+    return None
 
 
 def load(name: str):

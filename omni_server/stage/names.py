@@ -25,4 +25,10 @@ def problems(cfg: PipelineConfig, source: str) -> list[str]:
                 family = name.split(".", 1)[0]
                 out.append(f"{source}: stage {stage.id} ({stage.name}): {field}: unknown {field.replace('_', ' ')} "
                            f"{name!r} (no model family {family!r})")
+        if stage.generator and stage.generator_args and not any(stage.generator in p for p in out):
+            takes = generators.arguments(stage.generator)
+            unknown = sorted(set(stage.generator_args) - takes[0]) if takes and not takes[1] else []
+            if unknown:
+                out.append(f"{source}: stage {stage.id} ({stage.name}): generator_args: {', '.join(map(repr, unknown))} "
+                           f"not taken by generator {stage.generator!r} (it takes: {', '.join(sorted(takes[0]))})")
     return out
