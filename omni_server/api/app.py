@@ -143,6 +143,29 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "unavailable", "stages": stages, "pids": pids},
                             status_code=200 if ok else 503)
 
+    @app.get("/metrics")
+    async def metrics():
+        """Prometheus text format: request outcomes, TTFT / first-audio / duration histograms,
+        audio seconds, and every ready stage replica's stats (read now). Like /health, no API key."""
+        orch = state.orch
+        if orch is None:
+            raise APIError(503, "the pipeline is still starting")
+        m = orch.metrics
+        m.in_flight.set(len(orch.requests))
+        units = [(s, r) for s in state.cfg.stages for r in range(s.replicas)]
+
+        async def sample(stage, replica):
+            if (stage.id, replica) not in orch.ready:
+                return None
+            try:
+                return await orch.stats(stage.id, replica, timeout=2.0)
+            except asyncio.TimeoutError:
+                return None
+
+        for (stage, replica), stats in zip(units, await asyncio.gather(*(sample(s, r) for s, r in units))):
+            m.stage_sample(stage.name, replica, stats)
+        return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models", dependencies=[Depends(require_key)])
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.cfg.model, created=state.created)])

@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from omni_server.config.schema import PipelineConfig
+from omni_server.orchestrator.metrics import Metrics
 from omni_server.wire.codec import Decoder, Encoder
 from omni_server.wire.messages import (
     AbortRequest,
@@ -62,11 +63,18 @@ class RequestState:
     # Stage id -> the replica serving this request, for every stage on its route.
     replicas: dict[int, int] = field(default_factory=dict)
     released: bool = False  # its replicas' load counts were given back
+    # For metrics: when it was submitted, whether text / audio came yet, how it ended (once).
+    t0: float = 0.0
+    first_text: bool = False
+    first_audio: bool = False
+    outcome: str | None = None
+    counted: bool = False
 
 
 class Orchestrator:
     def __init__(self, cfg: PipelineConfig, runtime_dir: Path):
         self.cfg = cfg
+        self.metrics = Metrics(cfg.model)
         self.ctx = zmq.asyncio.Context()
         self.curve = curve_for(cfg.server.curve_keys_dir)
         if self.curve:
@@ -200,7 +208,7 @@ class Orchestrator:
         route = self.cfg.route(kinds)
         wanted = {i for i in route if self.cfg.stage(i).output in kinds or self.cfg.stage(i).output == "tokens"}
         replicas = {i: self._least_loaded(i) for i in route}
-        state = RequestState(request_id, set(wanted), outputs=set(wanted), replicas=replicas)
+        state = RequestState(request_id, set(wanted), outputs=set(wanted), replicas=replicas, t0=time.monotonic())
         for unit in replicas.items():
             self.load[unit] += 1
         self.requests[request_id] = state
@@ -235,7 +243,7 @@ class Orchestrator:
                 stage_id, delta = await state.queue.get()
                 if delta.error is not None or (delta.finished and stage_id not in state.outputs
                                                and delta.finish_reason in ("abort", "error")):
-                    state.done = True
+                    state.done, state.outcome = True, "error"
                     # The other stages may still hold it (running, or expecting its input): drop it there.
                     await self.abort(state.request_id)
                     yield stage_id, delta
@@ -244,10 +252,30 @@ class Orchestrator:
                     if delta.finished:
                         state.pending.discard(stage_id)
                         state.done = not state.pending
+                    self._observe(state, stage_id, delta)
                     yield stage_id, delta
         finally:
             self.requests.pop(state.request_id, None)
             self._release(state)
+            self._end(state, state.outcome or ("ok" if state.done else "aborted"))
+
+    def _observe(self, state: RequestState, stage_id: int, delta: RequestDelta) -> None:
+        kind = self.cfg.stage(stage_id).output
+        if kind == "text" and delta.new_token_ids and not state.first_text:
+            state.first_text = True
+            self.metrics.ttft.observe(time.monotonic() - state.t0)
+        wave = delta.tensors.get("audio") if kind == "audio" else None
+        if wave is not None and len(wave):
+            if not state.first_audio:
+                state.first_audio = True
+                self.metrics.ttfp.observe(time.monotonic() - state.t0)
+            if delta.sample_rate:
+                self.metrics.audio.inc(len(wave) / delta.sample_rate)
+
+    def _end(self, state: RequestState, outcome: str) -> None:
+        if not state.counted:
+            state.counted = True
+            self.metrics.ended(state.t0, outcome)
 
     async def finish(self, request_id: str, stage_id: int) -> None:
         """Cut one stage's generation short; stages downstream still get its output so far."""
@@ -259,6 +287,7 @@ class Orchestrator:
         state = self.requests.pop(request_id, None)
         if state is not None:
             self._release(state)
+            self._end(state, state.outcome or "aborted")
         msg = AbortRequest(request_ids=[request_id])
         for sock in self.stage_socks.values():
             await self._send(sock, msg)

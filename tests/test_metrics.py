@@ -1,0 +1,42 @@
+"""GET /metrics: Prometheus text with request outcomes, first-token / first-audio times and stage gauges."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _scrape(server) -> dict[tuple[str, tuple], float]:
+    resp = httpx.get(f"{server.base_url}/metrics", timeout=30)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(resp.text) for s in family.samples}
+
+
+def _get(samples, name, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_count_a_speech_request(speech_server):
+    before = _scrape(speech_server)
+    client = openai.OpenAI(base_url=f"{speech_server.base_url}/v1", api_key="unused")
+    resp = client.chat.completions.create(
+        model="omni-tiny", messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, seed=3,
+        modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"})
+    assert resp.choices[0].message.audio.data
+    after = _scrape(speech_server)
+    m = {"model": "omni-tiny"}
+    assert _get(after, "omni_requests_total", outcome="ok", **m) == _get(before, "omni_requests_total", outcome="ok", **m) + 1
+    for hist in ("omni_time_to_first_token_seconds", "omni_time_to_first_audio_seconds", "omni_request_duration_seconds"):
+        assert _get(after, f"{hist}_count", **m) == _get(before, f"{hist}_count", **m) + 1
+    first_token = _get(after, "omni_time_to_first_token_seconds_sum", **m) - _get(before, "omni_time_to_first_token_seconds_sum", **m)
+    first_audio = _get(after, "omni_time_to_first_audio_seconds_sum", **m) - _get(before, "omni_time_to_first_audio_seconds_sum", **m)
+    assert 0 < first_token <= first_audio
+    assert _get(after, "omni_audio_seconds_total", **m) > _get(before, "omni_audio_seconds_total", **m)
+    assert _get(after, "omni_requests_in_flight", **m) == 0
+    for stage in ("thinker", "talker", "token2wav"):
+        labels = dict(stage=stage, replica="0", **m)
+        assert _get(after, "omni_stage_up", **labels) == 1
+        assert _get(after, "omni_stage_steps_total", **labels) > _get(before, "omni_stage_steps_total", **labels)
+    assert _get(after, "omni_stage_payload_bytes_total", stage="thinker", replica="0", **m) > 0
