@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
@@ -40,3 +42,28 @@ def test_metrics_count_a_speech_request(speech_server):
         assert _get(after, "omni_stage_up", **labels) == 1
         assert _get(after, "omni_stage_steps_total", **labels) > _get(before, "omni_stage_steps_total", **labels)
     assert _get(after, "omni_stage_payload_bytes_total", stage="thinker", replica="0", **m) > 0
+
+
+def test_metrics_outcomes_of_a_stop_string_and_a_client_that_leaves(speech_server):
+    client = openai.OpenAI(base_url=f"{speech_server.base_url}/v1", api_key="unused")
+    kwargs = dict(model="omni-tiny", messages=[{"role": "user", "content": "Tell me about rivers."}], max_tokens=16,
+                  temperature=0, modalities=["text"], extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    m = {"model": "omni-tiny"}
+    before = _scrape(speech_server)
+    # Text only and the stop string comes: the request ends early, by design.
+    assert client.chat.completions.create(**kwargs, stop=[full[2:4]]).choices[0].finish_reason == "stop"
+    mid = _scrape(speech_server)
+    assert _get(mid, "omni_requests_total", outcome="ok", **m) == _get(before, "omni_requests_total", outcome="ok", **m) + 1
+    assert _get(mid, "omni_requests_total", outcome="aborted", **m) == _get(before, "omni_requests_total", outcome="aborted", **m)
+    # A streaming client that reads one chunk and goes away.
+    body = {"model": "omni-tiny", "messages": kwargs["messages"], "max_tokens": 200, "stream": True,
+            "modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "pcm16"}, "ignore_eos": True}
+    with httpx.stream("POST", f"{speech_server.base_url}/v1/chat/completions", json=body, timeout=60) as resp:
+        next(resp.iter_lines())
+    deadline = time.monotonic() + 30
+    while _get(_scrape(speech_server), "omni_requests_total", outcome="aborted", **m) == \
+            _get(mid, "omni_requests_total", outcome="aborted", **m):
+        assert time.monotonic() < deadline, "the abandoned request was never counted as aborted"
+        time.sleep(0.5)
+    assert _get(_scrape(speech_server), "omni_requests_in_flight", **m) == 0

@@ -525,7 +525,7 @@ class _Run:
                     self.finish_reason = "stop"
                     yield "text", piece + self.detok.flush()
                     if self.req.pending == {text_stage}:
-                        await self.orch.abort(self.req.request_id)
+                        await self.orch.abort(self.req.request_id, outcome="ok")  # done: the stop string came
                         return
                     # Later stages (speech) still finish, on the text up to the stop.
                     await self.orch.finish(self.req.request_id, text_stage)

@@ -283,11 +283,12 @@ class Orchestrator:
         replica = state.replicas.get(stage_id, 0) if state else 0
         await self._send(self.stage_socks[(stage_id, replica)], FinishRequest(request_id=request_id))
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, outcome: str = "aborted") -> None:
+        """Drop the request in every stage; `outcome` for metrics ("ok": it ended early by design)."""
         state = self.requests.pop(request_id, None)
         if state is not None:
             self._release(state)
-            self._end(state, state.outcome or "aborted")
+            self._end(state, state.outcome or outcome)
         msg = AbortRequest(request_ids=[request_id])
         for sock in self.stage_socks.values():
             await self._send(sock, msg)
