@@ -148,12 +148,12 @@ class Token2Wav:
             while rows <= self.graphs.max_batch:
                 codes = [torch.zeros(frames // repeats, dtype=torch.long)] * rows
                 noise = [torch.zeros(frames, self.dit.mel_dim)] * rows
-                if self.graphs.serves(rows, frames):
+                if self.graphs.serves(rows, frames):  # (False once a capture failed: no eager runs here)
                     self._sample_mels(codes, [self.voices[0]] * rows, noise, grid, 0.5)
                 rows *= 2
         for length in sorted(self._stream_vocoder_lengths()):
             rows = 1
-            while rows <= self._max_graph_batch:
+            while rows <= self._max_graph_batch and not self.vocoder_graphs.failed:
                 self._vocoder_batch(torch.zeros(rows, self.dit.mel_dim, length, device=self.device))
                 rows *= 2
         self.graphs.frozen = self.vocoder_graphs.frozen = True  # no capture stalls while serving
