@@ -32,3 +32,39 @@ def test_unset_is_off_and_a_missing_dir_is_an_error(monkeypatch):
     monkeypatch.setenv("OMNI_PROFILE", "batch=2")
     with pytest.raises(ValueError, match="dir="):
         StepProfiler.from_env("x")
+
+
+def test_stages_write_profiles_and_full_mode_batches_count(tiny_models, tmp_path):
+    # A real server: OMNI_PROFILE in two stages' env (through --stage-arg), token2wav decoding whole
+    # replies (input_mode full): its stats count the requests each step decoded.
+    import concurrent.futures
+    import time
+
+    import httpx
+    import openai
+
+    from tests.conftest import REPO, STARTUP_TIMEOUT, Server
+
+    prof = tmp_path / "prof"
+    server = Server(REPO / "configs" / "default.yaml", tmp_path / "serve.log", args=[
+        "--stage-arg", "token2wav.input_mode=full",
+        "--stage-arg", f"thinker.env.OMNI_PROFILE=dir={prof},batch=1,skip=2,steps=3",
+        "--stage-arg", f"token2wav.env.OMNI_PROFILE=dir={prof},batch=1,skip=0,steps=1"])
+    try:
+        server.wait_ready(time.monotonic() + STARTUP_TIMEOUT)
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+
+        def chat(i):
+            return client.chat.completions.create(
+                model="omni-tiny", messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=8,
+                modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"}).choices[0].message.audio
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            assert all(a.data for a in pool.map(chat, range(2)))
+        stats = httpx.get(f"{server.base_url}/v1/omni/stages/2/stats", timeout=30).json()
+        assert stats["steps"] >= 1 and stats["batch_sum"] == 2  # each reply decoded once, in some step
+    finally:
+        assert server.stop() == 0
+    thinker = (prof / "stage0-thinker-r0.txt").read_text()
+    token2wav = (prof / "stage2-token2wav-r0.txt").read_text()
+    assert thinker.startswith("3 steps with >= 1 requests running") and "aten::" in thinker
+    assert token2wav.startswith("1 steps with >= 1 requests running") and "aten::" in token2wav

@@ -7,13 +7,16 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
-def test_stage_mode_reports_a_rate_per_batch(tiny_models):
+@pytest.mark.parametrize("model", ["tiny-embeds-lm", "tiny-qwen2_5-omni"])  # a plain LM; an omni thinker
+def test_stage_mode_reports_a_rate_per_batch(tiny_models, model):
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.run(
-        [sys.executable, "benchmarks/runner_overhead.py", "--model", str(tiny_models["tiny-embeds-lm"]),
+        [sys.executable, "benchmarks/runner_overhead.py", "--model", str(tiny_models[model]),
          "--mode", "omni", "--batch", "1", "2", "--input-len", "16", "--output-len", "8", "--dtype", "float32",
          "--enforce-eager",
          # On CPU this is the share of host memory vLLM reserves: other test servers hold the rest.

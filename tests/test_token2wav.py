@@ -321,5 +321,13 @@ def test_cuda_graph_solve_equals_eager(model_dir):
         mels = torch.randn(3, graphed.dit.mel_dim, 112, generator=torch.Generator().manual_seed(seed)).cuda()
         assert (graphed._vocoder_batch(mels) - eager._vocoder_batch(mels)).abs().max().item() < 1e-4
     assert list(graphed.vocoder_graphs.graphs) == [(4, 112)]
+    # tf32: TF32 matmuls and convolutions for the process (restored: other tests compare float32).
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        Token2Wav(model_dir, device="cuda", cuda_graphs=False, tf32=True)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
     # A streamed decode through graphs equals the eager one.
     assert (graphed.stream_all(LONG, seed=4) - eager.stream_all(LONG, seed=4)).abs().max().item() < 1e-3

@@ -64,7 +64,9 @@ class GenerationStage(Stage):
         return set(self.waiting) | set(self.ready) | set(self.streams)
 
     def counts(self) -> tuple[int, int]:
-        return len(self.streams), len(self.waiting) + len(self.ready)
+        # Whole inputs queued for the generator run in its next steps (as vLLM's running requests
+        # do); those still awaiting input wait.
+        return len(self.streams) + len(self.ready), len(self.waiting)
 
     def start(self, expect: ExpectRequest, stage_input: StageInput, final: bool = True) -> None:
         rid = expect.request_id
