@@ -37,7 +37,8 @@ from omni_server.api.protocol import (
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.orchestrator import Orchestrator, StageUnavailable
-from omni_server.wire.messages import AUDIO_SAMPLE_RATE, REPLY_FROM_OPTION, VOICE_OPTION, SamplingSpec
+from omni_server.wire.messages import (AUDIO_SAMPLE_RATE, REPLY_FROM_OPTION, STAGE_COUNTERS, STAGE_GAUGES,
+                                       VOICE_OPTION, SamplingSpec)
 
 log = logging.getLogger(__name__)
 
@@ -245,12 +246,10 @@ def create_app(state: ServerState) -> FastAPI:
             per = [await orch.stats(stage_id, r) for r in range(state.cfg.stage(stage_id).replicas)]
         except asyncio.TimeoutError:
             raise APIError(503, f"stage {stage_id} did not answer") from None
-        replicas = [{"replica": s.replica, "num_running": s.num_running, "num_waiting": s.num_waiting,
-                     "request_ids": s.request_ids, "steps": s.steps, "step_s": s.step_s, "batch_sum": s.batch_sum,
-                     "backpressure_pauses": s.backpressure_pauses, "payload_bytes": s.payload_bytes} for s in per]
-        counters = ("num_running", "num_waiting", "steps", "step_s", "batch_sum", "backpressure_pauses",
-                    "payload_bytes")
-        total = {k: sum(r[k] for r in replicas) for k in counters}
+        numbers = STAGE_GAUGES + STAGE_COUNTERS
+        replicas = [{"replica": s.replica, "request_ids": s.request_ids, **{k: getattr(s, k) for k in numbers}}
+                    for s in per]
+        total = {k: sum(r[k] for r in replicas) for k in numbers}
         return {"stage_id": stage_id, **total, "request_ids": sorted(i for r in replicas for i in r["request_ids"]),
                 "replicas": replicas}
 

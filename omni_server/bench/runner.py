@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from omni_server.wire.messages import STAGE_COUNTERS
+
 _SENTENCES = [
     "The quick brown fox jumps over the lazy dog while the sun sets behind the hills.",
     "A small model can still be useful when it is used to test the plumbing of a large system.",
@@ -195,8 +197,7 @@ def _stage_profile(before: list[dict], after: list[dict], wall: float) -> list[d
     payload MB sent downstream, backpressure pauses."""
     rows = []
     for b, a in zip(before, after):
-        d = {k: a.get(k, 0) - b.get(k, 0) for k in ("steps", "step_s", "batch_sum", "payload_bytes",
-                                                     "backpressure_pauses")}
+        d = {k: a.get(k, 0) - b.get(k, 0) for k in STAGE_COUNTERS}
         steps = d["steps"]
         rows.append({"stage_id": a["stage_id"], "steps": steps,
                      "step_ms_mean": round(1000 * d["step_s"] / steps, 3) if steps else None,

@@ -40,6 +40,9 @@ class Metrics:
                                    labels, registry=r)
         self.stage_pauses = Gauge("omni_stage_backpressure_pauses_total", "Times a stage paused a request for a "
                                   "slow consumer", labels, registry=r)
+        self._stage_fields = {"num_running": self.stage_running, "num_waiting": self.stage_waiting,
+                              "steps": self.stage_steps, "step_s": self.stage_step_s,
+                              "payload_bytes": self.stage_payload, "backpressure_pauses": self.stage_pauses}
         self.stage_up = Gauge("omni_stage_up", "1 when the stage replica answered the scrape's stats query",
                               labels, registry=r)
 
@@ -54,11 +57,8 @@ class Metrics:
         self.stage_up.labels(**labels).set(0 if stats is None else 1)
         if stats is None:
             return
-        for gauge, value in ((self.stage_running, stats.num_running), (self.stage_waiting, stats.num_waiting),
-                             (self.stage_steps, stats.steps), (self.stage_step_s, stats.step_s),
-                             (self.stage_payload, stats.payload_bytes),
-                             (self.stage_pauses, stats.backpressure_pauses)):
-            gauge.labels(**labels).set(value)
+        for field, gauge in self._stage_fields.items():
+            gauge.labels(**labels).set(getattr(stats, field))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -170,6 +170,12 @@ class StageStats(_Msg):
     replica: int = 0
 
 
+# StageStats' numbers: what it holds now, and what it did since it started (deltas over time are
+# meaningful); both sum over replicas.
+STAGE_GAUGES = ("num_running", "num_waiting")
+STAGE_COUNTERS = ("steps", "step_s", "batch_sum", "backpressure_pauses", "payload_bytes")
+
+
 Message = Union[
     AddRequest,
     ExpectRequest,

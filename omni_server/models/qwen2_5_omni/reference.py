@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
+from omni_server.models.masking import suppress
+
 from .codec import banned_ids
 
 
@@ -15,7 +17,7 @@ class _Ban(LogitsProcessor):
         self.banned = banned
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return scores.masked_fill(self.banned[: scores.shape[-1]], float("-inf"))
+        return suppress(scores, self.banned)
 
 
 class Reference:

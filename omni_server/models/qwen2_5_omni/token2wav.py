@@ -123,7 +123,6 @@ class Token2Wav:
         # The vocoder's ~2,600 ops per call, likewise: one graph per (batch bucket, mel length).
         self.vocoder_graphs = ShapeGraphs(self._vocoder_body, max_graphs, "token2wav vocoder",
                                           warm_each=True) if graphs else None
-        self._max_graph_batch = max_graph_batch
         # transformers' amplitude_to_db floor, made once on the device (capturable).
         self._min_level = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), dtype=torch.float32)).to(self.device)
         # The DiT's speaker encoder sees only the voice's reference mel (or, for the unconditioned
@@ -143,19 +142,17 @@ class Token2Wav:
         t0, repeats = time.monotonic(), self.dit.repeats
         grid = self._time_grid(10, -1.0)
         # Every frame bucket a streaming window can fall in (replies end with shorter windows).
+        buckets = [1 << i for i in range(self.graphs.max_batch.bit_length())]  # 1, 2, 4, ... <= max_batch
         for frames in range(self.graphs.frame_unit, self.graphs.max_frames + 1, self.graphs.frame_unit):
-            rows = 1
-            while rows <= self.graphs.max_batch:
+            for rows in buckets:
                 codes = [torch.zeros(frames // repeats, dtype=torch.long)] * rows
                 noise = [torch.zeros(frames, self.dit.mel_dim)] * rows
                 if self.graphs.serves(rows, frames):  # (False once a capture failed: no eager runs here)
                     self._sample_mels(codes, [self.voices[0]] * rows, noise, grid, 0.5)
-                rows *= 2
         for length in sorted(self._stream_vocoder_lengths()):
-            rows = 1
-            while rows <= self._max_graph_batch and not self.vocoder_graphs.failed:
-                self._vocoder_batch(torch.zeros(rows, self.dit.mel_dim, length, device=self.device))
-                rows *= 2
+            for rows in buckets:
+                if not self.vocoder_graphs.failed:
+                    self._vocoder_batch(torch.zeros(rows, self.dit.mel_dim, length, device=self.device))
         self.graphs.frozen = self.vocoder_graphs.frozen = True  # no capture stalls while serving
         log.info("token2wav: %d DiT and %d vocoder CUDA graphs captured in %.1f s", len(self.graphs.graphs),
                  len(self.vocoder_graphs.graphs), time.monotonic() - t0)
@@ -336,7 +333,7 @@ class Token2Wav:
         """[B, mel_dim, T] -> [B, samples] on the CPU; through a CUDA graph when one serves."""
         graphs, count = self.vocoder_graphs, mels.shape[0]
         rows = pow2(count)
-        if graphs is None or rows > self._max_graph_batch or not graphs.has_room((rows, mels.shape[2])):
+        if graphs is None or rows > self.graphs.max_batch or not graphs.has_room((rows, mels.shape[2])):
             return self._vocoder_body(mels).cpu()
         if rows > count:  # rows are independent: pad with copies of the first
             mels = torch.cat([mels, mels[:1].expand(rows - count, -1, -1)])
@@ -484,7 +481,7 @@ class DiTGraphs(ShapeGraphs):
     def __init__(self, solve, max_graphs: int, max_batch: int, frame_unit: int, max_frames: int):
         super().__init__(solve, max_graphs, "token2wav DiT")
         self.max_batch, self.frame_unit = max_batch, frame_unit
-        self.max_frames = -(-max_frames // frame_unit) * frame_unit
+        self.max_frames = self.bucket(1, max_frames, frame_unit)[1]
 
     @staticmethod
     def bucket(rows: int, frames: int, frame_unit: int) -> tuple[int, int]:

@@ -32,6 +32,8 @@ class CodePredictor:
         self.groups = config.num_code_groups - 1
         self.module = load_module(Module, config, model_dir, WEIGHTS_PREFIX, self.device).to(dtype)
         self.dtype = dtype
+        # Group j's positions (2 rows at j = 0, then one each) are slices of one range.
+        self._positions = torch.arange(self.groups + 2, device=self.device)
 
     @torch.inference_mode()
     def __call__(self, h: torch.Tensor, e0: torch.Tensor, generators: list[torch.Generator | None] | None = None
@@ -47,7 +49,7 @@ class CodePredictor:
         codes, residual = [], torch.zeros(batch, h.shape[-1], device=self.device, dtype=self.dtype)
         for j in range(self.groups):
             start = 0 if j == 0 else j + 1
-            pos = torch.arange(start, start + x.shape[1], device=self.device).expand(batch, -1)
+            pos = self._positions[start:start + x.shape[1]].expand(batch, -1)
             out = model(inputs_embeds=x, position_ids=pos, past_key_values=cache, use_cache=True)
             logits = self.module.lm_head[j](out.last_hidden_state[:, -1]).float()
             code = _pick(logits, generators)
