@@ -3,7 +3,7 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main ref t2w tests layouts runner prof").
+# Steps run in the order STEPS names them (default "main ref full t2w tests runner layouts fc48 prof").
 set -u
 R=/tmp/res; mkdir -p $R
 cd "$(dirname "$0")/../.."
@@ -18,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main ref t2w tests layouts runner prof}
+STEPS=${STEPS:-main ref full t2w tests runner layouts fc48 prof}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -65,43 +65,34 @@ if [ ! -f $M/config.json ]; then
 fi
 
 step_main() {
-  # Streaming server (bench7b, cold compile cache: p6 cold), then the same with token2wav in
-  # full-payload mode (bench7b_full, from the first one's compile cache: p6 warm): the TTFP ratio.
-  # With two GPUs the second starts on GPU 1 while the first is benched on GPU 0.
+  # The streaming server on a cold compile cache (p6 cold), benched; it stays up for `ref`.
   export VLLM_CACHE_ROOT=/tmp/vc
-  FULL="--stage-arg token2wav.input_mode=full"
   serve bench7b 8010 $CFG
-  wait_ready bench7b 8010; UP=$?
+  wait_ready bench7b 8010 || return
   nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv >> $R/progress.log
-  if [ "$NGPU" -ge 2 ] && [ -z "$TESTS_BG" ]; then
-    serve bench7b_full 8011 $CFG $FULL \
-      --stage-arg thinker.devices=1 --stage-arg talker.devices=1 --stage-arg token2wav.devices=1
-    [ $UP = 0 ] && bench bench7b 8010
-    wait_ready bench7b_full 8011 && bench bench7b_full 8011
-    stop bench7b_full
-    # Start time when thinker and talker are given KV cache sizes (no memory profiling: the two
-    # engines build side by side): p6 warm for that variant.
-    serve sized 8014 $CFG --stage-arg thinker.devices=1 --stage-arg talker.devices=1 --stage-arg token2wav.devices=1 \
-      --stage-arg thinker.kv_cache_memory_bytes=$((50 * 2**30)) --stage-arg talker.kv_cache_memory_bytes=$((20 * 2**30))
-    wait_ready sized 8014
-    stop sized
-  else
-    [ $UP = 0 ] && bench bench7b 8010
-    stop bench7b
-    serve bench7b_full 8011 $CFG $FULL
-    wait_ready bench7b_full 8011 && bench bench7b_full 8011
-    stop bench7b_full
-    serve sized 8014 $CFG --stage-arg thinker.kv_cache_memory_bytes=$((50 * 2**30)) \
-      --stage-arg talker.kv_cache_memory_bytes=$((20 * 2**30))
-    wait_ready sized 8014
-    stop sized
-    serve bench7b_again 8010 $CFG && wait_ready bench7b_again 8010
-  fi
+  grep -a "CUDA graph" $R/serve_bench7b.log | head -3 | cut -c1-300 | tee -a $R/progress.log
+  bench bench7b 8010
+}
+
+step_full() {
+  # The same with token2wav in full-payload mode, from the first server's compile cache (p6 warm):
+  # the TTFP ratio. Then the start time when thinker and talker are given KV cache sizes (no memory
+  # profiling: the two engines build side by side): p6 warm for that variant.
+  free_gpus
+  export VLLM_CACHE_ROOT=/tmp/vc
+  serve bench7b_full 8011 $CFG --stage-arg token2wav.input_mode=full
+  wait_ready bench7b_full 8011 && bench bench7b_full 8011
+  stop bench7b_full
+  serve sized 8014 $CFG --stage-arg thinker.kv_cache_memory_bytes=$((50 * 2**30)) \
+    --stage-arg talker.kv_cache_memory_bytes=$((20 * 2**30))
+  wait_ready sized 8014
+  stop sized
 }
 
 step_ref() {
   # Issue 3: one text+audio chat through the openai client; then p4 (transformers' pipeline on the
   # same prompts, on the second GPU when there is one).
+  curl -s localhost:8010/health | grep -q '"ok"' || { serve bench7b_again 8010 $CFG; wait_ready bench7b_again 8010 || return; }
   python3 - > $R/one_chat.txt 2>&1 <<'PY'
 import os, time, openai
 c = openai.OpenAI(base_url="http://127.0.0.1:8010/v1", api_key="x")
@@ -132,7 +123,7 @@ step_layouts() {
   # then an illegal memory access): 2026-11-29 with vLLM's custom all-reduce on, 2026-11-30 with it
   # off but vLLM's compile pass fusing all-reduce + RMSNorm through FlashInfer's "mnnvl" all-reduce,
   # which needs NVLink multicast (kept off on this machine). So: plain NCCL, no fusion.
-  VLLM_ALLREDUCE_USE_SYMM_MEM=0 serve tp2 8013 configs/qwen2_5_omni_2gpu.yaml --stage-arg thinker.devices=0,1 \
+  VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm serve tp2 8013 configs/qwen2_5_omni_2gpu.yaml --stage-arg thinker.devices=0,1 \
     --stage-arg thinker.tensor_parallel_size=2 --stage-arg thinker.gpu_memory_utilization=0.5 \
     --stage-arg thinker.disable_custom_all_reduce=true \
     --stage-arg 'thinker.compilation_config={"pass_config":{"fuse_allreduce_rms":false}}' \
@@ -161,6 +152,15 @@ step_prof() {
   say "profiles: $(ls $R/prof 2>/dev/null | tr '\n' ' ')"
 }
 
+step_fc48() {
+  # A first streaming window of 48 codec frames instead of 72: an earlier first packet, if the talker
+  # keeps ahead of playback (issue 5's TTFP).
+  free_gpus
+  serve fc48 8017 $CFG --stage-arg token2wav.generator_args.first_chunk_frames=48
+  wait_ready fc48 8017 && bench fc48 8017
+  stop fc48
+}
+
 step_mps() {
   # The one-GPU layout under CUDA MPS (stage processes' kernels run side by side instead of
   # time-slicing the GPU), if the host has the daemon. Not in the default steps.
@@ -186,7 +186,7 @@ step_tests() {
 }
 
 step_runner() {
-  free_gpus
+  [ -n "${CUDA_VISIBLE_DEVICES:-}" ] || free_gpus  # (in the background on GPU 1: nothing to free)
   for mode in vllm omni; do
     timeout 400 python3 benchmarks/runner_overhead.py --model qwen2-7b --mode $mode --batch 1 32 > $R/runner_$mode.txt 2>&1
     say "runner $mode: $(grep RESULT $R/runner_$mode.txt | tr '\n' ' ')"
@@ -197,14 +197,15 @@ step_runner() {
     say "runner tiny $mode: $(grep RESULT $R/runner_tiny_$mode.txt | tr '\n' ' ')"
   done
 }
-# With two GPUs the CUDA tests (~8 min) run on GPU 1 in the background from the start; the steps
-# that need GPU 1 wait for them, the others use GPU 0 only meanwhile.
+# With two GPUs the CUDA tests (~8 min) and then the runner benchmark run on GPU 1 in the background
+# from the start; the steps that need GPU 1 wait for them, the others use GPU 0 only meanwhile.
 TESTS_BG=""
-if [ "$NGPU" -ge 2 ] && [[ " $STEPS " == *" tests "* ]]; then
-  ( export CUDA_VISIBLE_DEVICES=1; step_tests ) &
+if [ "$NGPU" -ge 2 ] && [[ " $STEPS " == *" tests "* || " $STEPS " == *" runner "* ]]; then
+  BG=""; for s in tests runner; do [[ " $STEPS " == *" $s "* ]] && BG="$BG $s"; done
+  ( export CUDA_VISIBLE_DEVICES=1; for s in $BG; do step_$s; done ) &
   TESTS_BG=$!
-  STEPS=$(echo " $STEPS " | sed 's/ tests / /')
-  say "CUDA tests started on GPU 1 in the background"
+  STEPS=$(echo " $STEPS " | sed 's/ tests / /; s/ runner / /')
+  say "on GPU 1 in the background:$BG"
 fi
 wait_tests() { if [ -n "$TESTS_BG" ]; then wait $TESTS_BG; TESTS_BG=""; fi; }
 for step in $STEPS; do step_$step; done
