@@ -25,6 +25,16 @@ MODELS = REPO / "var" / "models"
 STARTUP_TIMEOUT = 420
 
 
+def pytest_runtest_logreport(report) -> None:
+    """With OMNI_TEST_LOG_DIR set, each failure is written there as it happens (failures.txt), so a
+    session killed by a time limit still says what failed and why."""
+    keep = os.environ.get("OMNI_TEST_LOG_DIR")
+    if keep and report.failed:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        with open(Path(keep) / "failures.txt", "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,6 +47,10 @@ class Server:
     def __init__(self, config: Path, log_path: Path, env: dict[str, str] | None = None, args: list[str] = ()):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        keep = os.environ.get("OMNI_TEST_LOG_DIR")  # e.g. CI artifacts: the log lives there from the start
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            log_path = Path(keep) / f"{log_path.parent.name}-{log_path.name}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
@@ -89,10 +103,6 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
-        keep = os.environ.get("OMNI_TEST_LOG_DIR")  # e.g. CI artifacts
-        if keep:
-            Path(keep).mkdir(parents=True, exist_ok=True)
-            (Path(keep) / self.log_path.name).write_text(self.log_tail(10**6))
         return self.proc.returncode
 
 

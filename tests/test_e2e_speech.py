@@ -359,6 +359,18 @@ def test_text_only_request_skips_talker_and_vocoder(client, speech_server):
     assert [speech_server.stats(i)["steps"] for i in (1, 2)] == before
 
 
+def test_stage_stats_time_each_stages_first_output(client, speech_server):
+    """Every stage counts the request's first output and the time to it from the request's start:
+    the thinker's first token, then the talker's first codes, then token2wav's first audio."""
+    keys = ("first_outputs", "first_output_s")
+    before = [speech_server.stats(i) for i in range(3)]
+    _chat(client, "Count from one to ten.", "Chelsie", seed=3)
+    after = [speech_server.stats(i) for i in range(3)]
+    counts, secs = ([a[k] - b[k] for a, b in zip(after, before)] for k in keys)
+    assert counts == [1, 1, 1]
+    assert 0 < secs[0] < secs[1] < secs[2], secs
+
+
 @pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "pcm"])
 def test_speech_endpoint_returns_24khz_audio(client, fmt):
     r = client.audio.speech.create(model=MODEL, input="Hello there, how are you today?", voice="Ethan",

@@ -41,6 +41,9 @@ def test_metrics_count_a_speech_request(speech_server):
         labels = dict(stage=stage, replica="0", **m)
         assert _get(after, "omni_stage_up", **labels) == 1
         assert _get(after, "omni_stage_steps_total", **labels) > _get(before, "omni_stage_steps_total", **labels)
+        firsts = "omni_stage_first_outputs_total"
+        assert _get(after, firsts, **labels) > _get(before, firsts, **labels)
+        assert _get(after, "omni_stage_first_output_seconds_total", **labels) > 0
     assert _get(after, "omni_stage_payload_bytes_total", stage="thinker", replica="0", **m) > 0
 
 

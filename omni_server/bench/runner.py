@@ -4,7 +4,8 @@ Per level it reports TTFT (first text delta), end-to-end latency (p50/p90/p99), 
 (completion tokens from the usage chunk / wall time) and errors; with `audio`, also TTFP (first
 audio data delta), seconds of audio per wall second and RTF (request latency / its audio duration).
 Per stage (`stages`, from the stats route before and after the level): steps, mean step time, busy
-fraction of the level's wall time, mean batch, payload MB sent to other stages, backpressure pauses.
+fraction of the level's wall time, mean batch, payload MB sent to other stages, backpressure pauses,
+mean time from a request's start to the stage's first output for it.
 With `reference`, transformers' own pipeline runs the same prompts in this process afterwards, and
 each level reports its throughput relative to it (`vs_reference`).
 """
@@ -194,7 +195,8 @@ async def _stage_counters(client: httpx.AsyncClient) -> list[dict]:
 
 def _stage_profile(before: list[dict], after: list[dict], wall: float) -> list[dict]:
     """Per stage over one level: steps, mean step time, busy fraction of the wall time, mean batch,
-    payload MB sent downstream, backpressure pauses."""
+    payload MB sent downstream, backpressure pauses, and the mean time from a request's start to the
+    stage's first output for it (`first_output_ms`: which stage holds the first packet back)."""
     rows = []
     for b, a in zip(before, after):
         d = {k: a.get(k, 0) - b.get(k, 0) for k in STAGE_COUNTERS}
@@ -204,7 +206,9 @@ def _stage_profile(before: list[dict], after: list[dict], wall: float) -> list[d
                      "busy": round(d["step_s"] / wall, 3) if wall > 0 else None,
                      "batch_mean": round(d["batch_sum"] / steps, 2) if steps else None,
                      "payload_mb": round(d["payload_bytes"] / 2**20, 2),
-                     "backpressure_pauses": d["backpressure_pauses"]})
+                     "backpressure_pauses": d["backpressure_pauses"],
+                     "first_output_ms": round(1000 * d["first_output_s"] / d["first_outputs"], 1)
+                     if d["first_outputs"] else None})
     return rows
 
 

@@ -40,9 +40,15 @@ class Metrics:
                                    labels, registry=r)
         self.stage_pauses = Gauge("omni_stage_backpressure_pauses_total", "Times a stage paused a request for a "
                                   "slow consumer", labels, registry=r)
+        # Their ratio (of rates) is the mean time from a request's start to the stage's first output.
+        self.stage_firsts = Gauge("omni_stage_first_outputs_total", "Requests a stage sent a first output for",
+                                  labels, registry=r)
+        self.stage_first_s = Gauge("omni_stage_first_output_seconds_total", "Seconds from requests' start to "
+                                   "the stage's first output for them, summed", labels, registry=r)
         self._stage_fields = {"num_running": self.stage_running, "num_waiting": self.stage_waiting,
                               "steps": self.stage_steps, "step_s": self.stage_step_s,
-                              "payload_bytes": self.stage_payload, "backpressure_pauses": self.stage_pauses}
+                              "payload_bytes": self.stage_payload, "backpressure_pauses": self.stage_pauses,
+                              "first_outputs": self.stage_firsts, "first_output_s": self.stage_first_s}
         self.stage_up = Gauge("omni_stage_up", "1 when the stage replica answered the scrape's stats query",
                               labels, registry=r)
 

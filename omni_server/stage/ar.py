@@ -24,7 +24,6 @@ from omni_server.wire.messages import (
     AddRequest,
     ExpectRequest,
     RequestDelta,
-    RequestOutputs,
     AUDIO_SAMPLE_RATE,
     SamplingSpec,
     StagePayload,
@@ -300,8 +299,7 @@ class ARStage(Stage):
         tracked = self.tracked.pop(request_id, None)
         if tracked is not None:
             self._forward(request_id, tracked)
-        self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=[
-            RequestDelta(request_id=request_id, finished=True, finish_reason="stop")]))
+        self.send_outputs([RequestDelta(request_id=request_id, finished=True, finish_reason="stop")])
 
     def drop(self, request_ids: list[str]) -> None:
         in_engine = [r for r in request_ids if r in self.in_engine]
@@ -317,8 +315,12 @@ class ARStage(Stage):
 
     # ---- engine step ------------------------------------------------------------------------
 
-    def step(self) -> None:
+    def step(self) -> int:
+        """Requests this step advanced: those it scheduled or, when it only collected a batch in
+        flight (async scheduling's last step), those that batch returned."""
+        scheduled = self.core.scheduler.scheduled
         outputs, executed = self.core.step_fn()
+        scheduled = self.core.scheduler.scheduled - scheduled
         self.core.post_step(executed)
         # Last step's copies are done by now (the engine waited for that step's tokens): settle them.
         for tracked in self._unsettled:
@@ -333,7 +335,7 @@ class ARStage(Stage):
                     tracked.frames.append(frame)
         self.core.scheduler.frames.clear()
         if not outputs:
-            return
+            return scheduled
         deltas: list[RequestDelta] = []
         for eco in outputs.values():
             for out in eco.outputs:
@@ -365,8 +367,9 @@ class ARStage(Stage):
                         del self.tracked[rid]
                         self._forward(rid, tracked)
         if deltas:
-            self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=deltas))
+            self.send_outputs(deltas)
         self._report_use()
+        return max(scheduled, sum(len(eco.outputs) for eco in outputs.values()))
 
     def _report_use(self) -> None:
         """Credits to the sources of streamed inputs: step k used their output token k."""

@@ -92,6 +92,11 @@ class Stage:
         self.batch_sum = 0
         self.backpressure_pauses = 0
         self.payload_bytes = 0
+        # Arrival time of each request not yet past its first output (a per-stage timeline: with
+        # every stage told of a request at its start, the mean delay shows which stage holds it).
+        self.arrived: OrderedDict[str, float] = OrderedDict()
+        self.first_outputs = 0
+        self.first_output_s = 0.0
         self.running = True
         self.startup_s = 0.0
 
@@ -100,8 +105,8 @@ class Stage:
     def has_work(self) -> bool:
         raise NotImplementedError
 
-    def step(self) -> int | None:
-        """Advance the stage one step; how many requests it served (None: `counts()[0]`)."""
+    def step(self) -> int:
+        """Advance the stage one step; how many requests it advanced (the batch statistic)."""
         raise NotImplementedError
 
     def add_prompt(self, msg: AddRequest) -> None:
@@ -132,7 +137,27 @@ class Stage:
         """To the replica of `stage_id` that serves this request."""
         if isinstance(msg, StagePayload):
             self.payload_bytes += sum(t.numel() * t.element_size() for t in msg.tensors.values())
+            self._output_sent(request_id)
         self.sockets.send_stage(stage_id, msg, self.routes.get(request_id, {}).get(stage_id, 0))
+
+    def send_outputs(self, deltas: list[RequestDelta]) -> None:
+        """Deltas for the api (client-facing output, ends, errors)."""
+        for d in deltas:
+            if d.error is None and (d.new_token_ids or d.tensors):
+                self._output_sent(d.request_id)
+        self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=deltas))
+
+    def _arrive(self, request_id: str) -> None:
+        if request_id not in self.arrived:
+            self.arrived[request_id] = time.perf_counter()
+            while len(self.arrived) > MAX_ROUTES:  # (requests that ended without output)
+                self.arrived.popitem(last=False)
+
+    def _output_sent(self, request_id: str) -> None:
+        t = self.arrived.pop(request_id, None)
+        if t is not None:
+            self.first_outputs += 1
+            self.first_output_s += time.perf_counter() - t
 
     def _remember_route(self, request_id: str, replicas: dict[int, int]) -> None:
         if replicas:
@@ -182,7 +207,7 @@ class Stage:
                     served = self.step()
                     self.step_s += time.perf_counter() - t0
                     self.steps += 1
-                    self.batch_sum += self.counts()[0] if served is None else served
+                    self.batch_sum += served
                     if prof is not None:
                         prof.after()
         finally:
@@ -192,11 +217,13 @@ class Stage:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
+            self._arrive(msg.request_id)
             self._remember_route(msg.request_id, msg.replicas)
             self.add_prompt(msg)
         elif isinstance(msg, ExpectRequest):
             if msg.request_id in self.aborted:
                 return
+            self._arrive(msg.request_id)
             self._remember_route(msg.request_id, msg.replicas)
             w = self.waiting.setdefault(msg.request_id, _Waiting())
             w.expect = msg
@@ -220,7 +247,8 @@ class Stage:
                 stage_id=self.stage_id, nonce=msg.nonce, num_running=running, num_waiting=waiting,
                 request_ids=sorted(self.known_requests()), steps=self.steps,
                 step_s=round(self.step_s, 6), batch_sum=self.batch_sum,
-                backpressure_pauses=self.backpressure_pauses, payload_bytes=self.payload_bytes, pid=os.getpid(),
+                backpressure_pauses=self.backpressure_pauses, payload_bytes=self.payload_bytes,
+                first_outputs=self.first_outputs, first_output_s=round(self.first_output_s, 6), pid=os.getpid(),
                 startup_s=round(self.startup_s, 2), info=self.info(), replica=self.replica))
         elif isinstance(msg, Shutdown):
             self.running = False
@@ -269,13 +297,13 @@ class Stage:
         for rid in request_ids:
             self.waiting.pop(rid, None)
             self.routes.pop(rid, None)
+            self.arrived.pop(rid, None)
             self.aborted[rid] = None
         while len(self.aborted) > MAX_TOMBSTONES:
             self.aborted.popitem(last=False)
 
     def fail(self, request_id: str, error: str, code: int = 500) -> None:
         self.abort([request_id])
-        self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=[
-            RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error,
-                         error_code=code)]))
+        self.send_outputs([RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error,
+                                        error_code=code)])
 

@@ -22,7 +22,7 @@ from omni_server.config.schema import PipelineConfig
 from omni_server.stage import generators
 from omni_server.stage.base import Stage
 from omni_server.stage.processors import StageInput
-from omni_server.wire.messages import VOICE_OPTION, ExpectRequest, RequestDelta, RequestOutputs
+from omni_server.wire.messages import VOICE_OPTION, ExpectRequest, RequestDelta
 from omni_server.wire.transport import StageSockets
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class GenerationStage(Stage):
                                        tensors={"audio": wave}, sample_rate=self.generator.sample_rate,
                                        num_prompt_tokens=n_in if done else 0))
         if deltas:
-            self.sockets.send_api(RequestOutputs(stage_id=self.stage_id, deltas=deltas))
+            self.send_outputs(deltas)
 
 
 def _num_codes(data: dict | None) -> int:

@@ -29,12 +29,14 @@ class _TakesHiddenCaptures:
         # Per-step input rows that arrived for running requests, delivered to the runner with the
         # next scheduler output (no extra round trip to the workers; in order with the steps).
         self.step_embeds_out: dict[str, list] = {}
+        self.scheduled = 0  # requests in the batches scheduled so far (the stage's batch statistic)
 
     def queue_step_embeds(self, request_id: str, rows) -> None:
         self.step_embeds_out.setdefault(request_id, []).append(rows)
 
     def schedule(self, *args, **kwargs):
         out = self._schedule(*args, **kwargs)
+        self.scheduled += len(out.num_scheduled_tokens)
         if self.step_embeds_out:
             out.omni_step_embeds, self.step_embeds_out = self.step_embeds_out, {}
         return out

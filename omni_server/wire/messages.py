@@ -164,6 +164,10 @@ class StageStats(_Msg):
     backpressure_pauses: int = 0
     # Bytes of tensors this stage sent to other stages (per destination).
     payload_bytes: int = 0
+    # Requests that sent their first output (downstream or to the client), and the seconds from
+    # each one's arrival here (at the request's start, for every stage on its route) to that output.
+    first_outputs: int = 0
+    first_output_s: float = 0.0
     pid: int = 0
     startup_s: float = 0.0
     info: dict[str, str] = {}
@@ -173,7 +177,8 @@ class StageStats(_Msg):
 # StageStats' numbers: what it holds now, and what it did since it started (deltas over time are
 # meaningful); both sum over replicas.
 STAGE_GAUGES = ("num_running", "num_waiting")
-STAGE_COUNTERS = ("steps", "step_s", "batch_sum", "backpressure_pauses", "payload_bytes")
+STAGE_COUNTERS = ("steps", "step_s", "batch_sum", "backpressure_pauses", "payload_bytes", "first_outputs",
+                  "first_output_s")
 
 
 Message = Union[
