@@ -179,8 +179,8 @@ step_tests() {
   [ -n "${CUDA_VISIBLE_DEVICES:-}" ] || free_gpus  # (in the background on GPU 1: nothing to free)
   mkdir -p $R/testlogs
   # TESTS: other pytest arguments, split on spaces (e.g. tests/test_token2wav.py -k graph).
-  TESTS=${TESTS:-tests/test_e2e_speech.py tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py \
-    tests/test_qwen3_thinker_tap.py tests/test_token2wav.py}
+  TESTS=${TESTS:-tests/test_sampler_warmup.py tests/test_token2wav.py tests/test_e2e_speech.py \
+    tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py tests/test_qwen3_thinker_tap.py}
   OMNI_TEST_LOG_DIR=$R/testlogs timeout ${TESTS_TIMEOUT:-900} python3 -m pytest -p no:cacheprovider -q -rf --durations=15 $TESTS > $R/tests.log 2>&1
   say "CUDA e2e tests: $(tail -1 $R/tests.log)"
 }

@@ -12,8 +12,9 @@ import gc
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
-from omni_server.stage.runner import GPUOmniModelRunner
 from omni_server.models import register_vllm_models
+from omni_server.stage.runner import GPUOmniModelRunner
+from omni_server.stage.sampler_warmup import warm_top_k_top_p
 
 # Worker processes are fresh interpreters: vLLM resolves our model classes here too.
 register_vllm_models()
@@ -32,3 +33,11 @@ class GPUOmniWorker(Worker):
         gc.collect()
         torch.cuda.empty_cache()
         self.model_runner = GPUOmniModelRunner(self.vllm_config, self.device)
+
+    def compile_or_warm_up_model(self):
+        # Before vLLM's own warm-up, which ends by arming its JIT monitor (these are expected).
+        if not self.model_runner.is_pooling_model:
+            sched = self.scheduler_config
+            warm_top_k_top_p(self.model_config.get_vocab_size(),
+                             min(sched.max_num_seqs, sched.max_num_batched_tokens), self.device)
+        return super().compile_or_warm_up_model()
