@@ -1,5 +1,5 @@
 """Token2wav alone: time per streaming DiT window step and real-time factor, eager vs CUDA graphs
-vs graphs + TF32, at several batch sizes (streams advanced together), same process, same codes.
+vs graphs + TF32 vs graphs + a bfloat16 / float16 DiT, at several batch sizes (streams advanced together), same process, same codes.
 
     python benchmarks/token2wav_speed.py --model /tmp/omni7b --batch 1 16
     python benchmarks/token2wav_speed.py --model var/models/tiny-qwen2_5-omni --device cpu --modes eager
@@ -22,7 +22,10 @@ import torch
 from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
 
 WINDOWS = dict(chunk_frames=72, first_chunk_frames=72, past_frames=48, future_frames=24, vocoder_context_frames=20)
-MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "graphs_tf32": dict(cuda_graphs=True, tf32=True)}
+# (tf32 sets process-wide flags: the modes after graphs_tf32 keep them, as a config with tf32 would.)
+MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "graphs_tf32": dict(cuda_graphs=True, tf32=True),
+         "graphs_bf16": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16"),
+         "graphs_fp16": dict(cuda_graphs=True, tf32=True, dit_dtype="float16")}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

@@ -43,12 +43,16 @@ def test_bench_audio_reports_ttfp_and_rtf(speech_server, tmp_path):
     assert 0 < lv["ttft_ms"]["p50"] <= lv["ttfp_ms"]["p50"] <= lv["latency_ms"]["p99"]
     assert lv["rtf"]["p50"] > 0 and lv["audio_s_per_wall_s"] > 0
     assert "TTFP" in proc.stdout
+    assert 0 <= lv["stall_ms"]["p50"] <= lv["stall_ms"]["p90"] <= lv["stall_ms"]["max"]
+    assert 0 <= lv["stalled_requests"] <= 2
     # Per-stage profile over the level: every stage stepped; only the thinker sends tensors to a
     # stage (hidden states to the talker; the talker sends token2wav codes as ids).
     thinker, talker, t2w = lv["stages"]
     assert [s["stage_id"] for s in lv["stages"]] == [0, 1, 2]
     for s in lv["stages"]:
         assert s["steps"] > 0 and s["step_ms_mean"] > 0 and 0 < s["busy"] and s["batch_mean"] >= 1
+    # Each stage's first output comes after the one it waits for (ms from the request's start).
+    assert 0 < thinker["first_output_ms"] < talker["first_output_ms"] < t2w["first_output_ms"]
     assert talker["steps"] >= 8  # at least one step per codec token of the shortest reply
     assert thinker["payload_mb"] > 0 and talker["payload_mb"] == 0 and t2w["payload_mb"] == 0
 
@@ -69,3 +73,25 @@ def test_bench_reference_runs_transformers_on_the_same_prompts(speech_server, ti
     assert 0 < ref["audio_s"] <= 2 * 64 * 480 / 24000 and ref["rtf"]["p50"] > 0
     assert lv["vs_reference"] == round(lv["audio_s_per_wall_s"] / ref["audio_s_per_wall_s"], 3)
     assert "reference (transformers, cpu)" in proc.stdout
+
+
+def _wav_header(rate: int) -> bytes:
+    # The 44-byte header of a streamed WAV: sizes unknown (0xFFFFFFFF), 16-bit mono.
+    return (b"RIFF" + b"\xff" * 4 + b"WAVEfmt " + (16).to_bytes(4, "little") + (1).to_bytes(2, "little")
+            + (1).to_bytes(2, "little") + rate.to_bytes(4, "little") + (2 * rate).to_bytes(4, "little")
+            + (2).to_bytes(2, "little") + (16).to_bytes(2, "little") + b"data" + b"\xff" * 4)
+
+
+def test_playback_stalls_count_the_gaps_a_player_would_wait():
+    from omni_server.bench.runner import _WavStream
+
+    rate = 1000
+    second = b"\0\0" * rate
+    w = _WavStream()
+    w.add(_wav_header(rate), t=0.1)  # header only: playback starts with the first samples
+    w.add(second, t=0.5)             # plays 0.5 -> 1.5
+    w.add(second, t=1.2)             # in time: 1.5 -> 2.5
+    w.add(second, t=3.0)             # 0.5 s late: 3.0 -> 4.0
+    w.add(b"\0\0" * (rate // 2), t=4.25)  # 0.25 s late
+    assert w.seconds == 3.5
+    assert abs(w.stall_s - 0.75) < 1e-9

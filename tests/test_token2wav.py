@@ -331,3 +331,33 @@ def test_cuda_graph_solve_equals_eager(model_dir):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
     # A streamed decode through graphs equals the eager one.
     assert (graphed.stream_all(LONG, seed=4) - eager.stream_all(LONG, seed=4)).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_dit_stays_close_to_float32(t2w, model_dir, dtype):
+    half = Token2Wav(model_dir, dit_dtype=dtype)
+    assert next(half.dit.transformer_blocks.parameters()).dtype == getattr(torch, dtype)
+    # Kept in float32: the time embedding and the rotary tables (their inputs need the precision).
+    assert next(half.dit.time_embed.parameters()).dtype == torch.float32
+    assert half.dit.rotary_embed.inv_freq.dtype == torch.float32
+    want, got = t2w(CODES, "Chelsie", seed=7), half(CODES, "Chelsie", seed=7)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert 0 < ((got - want).norm() / want.norm()).item() < 0.01
+    # Streaming and batching take the same path.
+    streamed = half.stream_all(CODES, voice="Chelsie", seed=7)
+    assert ((streamed - want).norm() / want.norm()).item() < 0.01
+
+
+def test_unknown_dit_dtype(model_dir):
+    with pytest.raises(ValueError, match="dit_dtype"):
+        Token2Wav(model_dir, dit_dtype="int8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_of_a_half_precision_dit(model_dir):
+    graphed = Token2Wav(model_dir, device="cuda", dit_dtype="bfloat16")
+    eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False, dit_dtype="bfloat16")
+    full = Token2Wav(model_dir, device="cuda", cuda_graphs=False)
+    a, b, c = (m.stream_all(LONG, seed=4) for m in (graphed, eager, full))
+    assert graphed.graphs.graphs  # it did replay graphs
+    assert ((a - b).norm() / b.norm()).item() < 0.01 and ((a - c).norm() / c.norm()).item() < 0.01

@@ -3,7 +3,7 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main ref full t2w tests layouts runner fc48 prof").
+# Steps run in the order STEPS names them (default "main ref full t2w tests layouts runner fc48 bf16 prof").
 set -u
 R=/tmp/res; mkdir -p $R
 cd "$(dirname "$0")/../.."
@@ -18,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main ref full t2w tests layouts runner fc48 prof}
+STEPS=${STEPS:-main ref full t2w tests layouts runner fc48 bf16 prof}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -133,7 +133,8 @@ step_layouts() {
 }
 
 step_t2w() {
-  # Token2wav alone on the 7B shape: eager vs CUDA graphs vs graphs + TF32, batch 1 and 16.
+  # Token2wav alone on the 7B shape: eager vs CUDA graphs vs graphs + TF32 vs a bf16 / fp16 DiT,
+  # batch 1 and 16.
   free_gpus
   timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 > $R/t2w.txt 2>&1
   say "token2wav: $(grep RESULT $R/t2w.txt | python3 -c "import sys,json
@@ -159,6 +160,14 @@ step_fc48() {
   serve fc48 8017 $CFG --stage-arg token2wav.generator_args.first_chunk_frames=48
   wait_ready fc48 8017 && bench fc48 8017
   stop fc48
+}
+
+step_bf16() {
+  # token2wav's DiT in bfloat16 (generator_args.dit_dtype; float32 in the shipped configs).
+  free_gpus
+  serve bf16 8018 $CFG --stage-arg token2wav.generator_args.dit_dtype=bfloat16
+  wait_ready bf16 8018 && bench bf16 8018
+  stop bf16
 }
 
 step_mps() {

@@ -2,7 +2,8 @@
 
 Per level it reports TTFT (first text delta), end-to-end latency (p50/p90/p99), output tokens/s
 (completion tokens from the usage chunk / wall time) and errors; with `audio`, also TTFP (first
-audio data delta), seconds of audio per wall second and RTF (request latency / its audio duration).
+audio data delta), seconds of audio per wall second, RTF (request latency / its audio duration) and
+playback stalls (how long a player starting at the first packet would wait for later packets).
 Per stage (`stages`, from the stats route before and after the level): steps, mean step time, busy
 fraction of the level's wall time, mean batch, payload MB sent to other stages, backpressure pauses,
 mean time from a request's start to the stage's first output for it.
@@ -99,29 +100,42 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
                 for d in deltas:
                     data = (d.get("audio") or {}).get("data")
                     if data:
-                        ttfp = ttfp if ttfp is not None else time.perf_counter() - t0
-                        audio.add(base64.b64decode(data))
+                        now = time.perf_counter() - t0
+                        ttfp = ttfp if ttfp is not None else now
+                        audio.add(base64.b64decode(data), now)
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
     if cfg.audio and error is None and not audio.seconds:
         error = "no audio in the response"
-    return {"ttft_s": ttft, "ttfp_s": ttfp, "audio_s": audio.seconds, "latency_s": time.perf_counter() - t0,
-            "tokens": tokens, "error": error}
+    return {"ttft_s": ttft, "ttfp_s": ttfp, "audio_s": audio.seconds, "stall_s": audio.stall_s,
+            "latency_s": time.perf_counter() - t0, "tokens": tokens, "error": error}
 
 
 class _WavStream:
-    """Seconds of 16-bit mono WAV streamed in pieces: a header (sizes may be unknown) then samples."""
+    """Seconds of 16-bit mono WAV streamed in pieces: a header (sizes may be unknown) then samples;
+    and how long a player that starts at the first sample would have paused, waiting for pieces
+    (`stall_s`: the sum of the gaps when everything received had played)."""
 
     def __init__(self):
         self.rate, self.sample_bytes = 0, 0
+        self.play_end: float | None = None  # when what arrived so far has finished playing
+        self.stall_s = 0.0
 
-    def add(self, data: bytes) -> None:
+    def add(self, data: bytes, t: float = 0.0) -> None:
         if not self.rate:
             self.rate = int.from_bytes(data[24:28], "little")  # the fmt chunk's sample rate
             data = data[data.index(b"data") + 8:]
         self.sample_bytes += len(data)
+        if not data:
+            return
+        if self.play_end is None:
+            self.play_end = t
+        elif t > self.play_end:
+            self.stall_s += t - self.play_end
+            self.play_end = t
+        self.play_end += len(data) / 2 / self.rate
 
     @property
     def seconds(self) -> float:
@@ -158,6 +172,7 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
     if cfg.audio:
         ttfps = [r["ttfp_s"] for r in ok if r["ttfp_s"] is not None]
         rtfs = [r["latency_s"] / r["audio_s"] for r in ok if r["audio_s"]]
+        stalls = [r["stall_s"] for r in ok if r["audio_s"]]
         total_audio = sum(r["audio_s"] for r in ok)
         audio = {
             "ttfp_ms": {"p50": ms(_pct(ttfps, 50)), "p90": ms(_pct(ttfps, 90)), "p99": ms(_pct(ttfps, 99))},
@@ -165,6 +180,10 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
             "audio_s_per_wall_s": round(total_audio / wall, 3) if wall > 0 else None,
             "rtf": {"p50": _round(_pct(rtfs, 50)), "p90": _round(_pct(rtfs, 90)),
                     "mean": _round(statistics.fmean(rtfs)) if rtfs else None},
+            # Playback pauses of a player starting at the first audio packet, per request.
+            "stall_ms": {"p50": ms(_pct(stalls, 50)), "p90": ms(_pct(stalls, 90)),
+                         "max": ms(max(stalls)) if stalls else None},
+            "stalled_requests": sum(1 for v in stalls if v > 0),
         }
     return {
         "concurrency": concurrency, "requests": n, "errors": n - len(ok),

@@ -73,11 +73,14 @@ class Token2Wav:
     def __init__(self, model_dir: str, device: str | torch.device = "cpu", chunk_frames: int = 72,
                  past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20,
                  first_chunk_frames: int | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
-                 max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False):
+                 max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
+                 dit_dtype: str = "float32"):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
         self.device = torch.device(device)
+        if dit_dtype not in DIT_DTYPES:
+            raise ValueError(f"dit_dtype must be one of {sorted(DIT_DTYPES)}, got {dit_dtype!r}")
         if tf32 and self.device.type == "cuda":
             # float32 weights and activations, TF32 tensor-core matmuls and convolutions (~10 bits of
             # mantissa in the products): several times the DiT's fp32 throughput. Process-wide, which
@@ -131,6 +134,16 @@ class Token2Wav:
             encode = self.dit.input_embed.spk_encoder
             self._voice_codes = {name: (encode(mel), encode(torch.zeros_like(mel)))
                                  for name, (_, mel) in self._speakers.items()}
+        # dit_dtype bfloat16 / float16: the DiT's transformer in half precision (tensor-core math,
+        # fused attention, half the bytes; transformers runs it in float32). The ODE state, the
+        # time embedding, the rotary tables and the guidance stay float32.
+        self.dit_dtype = DIT_DTYPES[dit_dtype]
+        if self.dit_dtype != torch.float32:
+            self.dit.to(self.dit_dtype)
+            self.dit.time_embed.float()
+            self.dit.rotary_embed.float()
+            self._voice_codes = {name: tuple(c.to(self.dit_dtype) for c in codes)
+                                 for name, codes in self._voice_codes.items()}
         if self.graphs is not None and warmup_graphs:
             self._warm_graphs()
 
@@ -415,7 +428,7 @@ class Token2Wav:
 
         cfg = guidance_scale >= 1e-5
         halves = 2 if cfg else 1
-        speaker = torch.cat([self._speakers[v][0] for v in voices])  # [n, enc_emb_dim]
+        speaker = torch.cat([self._speakers[v][0] for v in voices]).to(self.dit_dtype)  # [n, enc_emb_dim]
         ref = torch.cat([self._voice_codes[v][0] for v in voices])
         code_emb = dit.text_embed(code_batch)
         if cfg:  # second half: voice, reference and codes dropped
@@ -446,11 +459,13 @@ class Token2Wav:
         rotary = (cos, sin)
 
         def velocity(t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-            temb = dit.time_embed(t.repeat(rows))
+            # (The casts are no-ops in float32.)
+            temb = dit.time_embed(t.repeat(rows)).to(fixed.dtype)
+            state = state.to(fixed.dtype)
             h = dit.input_embed.proj(torch.cat([state.repeat(rows // state.shape[0], 1, 1), fixed], dim=-1))
             for block in dit.transformer_blocks:
                 h = block(h, temb, position_embeddings=rotary, block_diff=block_diff)
-            out = dit.proj_out(dit.norm_out(h, temb))
+            out = dit.proj_out(dit.norm_out(h, temb)).float()
             if not cfg:
                 return out
             guided, null = torch.chunk(out, 2, dim=0)
@@ -466,6 +481,9 @@ class Token2Wav:
             k4 = velocity(t1, x + dt * (k1 - k2 + k3))
             x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
         return x
+
+
+DIT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pow2(rows: int) -> int:
