@@ -418,11 +418,20 @@ class ARStage(Stage):
                 self._send_chunk(rid, tracked, final=False)
 
     def _send_chunk(self, request_id: str, tracked: _Tracked, final: bool, rows: torch.Tensor | None = None) -> None:
-        if rows is None:
-            rows = torch.cat(tracked.hidden) if tracked.hidden else torch.empty(0)
-        end = len(rows) if final else tracked.hidden_len
+        """`rows`: all of the request's rows (its final chunk); else the rows not sent yet are
+        joined from the last pieces only (joining every piece per chunk is quadratic in length)."""
         first = tracked.sent_rows == 0 and tracked.sent_tokens == 0
-        tensors = {"hidden": rows[tracked.sent_rows:end].clone()} if tracked.with_hidden else {}
+        if rows is not None:
+            new, end = rows[tracked.sent_rows:], len(rows)
+        else:
+            end, pieces, covered = tracked.hidden_len, [], 0
+            for piece in reversed(tracked.hidden):
+                if covered >= end - tracked.sent_rows:
+                    break
+                pieces.append(piece)
+                covered += len(piece)
+            new = torch.cat(pieces[::-1])[covered - (end - tracked.sent_rows):] if pieces else torch.empty(0)
+        tensors = {"hidden": new} if tracked.with_hidden else {}  # (fresh memory: a cat, not a capture)
         if first:
             tensors.update(_prompt_tensors(tracked))
         if len(tracked.frames) > tracked.sent_frames:

@@ -18,6 +18,16 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS, HiddenCapture
 
 
+def host_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index on `device` without stalling it: `torch.tensor(values, device=cuda)` copies
+    from pageable memory and then waits for the stream (every kernel queued so far); a pinned
+    buffer copies behind the queued work instead."""
+    index = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 class _AsyncWithHidden(AsyncModelRunnerOutput):
     """Async-scheduling output: attach the capture when vLLM resolves the step's output."""
 
@@ -202,7 +212,7 @@ class StepPredictor:
             offset += n
         if not rows:
             return result
-        index = torch.tensor(rows, device=inputs_embeds.device)
+        index = host_index(rows, inputs_embeds.device)
         tokens = self.input_ids.gpu[index]
         gens = [self._predict_generator(rid) for rid in rids]
         codes, add = predict(torch.stack(hs), model.embed_input_ids(tokens), gens)
@@ -282,6 +292,8 @@ class StepEmbedsAdder:
         num_sched = scheduler_output.num_scheduled_tokens
         batch = self.input_batch
         offset = 0
+        # Decode steps (one output position each) are added in one kernel for the whole batch.
+        dst_rows, src_rows = [], []
         for i, rid in enumerate(batch.req_ids):
             n = num_sched.get(rid, 0)
             rows = cache.get(rid)
@@ -291,14 +303,16 @@ class StepEmbedsAdder:
                 first = max(start, prompt_len)
                 if first < start + n:
                     k = first - prompt_len
-                    dst = inputs_embeds[offset + first - start: offset + n]
-                    if len(dst) == 1:  # decode: one row, no index tensor
-                        k = min(k, len(rows) - 1)
-                        dst += rows[k: k + 1]
+                    if start + n - first == 1:
+                        dst_rows.append(offset + first - start)
+                        src_rows.append(rows[min(k, len(rows) - 1)])
                     else:
+                        dst = inputs_embeds[offset + first - start: offset + n]
                         ks = torch.arange(k, k + len(dst), device=rows.device).clamp_(max=len(rows) - 1)
                         dst += rows[ks]
             offset += n
+        if dst_rows:
+            inputs_embeds.index_add_(0, host_index(dst_rows, inputs_embeds.device), torch.stack(src_rows))
         return result
 
 
