@@ -119,15 +119,9 @@ step_layouts() {
   serve gpu2 8012 configs/qwen2_5_omni_2gpu.yaml
   wait_ready gpu2 8012 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log; bench gpu2 8012; }
   stop gpu2
-  # The TP=2 thinker died in its first forward on nvidia-h200-x2 twice (cublasCreate internal error,
-  # then an illegal memory access): 2026-11-29 with vLLM's custom all-reduce on, 2026-11-30 with it
-  # off but vLLM's compile pass fusing all-reduce + RMSNorm through FlashInfer's "mnnvl" all-reduce,
-  # which needs NVLink multicast (kept off on this machine). So: plain NCCL, no fusion.
-  VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm serve tp2 8013 configs/qwen2_5_omni_2gpu.yaml --stage-arg thinker.devices=0,1 \
-    --stage-arg thinker.tensor_parallel_size=2 --stage-arg thinker.gpu_memory_utilization=0.5 \
-    --stage-arg thinker.disable_custom_all_reduce=true \
-    --stage-arg 'thinker.compilation_config={"pass_config":{"fuse_allreduce_rms":false}}' \
-    --stage-arg talker.gpu_memory_utilization=0.2
+  # The TP=2 thinker (configs/qwen2_5_omni_tp2.yaml: plain NCCL all-reduce, no fused all-reduce +
+  # RMSNorm, which picked FlashInfer's multicast backend and died in the first forward before).
+  serve tp2 8013 configs/qwen2_5_omni_tp2.yaml
   wait_ready tp2 8013 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log; bench tp2 8013; }
   stop tp2
 }

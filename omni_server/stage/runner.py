@@ -217,7 +217,9 @@ class StepPredictor:
         gens = [self._predict_generator(rid) for rid in rids]
         codes, add = predict(torch.stack(hs), model.embed_input_ids(tokens), gens)
         inputs_embeds[index] += add.to(inputs_embeds.dtype)
-        frames = torch.cat([tokens[:, None].to(codes.dtype), codes], dim=1).cpu()
+        # Copied behind the queued work (into pinned memory, on CUDA) rather than waiting for it
+        # here: the frames are read when this step's output is, which comes later in the stream.
+        frames = torch.cat([tokens[:, None].to(codes.dtype), codes], dim=1).to("cpu", non_blocking=True)
         now = self.__dict__.setdefault("_frames_now", {})
         for j, (rid, k) in enumerate(zip(rids, ks)):
             st["added"][rid].append(add[j].to(inputs_embeds.dtype))
