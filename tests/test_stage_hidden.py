@@ -10,28 +10,35 @@ from omni_server.stage.ar import _Tracked, _truncate
 from omni_server.stage.hidden import HiddenCapture
 
 
-def test_settle_detaches_rows_from_a_shared_step_buffer():
-    step = HiddenCapture(["a", "b"], [2, 1], [0, 0], torch.arange(12.0).reshape(3, 4))
-    t = _Tracked(prompt_token_ids=[1, 2], forward_to=[1])
-    t.hidden.append(step.hidden[0:2])
-    t.pending.append((step, 0, True))
-    assert t.hidden[0].untyped_storage().data_ptr() == step.hidden.untyped_storage().data_ptr()
-    t.settle()
-    assert t.hidden[0].untyped_storage().data_ptr() != step.hidden.untyped_storage().data_ptr()
-    assert torch.equal(t.hidden[0], torch.arange(8.0).reshape(2, 4)) and t.pending == []
-
-
-def test_settle_keeps_an_exclusive_buffer_without_copying():
-    step = HiddenCapture(["a"], [3], [0], torch.ones(3, 4))
-    t = _Tracked(prompt_token_ids=[1], forward_to=[1], hidden=[step.hidden[0:3]], pending=[(step, 0, False)])
-    t.settle()
-    assert t.hidden[0].data_ptr() == step.hidden.data_ptr()
+def test_compact_joins_the_loose_rows_into_memory_of_their_own():
+    step1 = HiddenCapture(["a", "b"], [2, 1], [0, 0], torch.arange(12.0).reshape(3, 4))
+    step2 = HiddenCapture(["a", "b"], [1, 1], [2, 1], torch.arange(8.0).reshape(2, 4) + 100)
+    own = torch.zeros(1, 4)
+    t = _Tracked(prompt_token_ids=[1, 2], forward_to=[1], hidden=[own, step1.hidden[0:2], step2.hidden[0:1]],
+                 hidden_len=4, loose=2)
+    t.compact()
+    assert len(t.hidden) == 2 and t.hidden[0] is own and t.loose == 0
+    joined = t.hidden[1]
+    for step in (step1, step2):
+        assert joined.untyped_storage().data_ptr() != step.hidden.untyped_storage().data_ptr()
+    assert torch.equal(joined, torch.cat([torch.arange(8.0).reshape(2, 4), torch.arange(4.0)[None] + 100]))
+    t.compact()  # nothing loose: nothing changes
+    assert t.hidden[1] is joined
 
 
 def test_truncate_after_preemption_keeps_the_prefix():
     t = _Tracked(prompt_token_ids=[], forward_to=[1], hidden=[torch.zeros(4, 2), torch.ones(3, 2)], hidden_len=7)
     _truncate(t, 5)
     assert t.hidden_len == 5 and torch.cat(t.hidden).shape == (5, 2) and torch.cat(t.hidden)[4, 0] == 1
+
+
+def test_truncate_counts_the_loose_pieces_it_keeps():
+    pieces = [torch.zeros(4, 2), torch.ones(3, 2), torch.full((2, 2), 2.0)]  # the last two loose
+    t = _Tracked(prompt_token_ids=[], forward_to=[1], hidden=list(pieces), hidden_len=9, loose=2)
+    _truncate(t, 5)
+    assert t.hidden_len == 5 and len(t.hidden) == 2 and t.loose == 1
+    _truncate(t, 3)
+    assert t.hidden_len == 3 and len(t.hidden) == 1 and t.loose == 0
 
 
 def test_capture_crosses_processes_without_its_event():

@@ -58,10 +58,10 @@ class _Tracked:
     # Models that complete each token into a frame (runner's StepPredictor): one row per fed output token.
     frames: list[torch.Tensor] = field(default_factory=list)
     sent_frames: int = 0
-    # Captures whose copy may still be in flight, with the index in `hidden` of this request's view
-    # and whether the capture's buffer also holds other requests' rows (then the view is cloned once
-    # the copy is done, so a long request does not pin every step buffer of its lifetime).
-    pending: list[tuple[Any, int, bool]] = field(default_factory=list)
+    # Trailing pieces of `hidden` that are still views of a step's capture buffer (pinned memory
+    # shared by the step's requests): joined into one tensor of this request's own every
+    # COMPACT_EVERY steps, so a long request does not pin every step buffer of its lifetime.
+    loose: int = 0
 
     def too_far_ahead(self) -> bool:
         live = [c for c in self.stream_to if c not in self.done_to]
@@ -69,12 +69,18 @@ class _Tracked:
             return False
         return self.sent_tokens - min(self.acked.get(c, 0) for c in live) >= self.window
 
-    def settle(self) -> None:
-        for capture, index, shared in self.pending:
-            capture.wait()
-            if shared:
-                self.hidden[index] = self.hidden[index].clone()
-        self.pending.clear()
+    def compact(self) -> None:
+        """Join the loose pieces (their captures' copies must be done)."""
+        if self.loose:
+            self.hidden[-self.loose:] = [torch.cat(self.hidden[-self.loose:])]
+            self.loose = 0
+
+
+# Steps between joins of a request's loose hidden-state pieces: one copy per request per this many
+# steps instead of one per step, at the price of up to this many step buffers held. A piece from a
+# buffer of more than COMPACT_ROWS rows (a prefill step's) is joined at once instead.
+COMPACT_EVERY = 16
+COMPACT_ROWS = 256
 
 
 def preload(cfg: PipelineConfig, stage_id: int) -> None:
@@ -141,7 +147,10 @@ class ARStage(Stage):
         self.send_tokens = self.stage.output is not None
         self.tracked: dict[str, _Tracked] = {}
         self.in_engine: set[str] = set()
-        self._unsettled: list[_Tracked] = []
+        # The last step's hidden-state captures (their device -> host copies may be in flight),
+        # and the requests to compact once they are done.
+        self._in_flight: list = []
+        self._compact_next: list[_Tracked] = []
         # Requests whose input is still streaming in -> per-step rows handed to the runner so far,
         # their sources, and the consumption last reported to them.
         self.stream_in: dict[str, int] = {}
@@ -322,11 +331,12 @@ class ARStage(Stage):
         outputs, executed = self.core.step_fn()
         scheduled = self.core.scheduler.scheduled - scheduled
         self.core.post_step(executed)
-        # Last step's copies are done by now (the engine waited for that step's tokens): settle them.
-        for tracked in self._unsettled:
-            tracked.settle()
+        # Last step's copies are done by now (the engine waited for that step's tokens).
+        self._settle()
         self._stream_out()
-        self._unsettled = [t for c in self.core.scheduler.hidden_captures for t in self._collect_hidden(c)]
+        for capture in self.core.scheduler.hidden_captures:
+            self._collect_hidden(capture)
+        self._in_flight = list(self.core.scheduler.hidden_captures)
         self.core.scheduler.hidden_captures.clear()
         for frames in self.core.scheduler.frames:
             for rid, (k, frame) in frames.items():
@@ -383,24 +393,31 @@ class ARStage(Stage):
                 self.credited[rid] = used
                 self.send_credit(rid, sources, used)
 
-    def _collect_hidden(self, capture) -> list[_Tracked]:
+    def _settle(self) -> None:
+        """Wait for the last step's copies; join the pieces of requests with many loose ones."""
+        for capture in self._in_flight:
+            capture.wait()
+        self._in_flight = []
+        for tracked in self._compact_next:
+            tracked.compact()
+        self._compact_next = []
+
+    def _collect_hidden(self, capture) -> None:
         """Append each tracked request's rows (views: the copy may still be in flight)."""
-        shared = len(capture.req_ids) > 1
-        touched, offset = [], 0
+        offset, big = 0, len(capture.hidden) > COMPACT_ROWS
         for rid, n, start in zip(capture.req_ids, capture.counts, capture.starts):
             tracked = self.tracked.get(rid)
             if tracked is not None:
                 if rid in capture.positions:
                     tracked.positions = capture.positions[rid]
                 if start < tracked.hidden_len:  # recomputed after preemption: drop the stale tail
-                    tracked.settle()
                     _truncate(tracked, start)
                 tracked.hidden.append(capture.hidden[offset : offset + n])
-                tracked.pending.append((capture, len(tracked.hidden) - 1, shared))
+                tracked.loose += 1
                 tracked.hidden_len += n
-                touched.append(tracked)
+                if big or tracked.loose >= COMPACT_EVERY:
+                    self._compact_next.append(tracked)
             offset += n
-        return touched
 
     def _stream_out(self) -> None:
         """Chunks for streaming consumers: settled rows and known tokens not sent yet, once there
@@ -447,9 +464,8 @@ class ARStage(Stage):
                 self.send_stage(dst, request_id, chunk)
 
     def _forward(self, request_id: str, tracked: _Tracked) -> None:
-        for capture, _, _ in tracked.pending:
-            capture.wait()  # no clone needed: torch.cat below copies
-        tracked.pending.clear()
+        for capture in self._in_flight:  # (its rows may be in this step's capture)
+            capture.wait()
         hidden = torch.cat(tracked.hidden) if tracked.hidden else torch.empty(0)
         # One row per fed position: prompt + every output token but the last (cut short by
         # finish_early, a step may have run one position further).
@@ -486,4 +502,6 @@ def _truncate(tracked: _Tracked, length: int) -> None:
             break
         kept.append(chunk[: length - total])
         total += kept[-1].shape[0]
+    # The loose pieces are the last ones: those of them that were kept stay loose.
+    tracked.loose = max(0, len(kept) - (len(tracked.hidden) - tracked.loose))
     tracked.hidden, tracked.hidden_len = kept, total
