@@ -147,14 +147,16 @@ step_prof() {
   say "profiles: $(ls $R/prof 2>/dev/null | tr '\n' ' ')"
 }
 
-step_fc48() {
-  # A first streaming window of 48 codec frames instead of 72: an earlier first packet, if the talker
-  # keeps ahead of playback (issue 5's TTFP).
+first_window() {  # FRAMES PORT: the one-GPU layout with token2wav's first window of FRAMES mel frames
   free_gpus
-  serve fc48 8017 $CFG --stage-arg token2wav.generator_args.first_chunk_frames=48
-  wait_ready fc48 8017 && bench fc48 8017
-  stop fc48
+  serve fc$1 $2 $CFG --stage-arg token2wav.generator_args.first_chunk_frames=$1
+  wait_ready fc$1 $2 && bench fc$1 $2
+  stop fc$1
 }
+# A smaller first streaming window than the configs' 72 frames: an earlier first packet, if the talker
+# keeps ahead of playback (issue 5's TTFP; the bench's stall numbers say whether it does).
+step_fc48() { first_window 48 8017; }
+step_fc24() { first_window 24 8019; }
 
 step_bf16() {
   # token2wav's DiT in bfloat16 (generator_args.dit_dtype; float32 in the shipped configs).
