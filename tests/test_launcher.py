@@ -59,6 +59,25 @@ def test_engines_with_a_fixed_kv_size_share_a_gpu_from_the_start():
     assert [launcher.start_after(u) for u in launcher.cfg.units()] == [[], [], [], [(0, 0), (1, 0), (2, 0)]]
 
 
+ONE_GPU = """
+model: m
+stages:
+  - {id: 0, name: thinker, model: x, devices: "0", output: text}
+  - {id: 1, name: talker, model: x, devices: "0", inputs: [0], input_processor: hidden_to_embeds}
+  - {id: 2, name: voc, kind: generation, generator: qwen2_5_omni.token2wav, model: x, devices: "0", inputs: [1],
+     input_processor: qwen2_5_omni.talker_to_token2wav, output: audio}
+"""
+
+
+def test_a_generation_stage_builds_before_the_engines_that_profile_its_gpu():
+    # configs/qwen2_5_omni.yaml's shape: token2wav (CUDA graph capture, ~20 s on the H200) builds
+    # first, while thinker and talker import; they then profile with its memory already in use.
+    launcher = Launcher(load_config_text(ONE_GPU), "unused.yaml", Path("/tmp"))
+    launcher.sequential = True
+    assert launcher.build_order() == [(2, 0), (0, 0), (1, 0)]
+    assert [launcher.start_after(u) for u in launcher.cfg.units()] == [[(2, 0)], [(2, 0), (0, 0)], []]
+
+
 def test_cpu_host_starts_everything_at_once():
     launcher = _launcher(False)
     assert [launcher.start_after(u) for u in launcher.cfg.units()] == [[]] * 6

@@ -51,14 +51,20 @@ class Launcher:
         stage = self.cfg.stage(stage_id)
         return stage.kind == "ar" and not stage.engine_args.get("kv_cache_memory_bytes")
 
+    def build_order(self) -> list[Unit]:
+        """Stages that do not profile memory first (config order), then those that do: a
+        generation stage (e.g. token2wav capturing its CUDA graphs) builds while the engines
+        after it import, and is done allocating before any of them measures the GPU."""
+        return sorted(self.cfg.units(), key=lambda u: self._profiles(u[0]))
+
     def start_after(self, unit: Unit) -> list[Unit]:
-        """Processes that must be ready before this one starts: earlier ones on the same devices,
-        unless neither of the two profiles memory (those build their engines side by side)."""
+        """Processes that must be ready before this one builds: those before it in `build_order` on
+        the same devices, unless neither of the two profiles memory (those build side by side)."""
         if not self.sequential:
             return []
-        units = self.cfg.units()
+        order = self.build_order()
         mine = _device_set(self.cfg.stage(unit[0]).devices_of(unit[1]))
-        return [u for u in units[:units.index(unit)]
+        return [u for u in order[:order.index(unit)]
                 if _overlap(mine, _device_set(self.cfg.stage(u[0]).devices_of(u[1])))
                 and (self._profiles(u[0]) or self._profiles(unit[0]))]
 
