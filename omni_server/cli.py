@@ -74,10 +74,15 @@ def cmd_bench(args) -> int:
 
     from omni_server.bench import BenchConfig, run_bench
 
+    if args.speech and args.reference:
+        print("error: --reference times transformers answering a chat; it has no /v1/audio/speech "
+              "counterpart: leave out one of --speech and --reference", file=sys.stderr)
+        return 2
     cfg = BenchConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
                       requests_per_level=args.requests, prompt_words=args.prompt_words,
                       max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OMNI_SERVER_API_KEY"),
-                      audio=args.audio, voice=args.voice, reference=args.reference,
+                      audio=args.audio or args.speech, voice=args.voice, speech=args.speech,
+                      reference=args.reference,
                       reference_talker_max_tokens=args.reference_talker_max_tokens,
                       reference_requests=args.reference_requests)
     result = asyncio.run(run_bench(cfg))
@@ -92,7 +97,7 @@ def cmd_bench(args) -> int:
               f"{lv['latency_ms']['p50']}/{lv['latency_ms']['p90']}/{lv['latency_ms']['p99']}"
               + (f"  TTFP p50 ms={lv['ttfp_ms']['p50']}  audio s/wall s={lv['audio_s_per_wall_s']}  "
                  f"RTF p50={lv['rtf']['p50']}  stall p90/max ms={lv['stall_ms']['p90']}/{lv['stall_ms']['max']} "
-                 f"({lv['stalled_requests']} requests stalled)" if args.audio else ""))
+                 f"({lv['stalled_requests']} requests stalled)" if args.audio or args.speech else ""))
         for st in lv.get("stages", []):
             print(f"    stage {st['stage_id']}: {st['steps']} steps, {st['step_ms_mean']} ms/step, busy {st['busy']}, "
                   f"batch {st['batch_mean']}, {st['payload_mb']} MB to stages, {st['backpressure_pauses']} pauses, "
@@ -162,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key")
     p.add_argument("--output", help="write the JSON result here")
     p.add_argument("--audio", action="store_true", help="ask for speech too: adds TTFP, audio s/wall s, RTF")
+    p.add_argument("--speech", action="store_true",
+                   help="drive /v1/audio/speech instead of chat (the prompt is spoken): TTFP, RTF, stalls")
     p.add_argument("--voice")
     p.add_argument("--reference", metavar="CHECKPOINT_DIR",
                    help="also time transformers' pipeline on the same prompts here, and compare")

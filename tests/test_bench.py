@@ -95,3 +95,28 @@ def test_playback_stalls_count_the_gaps_a_player_would_wait():
     w.add(b"\0\0" * (rate // 2), t=4.25)  # 0.25 s late
     assert w.seconds == 3.5
     assert abs(w.stall_s - 0.75) < 1e-9
+
+
+def test_bench_speech_drives_the_speech_endpoint(speech_server, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_server.cli", "bench", "--base-url", speech_server.base_url,
+         "--model", "omni-tiny", "--concurrency", "2", "--requests", "2", "--prompt-words", "12", "--speech",
+         "--voice", "Chelsie", "--output", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (lv,) = json.loads(out.read_text())["levels"]
+    assert lv["errors"] == 0 and lv["ttft_ms"]["p50"] is None
+    # Codec tokens (usage.output_tokens): 2 mel frames = 2 * 240 samples at 24 kHz each.
+    assert 0 < lv["output_tokens"] <= 2 * 64  # (audio_s is rounded to 10 ms: half a code)
+    assert abs(lv["audio_s"] * 24000 - lv["output_tokens"] * 480) <= 120
+    assert 0 < lv["ttfp_ms"]["p50"] <= lv["latency_ms"]["p99"] and lv["rtf"]["p50"] > 0
+    assert lv["stall_ms"]["max"] >= 0
+    # The speech endpoint skips no stage: the thinker reads the text (one prefill), then talker and token2wav.
+    assert all(s["steps"] > 0 for s in lv["stages"])
+
+
+def test_bench_speech_has_no_reference_counterpart(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "bench", "--model", "m", "--speech",
+                           "--reference", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--reference" in proc.stderr and "Traceback" not in proc.stderr

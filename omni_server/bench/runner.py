@@ -7,6 +7,8 @@ playback stalls (how long a player starting at the first packet would wait for l
 Per stage (`stages`, from the stats route before and after the level): steps, mean step time, busy
 fraction of the level's wall time, mean batch, payload MB sent to other stages, backpressure pauses,
 mean time from a request's start to the stage's first output for it.
+With `speech`, the requests go to /v1/audio/speech instead (each prompt is the text to speak,
+streamed as SSE events): the same audio numbers, no TTFT.
 With `reference`, transformers' own pipeline runs the same prompts in this process afterwards, and
 each level reports its throughput relative to it (`vs_reference`).
 """
@@ -57,6 +59,9 @@ class BenchConfig:
     # Ask for speech too (modalities text + audio, wav); voice None = the server's default.
     audio: bool = False
     voice: str | None = None
+    # Drive /v1/audio/speech instead (the prompt is the text spoken; SSE events, wav): TTFP, RTF,
+    # stalls; no TTFT, and `output_tokens` counts codec tokens. Implies `audio`.
+    speech: bool = False
     # A checkpoint dir: also run transformers' pipeline on the same prompts (one at a time) in this
     # process, and report each level against it. Its talker stops at `reference_talker_max_tokens`
     # (set it to the server's talker max_tokens for a like-for-like audio length).
@@ -74,6 +79,8 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
+    if cfg.speech:
+        return await _one_speech(client, cfg, i)
     body = {"model": cfg.model, "messages": [{"role": "user", "content": prompt(i, cfg.prompt_words)}],
             "max_tokens": cfg.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": cfg.ignore_eos}
@@ -110,6 +117,36 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
     if cfg.audio and error is None and not audio.seconds:
         error = "no audio in the response"
     return {"ttft_s": ttft, "ttfp_s": ttfp, "audio_s": audio.seconds, "stall_s": audio.stall_s,
+            "latency_s": time.perf_counter() - t0, "tokens": tokens, "error": error}
+
+
+async def _one_speech(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
+    body = {"model": cfg.model, "input": prompt(i, cfg.prompt_words), "response_format": "wav",
+            "stream_format": "sse", **({"voice": cfg.voice} if cfg.voice else {})}
+    t0 = time.perf_counter()
+    ttfp, tokens, error, done = None, 0, None, False
+    audio = _WavStream()
+    try:
+        async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("type") == "speech.audio.delta":
+                    now = time.perf_counter() - t0
+                    ttfp = ttfp if ttfp is not None else now
+                    audio.add(base64.b64decode(event["audio"]), now)
+                elif event.get("type") == "speech.audio.done":
+                    tokens, done = event["usage"]["output_tokens"], True
+                elif event.get("type") == "error":
+                    error = (event.get("error") or {}).get("message", "error")
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
+    if error is None and not (done and audio.seconds):
+        error = "no audio in the response" if done else "the stream ended without speech.audio.done"
+    return {"ttft_s": None, "ttfp_s": ttfp, "audio_s": audio.seconds, "stall_s": audio.stall_s,
             "latency_s": time.perf_counter() - t0, "tokens": tokens, "error": error}
 
 
@@ -169,7 +206,7 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
     tokens = sum(r["tokens"] for r in ok)
     ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
     audio = {}
-    if cfg.audio:
+    if cfg.audio or cfg.speech:
         ttfps = [r["ttfp_s"] for r in ok if r["ttfp_s"] is not None]
         rtfs = [r["latency_s"] / r["audio_s"] for r in ok if r["audio_s"]]
         stalls = [r["stall_s"] for r in ok if r["audio_s"]]
