@@ -67,6 +67,7 @@ def collect(out: Path) -> dict:
     c1, c16 = _level(out / "bench7b_c1.json"), _level(out / "bench7b_c16.json")
     full_c1, full_c16 = _level(out / "bench7b_full_c1.json"), _level(out / "bench7b_full_c16.json")
     ref = _level(out / "bench7b_c16_ref.json")
+    sp1, sp16 = _level(out / "speech7b_c1.json"), _level(out / "speech7b_c16.json")
     return {
         "p1_runner_vs_vllm_bs1": _runner_ratio(out, 1),
         "p1_runner_vs_vllm_bs32": _runner_ratio(out, 32),
@@ -86,6 +87,11 @@ def collect(out: Path) -> dict:
         "p6_ready_s_warm": _ready_s(out / "serve_bench7b_full.log"),
         # warm, thinker and talker given kv_cache_memory_bytes: their engines build side by side
         "p6_ready_s_warm_fixed_kv": _ready_s(out / "serve_sized.log"),
+        # /v1/audio/speech on the same server (omni-server bench --speech)
+        "speech_ttfp_ms_c1": _get(sp1, "ttfp_ms", "p50"),
+        "speech_ttfp_ms_c16": _get(sp16, "ttfp_ms", "p50"),
+        "speech_rtf_c1": _get(sp1, "rtf", "p50"),
+        "speech_rtf_c16": _get(sp16, "rtf", "p50"),
     }
 
 

@@ -19,6 +19,7 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     _bench(tmp_path / "bench7b_full_c1.json", ttfp_ms={"p50": 4000.0})
     _bench(tmp_path / "bench7b_full_c16.json", ttfp_ms={"p50": 9000.0}, errors=15)  # failures: not a measurement
     _bench(tmp_path / "bench7b_c16_ref.json", vs_reference=25.5)
+    _bench(tmp_path / "speech7b_c1.json", ttfp_ms={"p50": 150.0}, rtf={"p50": 0.07})
     (tmp_path / "runner_a.txt").write_text(
         'noise\nRESULT {"model": "qwen2-7b", "mode": "vllm", "batch": 1, "tok_s": 200.0}\n'
         'RESULT {"model": "qwen2-7b", "mode": "omni-emit", "batch": 1, "tok_s": 198.0, "hbm_tb_s": 2.8}\n')
@@ -39,3 +40,4 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert r["p4_vs_hf_c16"] == 25.5 and r["p6_ready_s_cold"] == 142.5 and r["p6_ready_s_warm"] is None
     assert r["p6_ready_s_warm_fixed_kv"] == 51.0
     assert r["tiny_runner_vs_vllm_bs1"] == round(880 / 900, 3) and r["tiny_runner_vs_vllm_bs32"] is None
+    assert (r["speech_ttfp_ms_c1"], r["speech_rtf_c1"], r["speech_ttfp_ms_c16"]) == (150.0, 0.07, None)

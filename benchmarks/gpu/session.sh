@@ -73,6 +73,11 @@ step_main() {
   nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv >> $R/progress.log
   grep -a "CUDA graph" $R/serve_bench7b.log | head -3 | cut -c1-300 | tee -a $R/progress.log
   bench bench7b 8010
+  # /v1/audio/speech on the same server: the text spoken (the talker still capped at TALKER_MAX codes).
+  S="python3 -m omni_server.cli bench --model $MODEL --speech --prompt-words 40 --base-url http://127.0.0.1:8010"
+  $S --concurrency 1 --requests 3 --output $R/speech7b_c1.json > $R/bench_speech7b.log 2>&1
+  $S --concurrency 16 --requests 16 --output $R/speech7b_c16.json >> $R/bench_speech7b.log 2>&1
+  say "speech benched: $(python3 benchmarks/gpu/brief.py $R/speech7b_c1.json $R/speech7b_c16.json)"
 }
 
 step_full() {
