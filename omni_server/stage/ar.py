@@ -150,7 +150,7 @@ class ARStage(Stage):
         # The last step's hidden-state captures (their device -> host copies may be in flight),
         # and the requests to compact once they are done.
         self._in_flight: list = []
-        self._compact_next: list[_Tracked] = []
+        self._compact_next: list[tuple[str, _Tracked]] = []
         # Requests whose input is still streaming in -> per-step rows handed to the runner so far,
         # their sources, and the consumption last reported to them.
         self.stream_in: dict[str, int] = {}
@@ -398,8 +398,9 @@ class ARStage(Stage):
         for capture in self._in_flight:
             capture.wait()
         self._in_flight = []
-        for tracked in self._compact_next:
-            tracked.compact()
+        for rid, tracked in self._compact_next:
+            if self.tracked.get(rid) is tracked:  # (one that finished meanwhile was joined whole)
+                tracked.compact()
         self._compact_next = []
 
     def _collect_hidden(self, capture) -> None:
@@ -416,7 +417,7 @@ class ARStage(Stage):
                 tracked.loose += 1
                 tracked.hidden_len += n
                 if big or tracked.loose >= COMPACT_EVERY:
-                    self._compact_next.append(tracked)
+                    self._compact_next.append((rid, tracked))
             offset += n
 
     def _stream_out(self) -> None:

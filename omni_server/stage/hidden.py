@@ -2,7 +2,8 @@
 
 On CUDA the rows are gathered on the compute stream (a private copy, so the next forward may reuse
 vLLM's buffers) and copied to pinned host memory on a side stream; nothing waits for that copy in
-the decode loop. The stage loop calls `wait()` only when it needs the bytes (request finished).
+the decode loop. The stage loop calls `wait()` a step later (the copy is done by then) or when a
+request finishes in this step.
 """
 
 from __future__ import annotations
@@ -38,10 +39,6 @@ class HiddenCapture:
         if self.event is not None:
             self.event.synchronize()
             self.event = None
-
-    def split(self) -> list[torch.Tensor]:
-        self.wait()
-        return list(torch.split(self.hidden, self.counts))
 
     def __getstate__(self) -> dict:
         # Crossing a process boundary (vLLM multiproc executor): the bytes must be final.
