@@ -9,13 +9,17 @@ import sys
 from tests.conftest import REPO
 
 
+def _bench(base_url: str, out, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`omni-server bench` against `base_url` (model omni-tiny), JSON written to `out`."""
+    return subprocess.run(
+        [sys.executable, "-m", "omni_server.cli", "bench", "--base-url", base_url, "--model", "omni-tiny",
+         *args, "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
 def test_bench_reports_every_level(text_server, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "omni_server.cli", "bench", "--base-url", text_server.base_url,
-         "--model", "omni-tiny", "--concurrency", "1", "4", "--requests", "4", "--max-tokens", "12",
-         "--prompt-words", "30", "--output", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = _bench(text_server.base_url, out, "--concurrency", "1", "4", "--requests", "4", "--max-tokens", "12",
+                  "--prompt-words", "30")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 4]
@@ -29,11 +33,8 @@ def test_bench_reports_every_level(text_server, tmp_path):
 
 def test_bench_audio_reports_ttfp_and_rtf(speech_server, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "omni_server.cli", "bench", "--base-url", speech_server.base_url,
-         "--model", "omni-tiny", "--concurrency", "2", "--requests", "2", "--max-tokens", "8",
-         "--prompt-words", "20", "--audio", "--voice", "Ethan", "--output", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = _bench(speech_server.base_url, out, "--concurrency", "2", "--requests", "2", "--max-tokens", "8",
+                  "--prompt-words", "20", "--audio", "--voice", "Ethan")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (lv,) = json.loads(out.read_text())["levels"]
     assert lv["errors"] == 0 and lv["output_tokens"] == 2 * 8
@@ -59,12 +60,9 @@ def test_bench_audio_reports_ttfp_and_rtf(speech_server, tmp_path):
 
 def test_bench_reference_runs_transformers_on_the_same_prompts(speech_server, tiny_models, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "omni_server.cli", "bench", "--base-url", speech_server.base_url,
-         "--model", "omni-tiny", "--concurrency", "1", "--requests", "2", "--max-tokens", "8",
-         "--prompt-words", "20", "--audio", "--reference", str(tiny_models["tiny-qwen2_5-omni"]),
-         "--reference-talker-max-tokens", "64", "--reference-requests", "2", "--output", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = _bench(speech_server.base_url, out, "--concurrency", "1", "--requests", "2", "--max-tokens", "8",
+                  "--prompt-words", "20", "--audio", "--reference", str(tiny_models["tiny-qwen2_5-omni"]),
+                  "--reference-talker-max-tokens", "64", "--reference-requests", "2", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     ref, (lv,) = result["reference"], result["levels"]
@@ -87,7 +85,7 @@ def test_playback_stalls_count_the_gaps_a_player_would_wait():
 
     rate = 1000
     second = b"\0\0" * rate
-    w = _WavStream()
+    w = _WavStream(t0=0.0)
     w.add(_wav_header(rate), t=0.1)  # header only: playback starts with the first samples
     w.add(second, t=0.5)             # plays 0.5 -> 1.5
     w.add(second, t=1.2)             # in time: 1.5 -> 2.5
@@ -99,11 +97,8 @@ def test_playback_stalls_count_the_gaps_a_player_would_wait():
 
 def test_bench_speech_drives_the_speech_endpoint(speech_server, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "omni_server.cli", "bench", "--base-url", speech_server.base_url,
-         "--model", "omni-tiny", "--concurrency", "2", "--requests", "2", "--prompt-words", "12", "--speech",
-         "--voice", "Chelsie", "--output", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = _bench(speech_server.base_url, out, "--concurrency", "2", "--requests", "2", "--prompt-words", "12",
+                  "--speech", "--voice", "Chelsie")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (lv,) = json.loads(out.read_text())["levels"]
     assert lv["errors"] == 0 and lv["ttft_ms"]["p50"] is None

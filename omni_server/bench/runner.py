@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -78,6 +79,20 @@ def _pct(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
+class _BadStatus(Exception):
+    pass
+
+
+async def _events(client: httpx.AsyncClient, path: str, body: dict) -> AsyncIterator[dict]:
+    """The JSON events of a streamed (SSE) response; a non-200 answer raises _BadStatus."""
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            raise _BadStatus(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
     if cfg.speech:
         return await _one_speech(client, cfg, i)
@@ -88,79 +103,70 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
         body["modalities"] = ["text", "audio"]
         body["audio"] = {"format": "wav", **({"voice": cfg.voice} if cfg.voice else {})}
     t0 = time.perf_counter()
-    ttft, ttfp, tokens, error = None, None, 0, None
-    audio = _WavStream()
+    ttft, tokens, error = None, 0, None
+    audio = _WavStream(t0)
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    error = chunk["error"].get("message", "error")
-                    continue
-                deltas = [c.get("delta", {}) for c in chunk.get("choices", [])]
-                if ttft is None and any(d.get("content") or (d.get("audio") or {}).get("transcript") for d in deltas):
-                    ttft = time.perf_counter() - t0
-                for d in deltas:
-                    data = (d.get("audio") or {}).get("data")
-                    if data:
-                        now = time.perf_counter() - t0
-                        ttfp = ttfp if ttfp is not None else now
-                        audio.add(base64.b64decode(data), now)
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+        async for chunk in _events(client, "/v1/chat/completions", body):
+            if "error" in chunk:
+                error = chunk["error"].get("message", "error")
+                continue
+            deltas = [c.get("delta", {}) for c in chunk.get("choices", [])]
+            if ttft is None and any(d.get("content") or (d.get("audio") or {}).get("transcript") for d in deltas):
+                ttft = time.perf_counter() - t0
+            for d in deltas:
+                data = (d.get("audio") or {}).get("data")
+                if data:
+                    audio.add(base64.b64decode(data))
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    except _BadStatus as e:
+        return {"error": str(e)}
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
     if cfg.audio and error is None and not audio.seconds:
         error = "no audio in the response"
-    return {"ttft_s": ttft, "ttfp_s": ttfp, "audio_s": audio.seconds, "stall_s": audio.stall_s,
-            "latency_s": time.perf_counter() - t0, "tokens": tokens, "error": error}
+    return audio.result(ttft, tokens, error)
 
 
 async def _one_speech(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
     body = {"model": cfg.model, "input": prompt(i, cfg.prompt_words), "response_format": "wav",
             "stream_format": "sse", **({"voice": cfg.voice} if cfg.voice else {})}
-    t0 = time.perf_counter()
-    ttfp, tokens, error, done = None, 0, None, False
-    audio = _WavStream()
+    tokens, error, done = 0, None, False
+    audio = _WavStream(time.perf_counter())
     try:
-        async with client.stream("POST", "/v1/audio/speech", json=body) as r:
-            if r.status_code != 200:
-                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                event = json.loads(line[6:])
-                if event.get("type") == "speech.audio.delta":
-                    now = time.perf_counter() - t0
-                    ttfp = ttfp if ttfp is not None else now
-                    audio.add(base64.b64decode(event["audio"]), now)
-                elif event.get("type") == "speech.audio.done":
-                    tokens, done = event["usage"]["output_tokens"], True
-                elif event.get("type") == "error":
-                    error = (event.get("error") or {}).get("message", "error")
+        async for event in _events(client, "/v1/audio/speech", body):
+            if event.get("type") == "speech.audio.delta":
+                audio.add(base64.b64decode(event["audio"]))
+            elif event.get("type") == "speech.audio.done":
+                tokens, done = event["usage"]["output_tokens"], True
+            elif event.get("type") == "error":
+                error = (event.get("error") or {}).get("message", "error")
+    except _BadStatus as e:
+        return {"error": str(e)}
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
     if error is None and not (done and audio.seconds):
         error = "no audio in the response" if done else "the stream ended without speech.audio.done"
-    return {"ttft_s": None, "ttfp_s": ttfp, "audio_s": audio.seconds, "stall_s": audio.stall_s,
-            "latency_s": time.perf_counter() - t0, "tokens": tokens, "error": error}
+    return audio.result(None, tokens, error)
 
 
 class _WavStream:
-    """Seconds of 16-bit mono WAV streamed in pieces: a header (sizes may be unknown) then samples;
-    and how long a player that starts at the first sample would have paused, waiting for pieces
+    """One request's 16-bit mono WAV, streamed in pieces (a header, sizes maybe unknown, then
+    samples), timed from the request's start `t0`: seconds of audio, time of the first piece, and
+    how long a player that starts at the first sample would have paused, waiting for pieces
     (`stall_s`: the sum of the gaps when everything received had played)."""
 
-    def __init__(self):
+    def __init__(self, t0: float):
+        self.t0 = t0
         self.rate, self.sample_bytes = 0, 0
+        self.first_s: float | None = None
         self.play_end: float | None = None  # when what arrived so far has finished playing
         self.stall_s = 0.0
 
-    def add(self, data: bytes, t: float = 0.0) -> None:
+    def add(self, data: bytes, t: float | None = None) -> None:
+        """A piece that arrived `t` seconds after t0 (default: now)."""
+        t = time.perf_counter() - self.t0 if t is None else t
+        self.first_s = t if self.first_s is None else self.first_s
         if not self.rate:
             self.rate = int.from_bytes(data[24:28], "little")  # the fmt chunk's sample rate
             data = data[data.index(b"data") + 8:]
@@ -173,6 +179,10 @@ class _WavStream:
             self.stall_s += t - self.play_end
             self.play_end = t
         self.play_end += len(data) / 2 / self.rate
+
+    def result(self, ttft: float | None, tokens: int, error: str | None) -> dict:
+        return {"ttft_s": ttft, "ttfp_s": self.first_s, "audio_s": self.seconds, "stall_s": self.stall_s,
+                "latency_s": time.perf_counter() - self.t0, "tokens": tokens, "error": error}
 
     @property
     def seconds(self) -> float:
