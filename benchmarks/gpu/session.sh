@@ -3,8 +3,8 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main ref t2w bf16 fc24 tests runner full prof", ~1,550 s;
-# also: layouts fc48 mps).
+# Steps run in the order STEPS names them (default "main ref t2w bf16 fc24 tests runner full", ~1,400 s;
+# also: layouts fc48 mps prof).
 set -u
 R=/tmp/res; mkdir -p $R
 cd "$(dirname "$0")/../.."
@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main ref t2w bf16 fc24 tests runner full prof}
+STEPS=${STEPS:-main ref t2w bf16 fc24 tests runner full}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -153,16 +153,18 @@ step_prof() {
   say "profiles: $(ls $R/prof 2>/dev/null | tr '\n' ' ')"
 }
 
-first_window() {  # FRAMES PORT: the one-GPU layout with token2wav's first window of FRAMES mel frames
+first_window() {  # FRAMES PORT [--stage-arg ...]: the one-GPU layout, token2wav's first window FRAMES mel frames
   free_gpus
-  serve fc$1 $2 $CFG --stage-arg token2wav.generator_args.first_chunk_frames=$1
-  wait_ready fc$1 $2 && bench fc$1 $2
-  stop fc$1
+  local frames=$1 port=$2; shift 2
+  serve fc$frames $port $CFG --stage-arg token2wav.generator_args.first_chunk_frames=$frames "$@"
+  wait_ready fc$frames $port && bench fc$frames $port
+  stop fc$frames
 }
 # A smaller first streaming window than the configs' 72 frames: an earlier first packet, if the talker
 # keeps ahead of playback (issue 5's TTFP; the bench's stall numbers say whether it does).
 step_fc48() { first_window 48 8017; }
-step_fc24() { first_window 24 8019; }
+# fc24 on top of the bf16 DiT (step bf16 alone gives the dtype's share): the candidate defaults.
+step_fc24() { first_window 24 8019 --stage-arg token2wav.generator_args.dit_dtype=bfloat16; }
 
 step_bf16() {
   # token2wav's DiT in bfloat16 (generator_args.dit_dtype; float32 in the shipped configs).
