@@ -26,11 +26,16 @@ STARTUP_TIMEOUT = 420
 
 
 def pytest_runtest_logreport(report) -> None:
-    """With OMNI_TEST_LOG_DIR set, each failure is written there as it happens (failures.txt), so a
-    session killed by a time limit still says what failed and why."""
+    """With OMNI_TEST_LOG_DIR set, each failure is written there as it happens (failures.txt) and
+    each phase's outcome and seconds (times.txt), so a session killed by a time limit still says
+    what failed, why, and where the time went."""
     keep = os.environ.get("OMNI_TEST_LOG_DIR")
-    if keep and report.failed:
-        Path(keep).mkdir(parents=True, exist_ok=True)
+    if not keep:
+        return
+    Path(keep).mkdir(parents=True, exist_ok=True)
+    with open(Path(keep) / "times.txt", "a") as f:
+        f.write(f"{time.strftime('%H:%M:%S')} {report.duration:8.2f} s {report.when:8} {report.outcome:7} {report.nodeid}\n")
+    if report.failed:
         with open(Path(keep) / "failures.txt", "a") as f:
             f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 

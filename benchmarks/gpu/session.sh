@@ -194,7 +194,11 @@ step_tests() {
   # TESTS: other pytest arguments, split on spaces (e.g. tests/test_token2wav.py -k graph).
   TESTS=${TESTS:-tests/test_sampler_warmup.py tests/test_token2wav.py tests/test_e2e_speech.py \
     tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py tests/test_qwen3_thinker_tap.py}
-  OMNI_TEST_LOG_DIR=$R/testlogs timeout ${TESTS_TIMEOUT:-900} python3 -m pytest -p no:cacheprovider -q -rf --durations=15 $TESTS > $R/tests.log 2>&1
+  # SIGINT at the limit: pytest still prints its summary and durations. Few torch threads: beside a
+  # starting 7B server (inductor's compile workers) the CPU-side tests took 8.5 min of 32 threads
+  # instead of 20 s (2026-11-30c).
+  OMNI_TEST_LOG_DIR=$R/testlogs OMP_NUM_THREADS=${TESTS_THREADS:-4} \
+    timeout -s INT -k 30 ${TESTS_TIMEOUT:-900} python3 -m pytest -p no:cacheprovider -q -rf --durations=15 $TESTS > $R/tests.log 2>&1
   say "CUDA e2e tests: $(tail -1 $R/tests.log)"
 }
 
