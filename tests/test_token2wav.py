@@ -210,11 +210,46 @@ def test_stream_first_audio_needs_one_window(request, which):
     assert not t2w.stream_ready(st)
 
 
-def test_small_first_window_keeps_streams_arrival_independent(t2w_small_first):
-    whole = t2w_small_first.stream_all(LONG, "Ethan", seed=5)
-    pieces, early = _feed_in_pieces(t2w_small_first, LONG, [3], seed=5)
+@pytest.fixture(scope="module")
+def t2w_growing(model_dir) -> Token2Wav:
+    return Token2Wav(model_dir, first_chunk_frames=[24, 48])
+
+
+@pytest.mark.parametrize("which", ["t2w_small_first", "t2w_growing"])
+def test_small_first_windows_keep_streams_arrival_independent(request, which):
+    t2w = request.getfixturevalue(which)
+    whole = t2w.stream_all(LONG, "Ethan", seed=5)
+    pieces, early = _feed_in_pieces(t2w, LONG, [3], seed=5)
     assert torch.equal(torch.cat(pieces), whole) and early > 0
-    assert whole.numel() == LONG.numel() * 2 * t2w_small_first.hop
+    assert whole.numel() == LONG.numel() * 2 * t2w.hop
+
+
+def test_growing_windows_follow_their_list(t2w_growing):
+    """first_chunk_frames [24, 48]: windows of 24, 48, then chunk_frames new frames, each run as soon
+    as its frames + look-ahead are here; the audio equals one whole decode (the tiny DiT's blocks
+    barely interact: the windows' bounded context changes little)."""
+    t2w, repeats = t2w_growing, 2
+    st = t2w.open_stream("Ethan", 5)
+    settled, have = [], 0
+    while not st.done:
+        if not t2w.stream_ready(st):
+            have += 1
+            st.feed(codes=LONG[:have], final=have == LONG.numel())
+            continue
+        before = st.settled
+        t2w.stream_step([st])
+        if st.settled > before:
+            settled.append((st.settled - before, have))
+    sizes = [n for n, _ in settled]
+    # (The last window takes every frame left: less than a window + its look-ahead.)
+    assert sizes[:3] == [24, 48, 72] and sizes[-1] < 72 + 24 and sum(sizes) == LONG.numel() * repeats
+    # Each window ran once its new frames and the 24 look-ahead frames were fed, not later.
+    done = 0
+    for size, fed in settled[:-1]:
+        done += size
+        assert fed == (done + t2w.future_frames) // repeats
+    full = t2w(LONG, "Ethan", seed=5)
+    assert (full - t2w.stream_all(LONG, "Ethan", seed=5)).abs().max().item() < 1e-4
 
 
 def test_streams_batched_equal_each_alone(t2w):
@@ -238,6 +273,8 @@ def test_stream_errors(t2w):
 
 @pytest.mark.parametrize("kwargs", [{"chunk_frames": 0}, {"chunk_frames": 50}, {"past_frames": 10},
                                     {"first_chunk_frames": 0}, {"first_chunk_frames": 30},
+                                    {"first_chunk_frames": []}, {"first_chunk_frames": [24, 30]},
+                                    {"first_chunk_frames": [24, 0]},
                                     {"future_frames": 3}, {"vocoder_context_frames": -1}])
 def test_bad_stream_settings(model_dir, kwargs):
     with pytest.raises(ValueError):
@@ -287,7 +324,7 @@ def test_vocoder_body_is_transformers_forward(t2w):
         assert (body[i] - alone).abs().max().item() < 1e-6  # batched: conv rounding only
 
 
-@pytest.mark.parametrize("first", [72, 24])
+@pytest.mark.parametrize("first", [72, 24, [24, 48], [24, 24, 48]])
 def test_graph_warm_up_covers_the_vocoder_lengths_of_a_stream(model_dir, first, monkeypatch):
     # warmup_graphs captures the vocoder for these lengths only (others run eagerly): they must be
     # every length a long stream passes it but the last piece's.

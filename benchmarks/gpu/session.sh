@@ -3,8 +3,8 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main ref t2w bf16 fc24 tests runner full", ~1,400 s;
-# also: layouts fc48 mps prof).
+# Steps run in the order STEPS names them (default "main ref tests runner full mps", ~1,300 s;
+# also: t2w layouts fc24 fc72 prof).
 set -u
 R=/tmp/res; mkdir -p $R
 cd "$(dirname "$0")/../.."
@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main ref t2w bf16 fc24 tests runner full}
+STEPS=${STEPS:-main ref tests runner full mps}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -160,19 +160,11 @@ first_window() {  # FRAMES PORT [--stage-arg ...]: the one-GPU layout, token2wav
   wait_ready fc$frames $port && bench fc$frames $port
   stop fc$frames
 }
-# A smaller first streaming window than the configs' 72 frames: an earlier first packet, if the talker
-# keeps ahead of playback (issue 5's TTFP; the bench's stall numbers say whether it does).
-step_fc48() { first_window 48 8017; }
-# fc24 on top of the bf16 DiT (step bf16 alone gives the dtype's share): the candidate defaults.
-step_fc24() { first_window 24 8019 --stage-arg token2wav.generator_args.dit_dtype=bfloat16; }
-
-step_bf16() {
-  # token2wav's DiT in bfloat16 (generator_args.dit_dtype; float32 in the shipped configs).
-  free_gpus
-  serve bf16 8018 $CFG --stage-arg token2wav.generator_args.dit_dtype=bfloat16
-  wait_ready bf16 8018 && bench bf16 8018
-  stop bf16
-}
+# One first window instead of the configs' growing ones ([24, 48], then 72): 24 frames (earliest
+# first packet, then a 72-frame window that cannot be ready before 0.24 s of audio has played: the
+# bench's stalls) or 72 (the configs' value before 2026-11-30c).
+step_fc24() { first_window 24 8019; }
+step_fc72() { first_window 72 8017; }
 
 step_mps() {
   # The one-GPU layout under CUDA MPS (stage processes' kernels run side by side instead of

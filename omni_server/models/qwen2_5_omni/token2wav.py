@@ -8,14 +8,15 @@ float32 operations as transformers' (`Qwen2_5OmniToken2WavDiTModel.sample` with 
 `RungeKutta4ODESolver`), so for the same noise the results agree to rounding.
 
 Streaming (`open_stream` / `stream_step`): codes arrive in pieces and audio leaves in pieces. The DiT
-runs on windows of `chunk_frames` new mel frames (`first_chunk_frames` in the first: smaller means
-earlier first audio) with `past_frames` of left and `future_frames` of
+runs on windows of `chunk_frames` new mel frames (`first_chunk_frames`, one size or a list, in the
+first windows: a small first window means earlier first audio, and growing ones after it keep each
+window ready before the audio before it has played) with `past_frames` of left and `future_frames` of
 right context (whole DiT blocks, so a window's block mask matches the full sequence's); the vocoder
 runs on the new mel with `vocoder_context_frames` either side and holds back the last
 `vocoder_context_frames` until their right context exists. Every window's noise is the slice of the
 request's one noise sequence at the same positions, and which windows run depends only on the codes,
 never on when they arrived: a streamed waveform equals the same codes decoded by `stream_all`, and a
-response of at most `first_chunk_frames + future_frames` mel frames equals the full decode exactly.
+response of at most (first window + `future_frames`) mel frames equals the full decode exactly.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Token2Wav:
 
     def __init__(self, model_dir: str, device: str | torch.device = "cpu", chunk_frames: int = 72,
                  past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20,
-                 first_chunk_frames: int | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
+                 first_chunk_frames: int | list[int] | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
                  dit_dtype: str = "float32"):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
@@ -100,29 +101,39 @@ class Token2Wav:
         }
         self.voices: list[str] = sorted(self._speakers)
         block, repeats = dit_config.block_size, dit_config.repeats
-        first_chunk_frames = chunk_frames if first_chunk_frames is None else first_chunk_frames
-        for name, value, unit in (("chunk_frames", chunk_frames, block), ("first_chunk_frames", first_chunk_frames, block),
+        starts = [chunk_frames] if first_chunk_frames is None else first_chunk_frames
+        starts = [starts] if isinstance(starts, int) else list(starts)
+        if not starts:
+            raise ValueError("first_chunk_frames must be a window size or a non-empty list of them")
+        for name, value, unit in (("chunk_frames", chunk_frames, block),
+                                  *(("first_chunk_frames", size, block) for size in starts),
                                   ("past_frames", past_frames, block), ("future_frames", future_frames, repeats)):
             positive = name.endswith("chunk_frames")
-            if value < 0 or value % unit or (positive and value == 0):
+            if not isinstance(value, int) or value < 0 or value % unit or (positive and value == 0):
                 raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} "
                                  f"multiple of {unit} (the DiT's {'block size' if unit == block else 'code rate'}), "
                                  f"got {value}")
         if vocoder_context_frames < 0:
             raise ValueError(f"vocoder_context_frames must be >= 0, got {vocoder_context_frames}")
         self.chunk_frames, self.past_frames, self.future_frames = chunk_frames, past_frames, future_frames
-        self.first_chunk_frames = first_chunk_frames
+        # New frames of the stream's first windows, in order; `chunk_frames` each after them.
+        self.start_windows: tuple[int, ...] = tuple(starts)
+        self.first_chunk_frames = starts[0]
         self.vocoder_context_frames = vocoder_context_frames
-        # Codes a stream must have beyond those it consumed before its next window can run.
-        self.stream_lead = (max(past_frames + chunk_frames, first_chunk_frames) + future_frames) // repeats
+        # The most frames one window spans (past context + new + future): the graphs' largest shape.
+        # Codes a stream must have beyond those it consumed before its next window can run: as many.
+        widest, settled = past_frames + chunk_frames + future_frames, 0
+        for size in starts:
+            widest = max(widest, min(settled, past_frames) + size + future_frames)
+            settled += size
+        self.stream_lead = widest // repeats
         self.hop = 1  # waveform samples per mel frame
         for rate in config.bigvgan_config.upsample_rates:
             self.hop *= int(rate)
         # CUDA graphs of the DiT's ODE solve (see DiTGraphs): the DiT is small, so eager mode spends
         # its time launching ~30k kernels per window, not computing.
         graphs = cuda_graphs and self.device.type == "cuda"
-        self.graphs = DiTGraphs(self._rk4, max_graphs, max_graph_batch, block * repeats,
-                                max(past_frames + chunk_frames, first_chunk_frames) + future_frames) if graphs else None
+        self.graphs = DiTGraphs(self._rk4, max_graphs, max_graph_batch, block * repeats, widest) if graphs else None
         # The vocoder's ~2,600 ops per call, likewise: one graph per (batch bucket, mel length).
         self.vocoder_graphs = ShapeGraphs(self._vocoder_body, max_graphs, "token2wav vocoder",
                                           warm_each=True) if graphs else None
@@ -293,7 +304,13 @@ class Token2Wav:
         return codes[start // repeats:end // repeats], noise, first - start, settled
 
     def _chunk(self, settled: int) -> int:
-        return self.first_chunk_frames if settled == 0 else self.chunk_frames
+        """New frames of the window that starts at frame `settled` (a sum of the windows before)."""
+        done = 0
+        for size in self.start_windows:
+            if settled == done:
+                return size
+            done += size
+        return self.chunk_frames
 
     def _vocode_plan(self, st: CodeStream, new_mel: torch.Tensor | None) -> tuple[torch.Tensor, int, int] | None:
         """Append newly settled mel frames; the vocoder input that yields the audio whose context
@@ -321,12 +338,15 @@ class Token2Wav:
 
     def _stream_vocoder_lengths(self) -> set[int]:
         """The vocoder's input lengths (mel frames) in a long stream, but for its last piece: the
-        first window's mel (if it settles audio beyond the held-back context), the second's (what
-        the first kept + new frames), then context + new frames + held-back context."""
-        ctx = self.vocoder_context_frames
-        lengths = {min(self.first_chunk_frames, 2 * ctx) + self.chunk_frames, 2 * ctx + self.chunk_frames}
-        if self.first_chunk_frames > ctx:
-            lengths.add(self.first_chunk_frames)
+        windows' own planning run on stand-in mel (one channel) until they repeat."""
+        st = CodeStream(voice=self.voices[0], noise=_rng(0))  # never final: no last piece
+        lengths = set()
+        for _ in range(len(self.start_windows) + 3):
+            size = self._chunk(st.settled)
+            st.settled += size
+            plan = self._vocode_plan(st, torch.zeros(1, 1, size))
+            if plan is not None:
+                lengths.add(plan[0].shape[2])
         return lengths
 
     def _vocoder_body(self, mel: torch.Tensor) -> torch.Tensor:
