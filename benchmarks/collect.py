@@ -45,11 +45,11 @@ def _runner(out: Path, batch: int, model: str = "qwen2-7b") -> dict[str, dict]:
     return rows
 
 
-def _runner_ratio(out: Path, batch: int, model: str = "qwen2-7b") -> float | None:
-    """omni-with-emission tok/s / vllm tok/s at this batch."""
+def _runner_ratio(out: Path, batch: int, model: str = "qwen2-7b", mode: str = "omni-emit") -> float | None:
+    """Our stage loop's tok/s (with emission, or `omni-plain` without) / vllm tok/s at this batch."""
     rows = _runner(out, batch, model)
-    emit, plain = _get(rows, "omni-emit", "tok_s"), _get(rows, "vllm", "tok_s")
-    return round(emit / plain, 3) if emit and plain else None
+    ours, plain = _get(rows, mode, "tok_s"), _get(rows, "vllm", "tok_s")
+    return round(ours / plain, 3) if ours and plain else None
 
 
 def _hbm_fraction(out: Path) -> float | None:
@@ -74,6 +74,8 @@ def collect(out: Path) -> dict:
         # issue 2: the same ratio for the tiny thinker (float32)
         "tiny_runner_vs_vllm_bs1": _runner_ratio(out, 1, TINY),
         "tiny_runner_vs_vllm_bs32": _runner_ratio(out, 32, TINY),
+        "tiny_loop_vs_vllm_bs1": _runner_ratio(out, 1, TINY, "omni-plain"),
+        "tiny_loop_vs_vllm_bs32": _runner_ratio(out, 32, TINY, "omni-plain"),
         "p2_ttfp_ms_c1": _get(c1, "ttfp_ms", "p50"),
         "p2_ttfp_ms_c16": _get(c16, "ttfp_ms", "p50"),
         "p2_ttfp_ms_c1_full_payload": _get(full_c1, "ttfp_ms", "p50"),

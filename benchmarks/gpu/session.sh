@@ -184,7 +184,7 @@ step_tests() {
   [ -n "${CUDA_VISIBLE_DEVICES:-}" ] || free_gpus  # (in the background on GPU 1: nothing to free)
   mkdir -p $R/testlogs
   # TESTS: other pytest arguments, split on spaces (e.g. tests/test_token2wav.py -k graph).
-  TESTS=${TESTS:-tests/test_sampler_warmup.py tests/test_token2wav.py tests/test_e2e_speech.py \
+  TESTS=${TESTS:-tests/test_transfer.py tests/test_sampler_warmup.py tests/test_token2wav.py tests/test_e2e_speech.py \
     tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py tests/test_qwen3_thinker_tap.py}
   # SIGINT at the limit: pytest still prints its summary and durations. Few torch threads: beside a
   # starting 7B server (inductor's compile workers) the CPU-side tests took 8.5 min of 32 threads
@@ -200,11 +200,17 @@ step_runner() {
     timeout 400 python3 benchmarks/runner_overhead.py --model qwen2-7b --mode $mode --batch 1 32 > $R/runner_$mode.txt 2>&1
     say "runner $mode: $(grep RESULT $R/runner_$mode.txt | tr '\n' ' ')"
   done
-  for mode in vllm omni; do  # issue 2: the tiny thinker too (float32, as the tests run it)
-    timeout 300 python3 benchmarks/runner_overhead.py --model $PWD/var/models/tiny-qwen2_5-omni --dtype float32 \
-      --mode $mode --batch 1 32 > $R/runner_tiny_$mode.txt 2>&1
+  # Issue 2: the tiny thinker too (float32, as the tests run it), whose steps are all host time; and
+  # our stage loop without emission (omni-plain), to split our loop's cost from the emission's.
+  local tiny="benchmarks/runner_overhead.py --model $PWD/var/models/tiny-qwen2_5-omni --dtype float32"
+  for mode in vllm omni omni-plain; do
+    timeout 300 python3 $tiny --mode $mode --batch 1 32 > $R/runner_tiny_$mode.txt 2>&1
     say "runner tiny $mode: $(grep RESULT $R/runner_tiny_$mode.txt | tr '\n' ' ')"
   done
+  # Where the host time of a tiny batch-1 step goes: cProfile of the omni loop, top functions.
+  timeout 200 python3 -m cProfile -o $R/runner_tiny.prof $tiny --mode omni --batch 1 --repeats 2 > /dev/null 2>&1
+  python3 -c "import pstats; pstats.Stats('$R/runner_tiny.prof').sort_stats('tottime').print_stats(40)" \
+    > $R/runner_tiny_prof.txt 2>&1
 }
 # With two GPUs the CUDA tests (~10 min) run on GPU 1 in the background from the start; the steps
 # that need GPU 1 wait for them, the others use GPU 0 only meanwhile. (Not the runner benchmark:

@@ -16,16 +16,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS, HiddenCapture
-
-
-def host_index(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 index on `device` without stalling it: `torch.tensor(values, device=cuda)` copies
-    from pageable memory and then waits for the stream (every kernel queued so far); a pinned
-    buffer copies behind the queued work instead."""
-    index = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return index.to(device)
-    return index.pin_memory().to(device, non_blocking=True)
+from omni_server.stage.transfer import host_index, to_device
 
 
 class _AsyncWithHidden(AsyncModelRunnerOutput):
@@ -112,7 +103,7 @@ class HiddenStatesEmitter:
         if everything:
             return req_ids, counts, starts, None
         idx = np.concatenate([np.arange(o, o + n) for o, n in ranges])
-        index = torch.from_numpy(idx).to(self.device, non_blocking=True)
+        index = to_device(torch.from_numpy(idx), self.device)  # (pageable memory would sync the stream)
         return req_ids, counts, starts, index
 
     def _to_host(self, req_ids, counts, starts, rows: torch.Tensor, ready) -> HiddenCapture:
@@ -275,12 +266,12 @@ class StepEmbedsAdder:
             host = extra.get(STEP_EMBEDS) if extra else None
             if host is not None:
                 rows = torch.cat([host, *more.pop(new.req_id, [])])
-                cache[new.req_id] = rows.to(self.device, self.dtype, non_blocking=True)
+                cache[new.req_id] = to_device(rows, self.device, self.dtype)
         for rid, chunks in (getattr(scheduler_output, "omni_step_embeds", None) or {}).items():
             for rows in chunks:
                 if rid in cache:
                     old = cache[rid]
-                    cache[rid] = torch.cat([old, rows.to(old.device, old.dtype, non_blocking=True)])
+                    cache[rid] = torch.cat([old, to_device(rows, old.device, old.dtype)])
                 else:  # its request is not scheduled yet: joined to its first rows then
                     more.setdefault(rid, []).append(rows)
         return result

@@ -22,6 +22,7 @@ from omni_server.models.checkpoint import load_tensors, read_config
 from omni_server.models.qwen2_5_omni.speakers import load_speakers
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
+from omni_server.stage.transfer import aside, settle
 from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
 
 # Text-to-speech (options[REPLY_FROM_OPTION]): the reply was given, not generated. The thinker ran
@@ -72,7 +73,7 @@ def _tables(model_dir: str, dtype: torch.dtype) -> _TalkerTables:
     projected = torch.cat([(c.to(dev, torch.float32) @ w.T) for c in torch.split(embed, 16384)])
     codec_rows = codec[[tcfg.tts_codec_pad_token_id, tcfg.tts_codec_start_token_id]].to(dev, torch.float32) @ w.T
     placeholders = [getattr(thinker, k, None) for k in ("audio_token_index", "image_token_index", "video_token_index")]
-    return _TalkerTables(
+    tables = _TalkerTables(
         device=dev, dtype=dtype, proj_weight=w, proj_bias=proj["bias"].to(dev, torch.float32),
         projected_embed=projected, codec_pad=codec_rows[0], codec_start=codec_rows[1],
         text_end=tcfg.tts_text_end_token_id, text_pad=tcfg.tts_text_pad_token_id,
@@ -81,6 +82,8 @@ def _tables(model_dir: str, dtype: torch.dtype) -> _TalkerTables:
         codec_mask_id=tcfg.tts_codec_mask_token_id, codec_pad_id=tcfg.tts_codec_pad_token_id,
         codec_start_id=tcfg.tts_codec_start_token_id,
     )
+    settle(dev)  # complete before the processor reads them on its side stream
+    return tables
 
 
 def _single(payloads: dict[int, StagePayload]) -> StagePayload:
@@ -124,7 +127,9 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
             return None
         hidden, out_ids = hidden[:usable], out_ids[:usable - n_prompt + 1]
         n_out = len(out_ids)
-    with torch.inference_mode():
+    # On a side stream: the copies and syncs below wait for this work only, not for the talker's
+    # queued steps (this runs in the stage loop, between them).
+    with torch.inference_mode(), aside(t.device):
         ids = torch.tensor(prompt_ids + out_ids[:-1], device=t.device)
         token_part = t.projected_embed[ids]
         token_part[torch.isin(ids, t.placeholder_ids)] = 0

@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from omni_server.models.checkpoint import load_tensors, read_config
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
+from omni_server.stage.transfer import aside, settle
 from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
 
 DEFAULT_VOICE = "ethan"  # transformers' generate() default ("Ethan"; lookups are lower-case)
@@ -85,7 +86,7 @@ def _tables(model_dir: str) -> _Tables:
     if act != "silu":
         raise ValueError(f"{model_dir}: talker projections use {act!r}; only silu is supported")
     dev = _device()
-    return _Tables(
+    tables = _Tables(
         device=dev,
         embed=load_tensors(model_dir, "thinker.model.embed_tokens.")["weight"].to(dev, torch.float32),
         text=_mlp(load_tensors(model_dir, "talker.text_projection."), dev),
@@ -99,6 +100,8 @@ def _tables(model_dir: str) -> _Tables:
                              tcfg.codec_pad_id, tcfg.codec_bos_id),
         codec_pad=tcfg.codec_pad_id, codec_bos=tcfg.codec_bos_id,
     )
+    settle(dev)  # complete before the processor reads them on its side stream
+    return tables
 
 
 def voices(model_dir: str) -> list[str]:
@@ -148,7 +151,9 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         if p.final:
             raise ValueError("the thinker produced no reply to speak")
         return None
-    with torch.inference_mode():
+    # On a side stream: its syncs (media check, copies) wait for this work only, not for the
+    # talker's queued steps (this runs in the stage loop, between them).
+    with torch.inference_mode(), aside(t.device):
         ids = torch.tensor(prompt_ids, device=t.device)
         user = _user_positions(ids, t.im_start, t.user)
         media = torch.isin(ids[user], t.media_ids)
@@ -171,11 +176,12 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         reply = t.text(t.embed[torch.tensor(seq[a + 4:rows], device=t.device, dtype=torch.long)])
         if p.final:
             reply = torch.cat([reply, tts_eos, tts_pad])
+        prompt, reply = prompt.to("cpu", ctx.dtype), reply.to("cpu", ctx.dtype)
     n = prompt.shape[0]
     return StageInput(
-        prompt={"type": "embeds", "prompt_embeds": prompt.to("cpu", ctx.dtype),
+        prompt={"type": "embeds", "prompt_embeds": prompt,
                 "prompt_token_ids": [t.codec_pad] * n, "is_token_ids": [False] * n},
-        step_embeds=reply.to("cpu", ctx.dtype),
+        step_embeds=reply,
     )
 
 

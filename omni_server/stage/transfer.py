@@ -1,0 +1,62 @@
+"""Host <-> device transfers that never wait for the model's queued GPU work.
+
+A stage process queues its model's steps on the GPU ahead of time (async scheduling); anything that
+synchronises with that stream — `torch.tensor(..., device=cuda)` or a copy from pageable memory (the
+driver syncs the stream first), `.cpu()`, `.item()` — stalls the loop until those steps are done and
+breaks the overlap. So inputs go through pinned memory (`to_device`, `host_index`) and request-side
+device work (input processors) runs `aside`: on a side stream, where its syncs wait for its own
+kernels only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` (host) on `device` as `dtype`, copied behind the queued work (from pinned memory) on CUDA."""
+    if device.type != "cuda":
+        return t.to(device, dtype)
+    if not t.is_pinned():
+        t = t.pin_memory()
+    t = t.to(device, non_blocking=True)
+    return t if dtype is None else t.to(dtype)
+
+
+def host_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index on `device` without stalling it (see `to_device`)."""
+    return to_device(torch.tensor(values, dtype=torch.long), device)
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    with _streams_lock:
+        stream = _streams.get(device)
+        if stream is None:
+            # (PyTorch's streams are non-blocking: no implicit sync with the legacy default stream.)
+            stream = _streams[device] = torch.cuda.Stream(device)
+        return stream
+
+
+@contextlib.contextmanager
+def aside(device: torch.device) -> Iterator[None]:
+    """Run the block's device work on a side stream of `device` (a no-op elsewhere). The block
+    must only read device tensors that were complete before it (tables built at start): the side
+    stream does not wait for the model's stream, which is the point."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.stream(_side_stream(device)):
+        yield
+
+
+def settle(device: torch.device) -> None:
+    """Wait for every stream of `device` (after building tables that `aside` blocks will read)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

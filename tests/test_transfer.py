@@ -1,0 +1,76 @@
+"""omni_server/stage/transfer.py: request-side transfers and device work that never wait for the
+model's queued GPU steps (CUDA), and are plain copies elsewhere."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from omni_server.models.checkpoint import read_config
+from omni_server.stage import processors
+from omni_server.stage.transfer import aside, host_index, to_device
+from omni_server.wire.messages import StagePayload
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+
+
+def test_host_side_copies_on_cpu():
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    out = to_device(t, torch.device("cpu"), torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out.float(), t)
+    assert torch.equal(host_index([3, 1, 2], torch.device("cpu")), torch.tensor([3, 1, 2]))
+    with aside(torch.device("cpu")):  # nothing to do off a GPU
+        assert torch.equal((t * 2).cpu(), t + t)
+
+
+def _busy_stream() -> None:
+    """Queue ~1 s of GPU time on the current stream (the model's, in a stage process)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    assert not torch.cuda.current_stream().query()
+
+
+@cuda
+def test_copies_in_do_not_wait_for_queued_work():
+    dev = torch.device("cuda")
+    rows = torch.randn(5, 7)
+    _busy_stream()
+    on_dev = to_device(rows, dev, torch.bfloat16)
+    index = host_index([4, 0, 2], dev)
+    assert not torch.cuda.current_stream().query()  # returned while the stream was still busy
+    torch.cuda.synchronize()
+    assert torch.equal(on_dev.cpu(), rows.to(torch.bfloat16)) and index.tolist() == [4, 0, 2]
+
+
+@cuda
+def test_aside_work_and_its_syncs_do_not_wait_for_queued_work():
+    dev = torch.device("cuda")
+    table = torch.randn(100, 8, device=dev)
+    torch.cuda.synchronize()
+    _busy_stream()
+    with aside(dev):
+        ids = torch.tensor([3, 7, 9], device=dev)  # a pageable copy: syncs its stream
+        rows = table[ids] * 2
+        big = bool((rows.abs() > 1e9).any())  # a host sync
+        host = rows.cpu()
+    assert not torch.cuda.current_stream().query()
+    assert not big and torch.equal(host, (table[[3, 7, 9]] * 2).cpu())
+
+
+@cuda
+def test_talker_input_processor_does_not_wait_for_the_talkers_steps(tiny_models):
+    model_dir = str(tiny_models["tiny-qwen2_5-omni"])
+    thinker = read_config(model_dir).thinker_config
+    hidden = thinker.text_config.hidden_size if hasattr(thinker, "text_config") else thinker.hidden_size
+    payload = StagePayload(request_id="r", source_stage=0, prompt_token_ids=[11, 12, 13, 14, 15],
+                           output_token_ids=[21, 22, 23], tensors={"hidden": torch.randn(7, hidden)})
+    ctx = SimpleNamespace(stage=SimpleNamespace(model=model_dir), dtype=torch.float32)
+    proc = processors.get("qwen2_5_omni.thinker_to_talker")
+    expected = proc({0: payload}, ctx, {"voice": "Ethan"})  # (also builds the tables)
+    _busy_stream()
+    out = proc({0: payload}, ctx, {"voice": "Ethan"})
+    assert not torch.cuda.current_stream().query()
+    assert torch.equal(out.prompt["prompt_embeds"], expected.prompt["prompt_embeds"])
+    assert torch.equal(out.step_embeds, expected.step_embeds)
