@@ -56,9 +56,9 @@ def _hf_talker_input(model_dir, inputs: dict, voice: str, max_new_tokens: int = 
     return payload, seen["talker"]
 
 
-def _ours(model_dir, payload, voice):
+def _ours(model_dir, payload, voice, **since):
     ctx = SimpleNamespace(stage=SimpleNamespace(model=str(model_dir)), dtype=torch.float32)
-    return processors.get("qwen3_omni_moe.thinker_to_talker")({0: payload}, ctx, {"voice": voice})
+    return processors.get("qwen3_omni_moe.thinker_to_talker")({0: payload}, ctx, {"voice": voice}, **since)
 
 
 def _check(model_dir, inputs, voice):
@@ -121,6 +121,17 @@ def test_streamed_payload_starts_on_the_first_reply_token_and_grows(tiny_models)
         # Rows settle one token late (the newest may be the last, which is never spoken).
         assert out.step_embeds.shape[0] == max(n_out - 2, 0)
         torch.testing.assert_close(out.step_embeds, full.step_embeds[:out.step_embeds.shape[0]])
+    # Incremental (what the stage does once the talker started): only the rows past `since`.
+    given = _ours(model_dir, part(1), "Aiden").step_embeds.shape[0]
+    for n_out, final in ((3, False), (len(payload.output_token_ids), True)):
+        p = StagePayload(request_id="r", source_stage=0, prompt_token_ids=payload.prompt_token_ids,
+                         output_token_ids=payload.output_token_ids[:n_out], tensors={}, final=final)
+        whole = _ours(model_dir, p, "Aiden")
+        more = _ours(model_dir, p, "Aiden", since=given)
+        assert more.prompt is None and more.step_offset == given and len(more.step_embeds) > 0
+        torch.testing.assert_close(more.step_embeds, whole.step_embeds[given:])
+        given = whole.step_embeds.shape[0]
+    assert given == full.step_embeds.shape[0]  # (the final rows: tts end and pad)
 
 
 def test_unknown_voice_names_the_valid_ones(tiny_models):

@@ -242,11 +242,14 @@ class ARStage(Stage):
             self.stream_in[expect.request_id] = 0 if rows is None else len(rows)
             self.stream_src[expect.request_id] = list(expect.sources)
 
+    def step_rows_given(self, request_id: str) -> int:
+        return self.stream_in.get(request_id, 0)
+
     def extend(self, request_id: str, stage_input: StageInput, final: bool) -> None:
         if request_id not in self.stream_in:
             return  # finished or failed meanwhile
         rows = stage_input.step_embeds
-        more = None if rows is None else rows[self.stream_in[request_id]:]
+        more = None if rows is None else rows[self.stream_in[request_id] - stage_input.step_offset:]
         if more is not None and len(more):
             # Reach the runner with the next step, before its forward.
             self.core.scheduler.queue_step_embeds(request_id, more)

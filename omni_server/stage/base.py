@@ -121,6 +121,10 @@ class Stage:
         everything received so far, and whether the input is complete now."""
         raise NotImplementedError(f"stage {self.stage.name} cannot take streamed input")
 
+    def step_rows_given(self, request_id: str) -> int:
+        """Per-step input rows a started streamed request holds (an incremental processor's `since`)."""
+        return 0
+
     def drop(self, request_ids: list[str]) -> None:
         """Remove these requests from the engine (aborted or failed)."""
 
@@ -272,8 +276,11 @@ class Stage:
         complete = w.complete()
         if not (complete or streamed):
             return
+        since = {}
+        if w.started and getattr(self.processor, "incremental", False):
+            since["since"] = self.step_rows_given(request_id)
         try:
-            stage_input = self.processor(w.payloads, self, dict(w.expect.options))
+            stage_input = self.processor(w.payloads, self, dict(w.expect.options), **since)
         except ValueError as e:  # the request's own input is unusable (e.g. unknown voice)
             log.warning("stage %d: input of %s rejected: %s", self.stage_id, request_id, e)
             self.fail(request_id, f"stage {self.stage.name}: {e}", code=400)

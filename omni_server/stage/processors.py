@@ -29,12 +29,18 @@ class StageInput:
     positions: torch.Tensor | None = None
     # Generation stages: the generator's keyword inputs.
     data: dict[str, Any] | None = None
+    # Index of step_embeds' first row in the request's rows: an incremental processor called with
+    # `since` (see below) returns only the rows from there on.
+    step_offset: int = 0
 
 
 # (payloads by source stage, the stage object, the request's options such as {"voice": ...}).
 # A processor may return None for a streamed input that cannot start the request yet, may have
 # a `prepare(stage)` attribute that loads its tables when the stage starts, and `reads_hidden =
 # False` when it uses only its sources' tokens (they then skip capturing and sending hidden states).
+# With `incremental = True` it is called for a started streamed request with `since=N` (the step
+# rows the stage holds already) and builds only step rows N.. (no prompt): each chunk then costs
+# its own rows, not the whole input so far.
 Processor = Callable[[dict[int, StagePayload], Any, dict[str, str]], StageInput | None]
 _REGISTRY: dict[str, Processor] = {}
 

@@ -100,7 +100,8 @@ def _voice(options: dict[str, str], known) -> str:
 
 
 @processors.register("qwen2_5_omni.thinker_to_talker")
-def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str, str]) -> StageInput | None:
+def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str, str],
+                      since: int | None = None) -> StageInput | None:
     p = _single(payloads)
     with _lock:
         t = _tables(str(ctx.stage.model), ctx.dtype)
@@ -127,19 +128,23 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
             return None
         hidden, out_ids = hidden[:usable], out_ids[:usable - n_prompt + 1]
         n_out = len(out_ids)
-    # On a side stream: the copies and syncs below wait for this work only, not for the talker's
-    # queued steps (this runs in the stage loop, between them).
+    # Started already (`since` step rows given): only the reply rows from there on. On a side
+    # stream: the copies and syncs below wait for this work only, not for the talker's queued
+    # steps (this runs in the stage loop, between them).
+    lo = 0 if since is None else n_prompt + 1 + since
     with torch.inference_mode(), aside(t.device):
-        ids = torch.tensor(prompt_ids + out_ids[:-1], device=t.device)
+        ids = torch.tensor((prompt_ids + out_ids[:-1])[lo:], dtype=torch.long, device=t.device)
         token_part = t.projected_embed[ids]
         token_part[torch.isin(ids, t.placeholder_ids)] = 0
-        x = hidden.to(t.device, torch.float32) @ t.proj_weight.T + token_part
+        x = hidden[lo:].to(t.device, torch.float32) @ t.proj_weight.T + token_part
         emb = t.projected_embed
+        ends = [emb[t.text_end][None], emb[t.text_pad][None]] if p.final else []
+        if since is not None:
+            return StageInput(step_embeds=torch.cat([x, *ends]).to("cpu", ctx.dtype), step_offset=since)
         prompt = torch.cat([x[:n_prompt], emb[t.voice_start[voice]][None], x[n_prompt:n_prompt + 1]])
         prompt[-1] += t.codec_start
         prompt[-2] += t.codec_pad
         prompt += t.proj_bias
-        ends = [emb[t.text_end][None], emb[t.text_pad][None]] if p.final else []
         reply = torch.cat([x[n_prompt + 1:], *ends])
         ids = [t.codec_mask_id] * n_prompt + [t.codec_pad_id, t.codec_start_id]
         return StageInput(
@@ -152,6 +157,7 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
 
 
 thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model), stage.dtype)
+thinker_to_talker.incremental = True
 
 
 def _talker_positions(thinker: torch.Tensor | None, n_prompt: int) -> torch.Tensor | None:

@@ -126,7 +126,8 @@ def _user_positions(ids: torch.Tensor, im_start: int, user: int) -> torch.Tensor
 
 
 @processors.register("qwen3_omni_moe.thinker_to_talker")
-def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str, str]) -> StageInput | None:
+def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str, str],
+                      since: int | None = None) -> StageInput | None:
     p = _single(payloads)
     with _lock:
         t = _tables(str(ctx.stage.model))
@@ -154,6 +155,13 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
     # On a side stream: its syncs (media check, copies) wait for this work only, not for the
     # talker's queued steps (this runs in the stage loop, between them).
     with torch.inference_mode(), aside(t.device):
+        special = t.text(t.embed[torch.tensor([t.tts_pad, t.tts_bos, t.tts_eos], device=t.device)])
+        tts_pad, tts_bos, tts_eos = special[0:1], special[1:2], special[2:3]
+        if since is not None:  # started already (`since` step rows given): the reply rows from there on
+            reply = t.text(t.embed[torch.tensor(seq[a + 4 + since:rows], device=t.device, dtype=torch.long)])
+            if p.final:
+                reply = torch.cat([reply, tts_eos, tts_pad])
+            return StageInput(step_embeds=reply.to("cpu", ctx.dtype), step_offset=since)
         ids = torch.tensor(prompt_ids, device=t.device)
         user = _user_positions(ids, t.im_start, t.user)
         media = torch.isin(ids[user], t.media_ids)
@@ -165,8 +173,6 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
                 shape = None if hidden is None else tuple(hidden.shape)
                 raise ValueError(f"thinker payload has hidden states {shape}; media rows up to {need} are needed")
             user_rows[media] = t.hidden(hidden[user[media].cpu()].to(t.device, torch.float32))
-        special = t.text(t.embed[torch.tensor([t.tts_pad, t.tts_bos, t.tts_eos], device=t.device)])
-        tts_pad, tts_bos, tts_eos = special[0:1], special[1:2], special[2:3]
         head = t.text(t.embed[torch.tensor(seq[a:a + 4], device=t.device)])
         assistant = torch.cat([head[:3], tts_pad.expand(4, -1), tts_bos, head[3:4]])
         nothink, think_bos, think_eos, pad, bos = t.assistant_codec_ids
@@ -186,6 +192,7 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
 
 
 thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model))
+thinker_to_talker.incremental = True
 
 
 @processors.register("qwen3_omni_moe.talker_to_code2wav")
