@@ -1,10 +1,12 @@
 """Run one AR stage of a pipeline in this process on one prompt and save what it sends downstream.
 
     python -m tests.stage_probe CONFIG STAGE OUT_DIR --processor NAME --prompt-ids 1,2,3 [--max-tokens N]
+        [--stream CHUNK]
 
 A sink stage reading STAGE through input processor NAME is added (never started), so STAGE captures
-and forwards its hidden states as in a served pipeline; every StagePayload it sends is written to
-OUT_DIR/<request>.<n>.safetensors (tensors, with the token ids in the metadata). Greedy, ignore_eos.
+and forwards its hidden states as in a served pipeline (`--stream`: the sink streams its input in
+chunks of CHUNK positions); every StagePayload it sends is written to OUT_DIR/<request>.<n>.safetensors
+(tensors, with the token ids and the engine step that sent it in the metadata). Greedy, ignore_eos.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ class _Recorder:
     replica = 0
 
     def __init__(self):
-        self.payloads = []
+        self.payloads = []  # (engine step, payload)
+        self.step = 0
 
     def send_api(self, msg) -> None:
         pass
 
     def send_stage(self, stage_id, msg, replica: int = 0) -> None:
-        self.payloads.append(msg)
+        self.payloads.append((self.step, msg))
 
     def recv_inputs(self, timeout_ms):
         return iter(())
@@ -42,6 +45,7 @@ def main() -> None:
     p.add_argument("--processor", required=True)
     p.add_argument("--prompt-ids", required=True)
     p.add_argument("--max-tokens", type=int, default=6)
+    p.add_argument("--stream", type=int, default=0, metavar="CHUNK")
     a = p.parse_args()
     from omni_server.config import load_config
     from omni_server.config.schema import PipelineConfig
@@ -53,7 +57,8 @@ def main() -> None:
     data = cfg.model_dump(exclude_none=True)
     sink = len(data["stages"])
     data["stages"].append({"id": sink, "name": "sink", "model": "unused", "inputs": [a.stage],
-                           "input_processor": a.processor})
+                           "input_processor": a.processor,
+                           **({"input_mode": "stream", "stream_chunk": a.stream} if a.stream else {})})
     cfg = PipelineConfig(**data)
 
     from omni_server.models import register_vllm_models
@@ -68,10 +73,12 @@ def main() -> None:
                               sampling=SamplingSpec(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)))
     while engine.has_work():
         engine.step()
+        rec.step += 1
     a.out.mkdir(parents=True, exist_ok=True)
-    for n, msg in enumerate(rec.payloads):
+    for n, (step, msg) in enumerate(rec.payloads):
         meta = {"prompt_token_ids": ",".join(map(str, msg.prompt_token_ids)),
-                "output_token_ids": ",".join(map(str, msg.output_token_ids))}
+                "output_token_ids": ",".join(map(str, msg.output_token_ids)), "step": str(step),
+                "final": str(msg.final)}
         save_file({k: v.contiguous() for k, v in msg.tensors.items()}, str(a.out / f"{msg.request_id}.{n}.safetensors"),
                   metadata=meta)
     engine.core.shutdown()

@@ -63,6 +63,11 @@ class _Tracked:
     # COMPACT_EVERY steps, so a long request does not pin every step buffer of its lifetime.
     loose: int = 0
 
+    def starts_consumer(self) -> bool:
+        """The rows so far let a streaming consumer start (the prompt's and the first reply
+        position's) and it does not have them all yet: send now, whatever the chunk size."""
+        return self.sent_rows <= len(self.prompt_token_ids) < self.hidden_len
+
     def too_far_ahead(self) -> bool:
         live = [c for c in self.stream_to if c not in self.done_to]
         if not live or not self.window:
@@ -151,6 +156,7 @@ class ARStage(Stage):
         # and the requests to compact once they are done.
         self._in_flight: list = []
         self._compact_next: list[tuple[str, _Tracked]] = []
+        self._first_due = False  # this step's rows let a streaming consumer start
         # Requests whose input is still streaming in -> per-step rows handed to the runner so far,
         # their sources, and the consumption last reported to them.
         self.stream_in: dict[str, int] = {}
@@ -337,6 +343,7 @@ class ARStage(Stage):
         # Last step's copies are done by now (the engine waited for that step's tokens).
         self._settle()
         self._stream_out()
+        self._first_due = False
         for capture in self.core.scheduler.hidden_captures:
             self._collect_hidden(capture)
         self._in_flight = list(self.core.scheduler.hidden_captures)
@@ -379,6 +386,11 @@ class ARStage(Stage):
                     if tracked is not None:
                         del self.tracked[rid]
                         self._forward(rid, tracked)
+        if self._first_due:
+            # A streaming consumer can start on this step's rows and tokens: wait for the rows' copy
+            # now (done or nearly: the step's tokens are here) rather than a step later.
+            self._settle()
+            self._stream_out()
         if deltas:
             self.send_outputs(deltas)
         self._report_use()
@@ -419,19 +431,24 @@ class ARStage(Stage):
                 tracked.hidden.append(capture.hidden[offset : offset + n])
                 tracked.loose += 1
                 tracked.hidden_len += n
+                if tracked.stream_to and tracked.starts_consumer():
+                    self._first_due = True
                 if big or tracked.loose >= COMPACT_EVERY:
                     self._compact_next.append((rid, tracked))
             offset += n
 
     def _stream_out(self) -> None:
         """Chunks for streaming consumers: settled rows and known tokens not sent yet, once there
-        are `chunk` new positions (the first as soon as the prompt and one reply position are in)."""
+        are `chunk` new positions (the first as soon as the prompt and one reply position are in,
+        whatever the chunk size: the consumer starts on it)."""
         for rid, tracked in self.tracked.items():
             if not tracked.stream_to:
                 continue
             if tracked.with_hidden:
+                if tracked.hidden_len <= len(tracked.prompt_token_ids):
+                    continue  # prompt rows alone start no consumer: they go with the first reply row's
                 new = tracked.hidden_len - tracked.sent_rows
-                first = tracked.sent_rows == 0 and tracked.hidden_len > len(tracked.prompt_token_ids)
+                first = tracked.starts_consumer()
             else:  # tokens only: each is known as soon as it is sampled
                 new = len(tracked.output_token_ids) - tracked.sent_tokens
                 first = tracked.sent_tokens == 0

@@ -1,0 +1,48 @@
+"""An AR stage streaming its output to a consumer (`input_mode: stream`), in-process through
+tests/stage_probe.py on the default pipeline's tiny thinker: when chunks leave and what they hold."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "configs" / "default.yaml"
+
+
+def _probe(tmp_path: Path, prompt: list[int], max_tokens: int, *extra: str) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.stage_probe", str(CONFIG), "0", str(tmp_path), "--processor", "hidden_to_embeds",
+         "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(max_tokens), *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sent = []
+    for n in range(len(list(tmp_path.glob("probe.*.safetensors")))):
+        with safe_open(str(tmp_path / f"probe.{n}.safetensors"), "pt") as f:
+            meta = f.metadata()
+            sent.append({"hidden": f.get_tensor("hidden"), "step": int(meta["step"]), "final": meta["final"] == "True",
+                         "out": [int(t) for t in meta["output_token_ids"].split(",") if t]})
+    return sent
+
+
+def test_first_chunk_leaves_in_the_step_that_computed_its_row(tmp_path):
+    """Step 0 prefills the prompt (and samples reply token 0); step 1 computes reply position 0's
+    row and samples token 1, which lets the consumer start: one chunk with all of them leaves in
+    step 1 (not a step later, nor once a whole chunk of reply rows is in). Then every 4 positions,
+    then the rest; together the rows a full-mode consumer gets."""
+    prompt, n_out = [11, 12, 13, 14, 15, 16, 17], 14
+    streamed = _probe(tmp_path / "stream", prompt, n_out, "--stream", "4")
+    (whole,) = _probe(tmp_path / "full", prompt, n_out)
+    first = streamed[0]
+    assert first["step"] == 1 and len(first["hidden"]) == len(prompt) + 1 and not first["final"]
+    # With the token sampled in step 1 too: the consumer knows reply token 0 is not the last.
+    assert first["out"] == whole["out"][:2]
+    assert all(len(c["hidden"]) >= 4 for c in streamed[1:-1]) and streamed[-1]["final"]
+    rows = torch.cat([c["hidden"] for c in streamed])
+    assert rows.shape == whole["hidden"].shape == (len(prompt) + n_out - 1, rows.shape[1])
+    assert torch.equal(rows, whole["hidden"])
+    assert sum((c["out"] for c in streamed), []) == whole["out"]
