@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main ref tests runner full mps", ~1,300 s;
-# also: t2w layouts fc24 fc72 prof).
+# also: t2w layouts fc24 fc72 tc4 prof).
 set -u
 R=/tmp/res; mkdir -p $R
 cd "$(dirname "$0")/../.."
@@ -165,6 +165,15 @@ first_window() {  # FRAMES PORT [--stage-arg ...]: the one-GPU layout, token2wav
 # bench's stalls) or 72 (the configs' value before 2026-11-30c).
 step_fc24() { first_window 24 8019; }
 step_fc72() { first_window 72 8017; }
+
+step_tc4() {
+  # The thinker streams to the talker every 4 positions instead of 8: the talker (one thinker row
+  # per code, waiting on the thinker) gets its rows sooner, at twice the chunks.
+  free_gpus
+  serve tc4 8020 $CFG --stage-arg talker.stream_chunk=4
+  wait_ready tc4 8020 && bench tc4 8020
+  stop tc4
+}
 
 step_mps() {
   # The one-GPU layout under CUDA MPS (stage processes' kernels run side by side instead of
