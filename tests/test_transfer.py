@@ -26,7 +26,9 @@ def test_host_side_copies_on_cpu():
 
 
 def _busy_stream() -> None:
-    """Queue ~1 s of GPU time on the current stream (the model's, in a stage process)."""
+    """Queue ~1 s of GPU time on the current stream (the model's, in a stage process). The calls
+    under test run once before it: a first use may grow the caching allocators (cudaMalloc,
+    cudaHostAlloc), which synchronise the device; a serving process pays that once."""
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)
     assert not torch.cuda.current_stream().query()
@@ -36,9 +38,13 @@ def _busy_stream() -> None:
 def test_copies_in_do_not_wait_for_queued_work():
     dev = torch.device("cuda")
     rows = torch.randn(5, 7)
+
+    def copies():
+        return to_device(rows, dev, torch.bfloat16), host_index([4, 0, 2], dev)
+
+    copies()
     _busy_stream()
-    on_dev = to_device(rows, dev, torch.bfloat16)
-    index = host_index([4, 0, 2], dev)
+    on_dev, index = copies()
     assert not torch.cuda.current_stream().query()  # returned while the stream was still busy
     torch.cuda.synchronize()
     assert torch.equal(on_dev.cpu(), rows.to(torch.bfloat16)) and index.tolist() == [4, 0, 2]
@@ -48,13 +54,16 @@ def test_copies_in_do_not_wait_for_queued_work():
 def test_aside_work_and_its_syncs_do_not_wait_for_queued_work():
     dev = torch.device("cuda")
     table = torch.randn(100, 8, device=dev)
-    torch.cuda.synchronize()
+
+    def work():
+        with aside(dev):
+            ids = torch.tensor([3, 7, 9], device=dev)  # a pageable copy: syncs its stream
+            rows = table[ids] * 2
+            return bool((rows.abs() > 1e9).any()), rows.cpu()  # host syncs
+
+    work()
     _busy_stream()
-    with aside(dev):
-        ids = torch.tensor([3, 7, 9], device=dev)  # a pageable copy: syncs its stream
-        rows = table[ids] * 2
-        big = bool((rows.abs() > 1e9).any())  # a host sync
-        host = rows.cpu()
+    big, host = work()
     assert not torch.cuda.current_stream().query()
     assert not big and torch.equal(host, (table[[3, 7, 9]] * 2).cpu())
 
