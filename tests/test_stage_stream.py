@@ -33,7 +33,7 @@ def test_first_chunk_leaves_in_the_step_that_computed_its_row(tmp_path):
     """Step 0 prefills the prompt (and samples reply token 0); step 1 computes reply position 0's
     row and samples token 1, which lets the consumer start: one chunk with all of them leaves in
     step 1 (not a step later, nor once a whole chunk of reply rows is in). Then every 4 positions,
-    then the rest; together the rows a full-mode consumer gets."""
+    each in the step that computed it, then the rest; together the rows a full-mode consumer gets."""
     prompt, n_out = [11, 12, 13, 14, 15, 16, 17], 14
     streamed = _probe(tmp_path / "stream", prompt, n_out, "--stream", "4")
     (whole,) = _probe(tmp_path / "full", prompt, n_out)
@@ -42,6 +42,9 @@ def test_first_chunk_leaves_in_the_step_that_computed_its_row(tmp_path):
     # With the token sampled in step 1 too: the consumer knows reply token 0 is not the last.
     assert first["out"] == whole["out"][:2]
     assert all(len(c["hidden"]) >= 4 for c in streamed[1:-1]) and streamed[-1]["final"]
+    # Every chunk leaves in the step that computed its last row (reply position j's row: step j + 1).
+    ends = torch.tensor([len(c["hidden"]) for c in streamed]).cumsum(0).tolist()
+    assert [c["step"] for c in streamed] == [end - len(prompt) for end in ends]
     rows = torch.cat([c["hidden"] for c in streamed])
     assert rows.shape == whole["hidden"].shape == (len(prompt) + n_out - 1, rows.shape[1])
     assert torch.equal(rows, whole["hidden"])

@@ -156,7 +156,7 @@ class ARStage(Stage):
         # and the requests to compact once they are done.
         self._in_flight: list = []
         self._compact_next: list[tuple[str, _Tracked]] = []
-        self._first_due = False  # this step's rows let a streaming consumer start
+        self._chunk_due = False  # this step's rows complete a chunk for a streaming consumer
         # Requests whose input is still streaming in -> per-step rows handed to the runner so far,
         # their sources, and the consumption last reported to them.
         self.stream_in: dict[str, int] = {}
@@ -343,7 +343,7 @@ class ARStage(Stage):
         # Last step's copies are done by now (the engine waited for that step's tokens).
         self._settle()
         self._stream_out()
-        self._first_due = False
+        self._chunk_due = False
         for capture in self.core.scheduler.hidden_captures:
             self._collect_hidden(capture)
         self._in_flight = list(self.core.scheduler.hidden_captures)
@@ -386,9 +386,10 @@ class ARStage(Stage):
                     if tracked is not None:
                         del self.tracked[rid]
                         self._forward(rid, tracked)
-        if self._first_due:
-            # A streaming consumer can start on this step's rows and tokens: wait for the rows' copy
-            # now (done or nearly: the step's tokens are here) rather than a step later.
+        if self._chunk_due:
+            # This step's rows (and tokens) complete a chunk a consumer waits for (the talker reads
+            # one thinker row per step): wait for their copy now (done or nearly: the step's tokens
+            # are here) and send, rather than a step later.
             self._settle()
             self._stream_out()
         if deltas:
@@ -431,8 +432,9 @@ class ARStage(Stage):
                 tracked.hidden.append(capture.hidden[offset : offset + n])
                 tracked.loose += 1
                 tracked.hidden_len += n
-                if tracked.stream_to and tracked.starts_consumer():
-                    self._first_due = True
+                if tracked.stream_to and (tracked.starts_consumer()
+                                          or tracked.hidden_len - tracked.sent_rows >= tracked.chunk):
+                    self._chunk_due = True
                 if big or tracked.loose >= COMPACT_EVERY:
                     self._compact_next.append((rid, tracked))
             offset += n
