@@ -160,8 +160,8 @@ first_window() {  # FRAMES PORT [--stage-arg ...]: the one-GPU layout, token2wav
   wait_ready fc$frames $port && bench fc$frames $port
   stop fc$frames
 }
-# One first window instead of the configs' growing ones ([24, 48], then 72): 24 frames (earliest
-# first packet, then a 72-frame window that cannot be ready before 0.24 s of audio has played: the
+# One first window instead of the configs' [48, 48] (then 72): 24 frames (earliest first packet,
+# then a 72-frame window that cannot be ready before its 40 ms of playable audio has played: the
 # bench's stalls) or 72 (the configs' value before 2026-11-30c).
 step_fc24() { first_window 24 8019; }
 step_fc72() { first_window 72 8017; }
