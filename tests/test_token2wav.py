@@ -324,7 +324,7 @@ def test_vocoder_body_is_transformers_forward(t2w):
         assert (body[i] - alone).abs().max().item() < 1e-6  # batched: conv rounding only
 
 
-@pytest.mark.parametrize("first", [72, 24, [24, 48], [24, 24, 48]])
+@pytest.mark.parametrize("first", [72, 24, [24, 48], [48, 48], [24, 24, 48]])
 def test_graph_warm_up_covers_the_vocoder_lengths_of_a_stream(model_dir, first, monkeypatch):
     # warmup_graphs captures the vocoder for these lengths only (others run eagerly): they must be
     # every length a long stream passes it but the last piece's.
