@@ -14,9 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "default.yaml"
 
 
-def _probe(tmp_path: Path, prompt: list[int], max_tokens: int, *extra: str) -> list[dict]:
+def _probe(tmp_path: Path, prompt: list[int], max_tokens: int, *extra: str,
+           processor: str = "hidden_to_embeds") -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.stage_probe", str(CONFIG), "0", str(tmp_path), "--processor", "hidden_to_embeds",
+        [sys.executable, "-m", "tests.stage_probe", str(CONFIG), "0", str(tmp_path), "--processor", processor,
          "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(max_tokens), *extra],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -24,7 +25,8 @@ def _probe(tmp_path: Path, prompt: list[int], max_tokens: int, *extra: str) -> l
     for n in range(len(list(tmp_path.glob("probe.*.safetensors")))):
         with safe_open(str(tmp_path / f"probe.{n}.safetensors"), "pt") as f:
             meta = f.metadata()
-            sent.append({"hidden": f.get_tensor("hidden"), "step": int(meta["step"]), "final": meta["final"] == "True",
+            hidden = f.get_tensor("hidden") if "hidden" in f.keys() else torch.zeros(0)
+            sent.append({"hidden": hidden, "step": int(meta["step"]), "final": meta["final"] == "True",
                          "out": [int(t) for t in meta["output_token_ids"].split(",") if t]})
     return sent
 
@@ -49,3 +51,15 @@ def test_first_chunk_leaves_in_the_step_that_computed_its_row(tmp_path):
     assert rows.shape == whole["hidden"].shape == (len(prompt) + n_out - 1, rows.shape[1])
     assert torch.equal(rows, whole["hidden"])
     assert sum((c["out"] for c in streamed), []) == whole["out"]
+
+
+def test_token_chunks_leave_in_the_step_that_sampled_them(tmp_path):
+    """A consumer of tokens only (as token2wav reads the talker's codes): the first token at once,
+    then every 4, each chunk in the step that sampled its last token (token j: step j)."""
+    prompt, n_out = [11, 12, 13, 14, 15, 16, 17], 14
+    sent = _probe(tmp_path, prompt, n_out, "--stream", "4", processor="qwen2_5_omni.talker_to_token2wav")
+    assert [len(c["out"]) for c in sent[:-1]] == [1, 4, 4, 4] and sent[-1]["final"]
+    assert all(len(c["hidden"]) == 0 for c in sent)  # nobody reads hidden states: none captured
+    ends = torch.tensor([len(c["out"]) for c in sent]).cumsum(0).tolist()
+    assert [c["step"] for c in sent[:-1]] == [end - 1 for end in ends[:-1]]
+    assert ends[-1] == n_out

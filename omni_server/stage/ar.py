@@ -68,6 +68,13 @@ class _Tracked:
         position's) and it does not have them all yet: send now, whatever the chunk size."""
         return self.sent_rows <= len(self.prompt_token_ids) < self.hidden_len
 
+    def tokens_due(self) -> bool:
+        """A tokens-only stream has a chunk to send: its first token, then every `chunk` tokens
+        (a model's frames lag its tokens by one step and travel with them: counting tokens this
+        way, the frames go in multiples of `chunk`)."""
+        n, sent = len(self.output_token_ids), self.sent_tokens
+        return n > sent and (sent == 0 or n - sent >= self.chunk)
+
     def too_far_ahead(self) -> bool:
         live = [c for c in self.stream_to if c not in self.done_to]
         if not live or not self.window:
@@ -364,6 +371,8 @@ class ARStage(Stage):
                 tracked = self.tracked.get(rid)
                 if tracked is not None:
                     tracked.output_token_ids.extend(out.new_token_ids)
+                    if tracked.stream_to and not tracked.with_hidden and not finished and tracked.tokens_due():
+                        self._chunk_due = True
                 if self.send_tokens or finished:
                     reason = str(out.finish_reason) if finished else None
                     deltas.append(RequestDelta(
@@ -387,9 +396,9 @@ class ARStage(Stage):
                         del self.tracked[rid]
                         self._forward(rid, tracked)
         if self._chunk_due:
-            # This step's rows (and tokens) complete a chunk a consumer waits for (the talker reads
-            # one thinker row per step): wait for their copy now (done or nearly: the step's tokens
-            # are here) and send, rather than a step later.
+            # This step's rows or tokens complete a chunk a consumer waits for (the talker reads one
+            # thinker row per step, token2wav windows need whole runs of codes): wait for the rows'
+            # copy now (done or nearly: the step's tokens are here) and send, not a step later.
             self._settle()
             self._stream_out()
         if deltas:
@@ -451,10 +460,9 @@ class ARStage(Stage):
                     continue  # prompt rows alone start no consumer: they go with the first reply row's
                 new = tracked.hidden_len - tracked.sent_rows
                 first = tracked.starts_consumer()
-            else:  # tokens only: each is known as soon as it is sampled
-                new = len(tracked.output_token_ids) - tracked.sent_tokens
-                first = tracked.sent_tokens == 0
-            if new >= tracked.chunk or (first and new > 0):
+                if new >= tracked.chunk or (first and new > 0):
+                    self._send_chunk(rid, tracked, final=False)
+            elif tracked.tokens_due():  # tokens only: each is known as soon as it is sampled
                 self._send_chunk(rid, tracked, final=False)
 
     def _send_chunk(self, request_id: str, tracked: _Tracked, final: bool, rows: torch.Tensor | None = None) -> None:
