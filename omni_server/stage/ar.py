@@ -63,15 +63,15 @@ class _Tracked:
     # COMPACT_EVERY steps, so a long request does not pin every step buffer of its lifetime.
     loose: int = 0
 
-    def starts_consumer(self) -> bool:
-        """The rows so far let a streaming consumer start (the prompt's and the first reply
-        position's) and it does not have them all yet: send now, whatever the chunk size."""
-        return self.sent_rows <= len(self.prompt_token_ids) < self.hidden_len
-
-    def tokens_due(self) -> bool:
-        """A tokens-only stream has a chunk to send: its first token, then every `chunk` tokens
-        (a model's frames lag its tokens by one step and travel with them: counting tokens this
-        way, the frames go in multiples of `chunk`)."""
+    def chunk_ready(self) -> bool:
+        """Whether the streaming consumers get a chunk now. Hidden rows: once the prompt's and the
+        first reply position's are in (the consumer starts on them, whatever the chunk size), then
+        every `chunk` rows. Tokens only: the first token, then every `chunk` tokens (a model's
+        frames lag its tokens by one step and travel with them: the frames go in multiples of
+        `chunk`)."""
+        if self.with_hidden:
+            n, prompt = self.hidden_len, len(self.prompt_token_ids)
+            return n > prompt and (self.sent_rows <= prompt or n - self.sent_rows >= self.chunk)
         n, sent = len(self.output_token_ids), self.sent_tokens
         return n > sent and (sent == 0 or n - sent >= self.chunk)
 
@@ -163,7 +163,6 @@ class ARStage(Stage):
         # and the requests to compact once they are done.
         self._in_flight: list = []
         self._compact_next: list[tuple[str, _Tracked]] = []
-        self._chunk_due = False  # this step's rows complete a chunk for a streaming consumer
         # Requests whose input is still streaming in -> per-step rows handed to the runner so far,
         # their sources, and the consumption last reported to them.
         self.stream_in: dict[str, int] = {}
@@ -349,8 +348,6 @@ class ARStage(Stage):
         self.core.post_step(executed)
         # Last step's copies are done by now (the engine waited for that step's tokens).
         self._settle()
-        self._stream_out()
-        self._chunk_due = False
         for capture in self.core.scheduler.hidden_captures:
             self._collect_hidden(capture)
         self._in_flight = list(self.core.scheduler.hidden_captures)
@@ -364,6 +361,7 @@ class ARStage(Stage):
         if not outputs:
             return scheduled
         deltas: list[RequestDelta] = []
+        chunk_due = False  # this step's rows or tokens complete a chunk for a streaming consumer
         for eco in outputs.values():
             for out in eco.outputs:
                 rid = out.request_id
@@ -371,8 +369,7 @@ class ARStage(Stage):
                 tracked = self.tracked.get(rid)
                 if tracked is not None:
                     tracked.output_token_ids.extend(out.new_token_ids)
-                    if tracked.stream_to and not tracked.with_hidden and not finished and tracked.tokens_due():
-                        self._chunk_due = True
+                    chunk_due |= bool(tracked.stream_to) and not finished and tracked.chunk_ready()
                 if self.send_tokens or finished:
                     reason = str(out.finish_reason) if finished else None
                     deltas.append(RequestDelta(
@@ -395,10 +392,10 @@ class ARStage(Stage):
                     if tracked is not None:
                         del self.tracked[rid]
                         self._forward(rid, tracked)
-        if self._chunk_due:
-            # This step's rows or tokens complete a chunk a consumer waits for (the talker reads one
-            # thinker row per step, token2wav windows need whole runs of codes): wait for the rows'
-            # copy now (done or nearly: the step's tokens are here) and send, not a step later.
+        if chunk_due:
+            # Sent in this step, not the next (the talker reads one thinker row per step, token2wav
+            # windows need whole runs of codes): wait for the rows' copy now (done or nearly: the
+            # step's tokens are here).
             self._settle()
             self._stream_out()
         if deltas:
@@ -441,28 +438,15 @@ class ARStage(Stage):
                 tracked.hidden.append(capture.hidden[offset : offset + n])
                 tracked.loose += 1
                 tracked.hidden_len += n
-                if tracked.stream_to and (tracked.starts_consumer()
-                                          or tracked.hidden_len - tracked.sent_rows >= tracked.chunk):
-                    self._chunk_due = True
                 if big or tracked.loose >= COMPACT_EVERY:
                     self._compact_next.append((rid, tracked))
             offset += n
 
     def _stream_out(self) -> None:
-        """Chunks for streaming consumers: settled rows and known tokens not sent yet, once there
-        are `chunk` new positions (the first as soon as the prompt and one reply position are in,
-        whatever the chunk size: the consumer starts on it)."""
+        """A chunk (settled rows and tokens not sent yet) to each request's streaming consumers
+        where one is ready (`_Tracked.chunk_ready`)."""
         for rid, tracked in self.tracked.items():
-            if not tracked.stream_to:
-                continue
-            if tracked.with_hidden:
-                if tracked.hidden_len <= len(tracked.prompt_token_ids):
-                    continue  # prompt rows alone start no consumer: they go with the first reply row's
-                new = tracked.hidden_len - tracked.sent_rows
-                first = tracked.starts_consumer()
-                if new >= tracked.chunk or (first and new > 0):
-                    self._send_chunk(rid, tracked, final=False)
-            elif tracked.tokens_due():  # tokens only: each is known as soon as it is sampled
+            if tracked.stream_to and tracked.chunk_ready():
                 self._send_chunk(rid, tracked, final=False)
 
     def _send_chunk(self, request_id: str, tracked: _Tracked, final: bool, rows: torch.Tensor | None = None) -> None:
