@@ -63,3 +63,42 @@ def test_token_chunks_leave_in_the_step_that_sampled_them(tmp_path):
     ends = torch.tensor([len(c["out"]) for c in sent]).cumsum(0).tolist()
     assert [c["step"] for c in sent[:-1]] == [end - 1 for end in ends[:-1]]
     assert ends[-1] == n_out
+
+
+def _consumer(processor, rows_given: int):
+    """A stand-in stage around base.Stage._maybe_start: what it hands its processor, start, extend."""
+    from types import SimpleNamespace
+
+    from omni_server.stage.base import _Waiting
+    from omni_server.wire.messages import ExpectRequest, SamplingSpec, StagePayload
+
+    calls = []
+    w = _Waiting(expect=ExpectRequest(request_id="r", sources=[0], sampling=SamplingSpec()))
+    w.merge(StagePayload(request_id="r", source_stage=0, prompt_token_ids=[1, 2], output_token_ids=[3],
+                         tensors={}, final=False))
+    fake = SimpleNamespace(waiting={"r": w}, stage=SimpleNamespace(input_mode="stream", name="s"), stage_id=1,
+                           processor=processor, step_rows_given=lambda rid: rows_given,
+                           start=lambda expect, si, final: calls.append(("start", si)),
+                           extend=lambda rid, si, final: calls.append(("extend", si)),
+                           fail=lambda *a, **k: calls.append(("fail", a)))
+    return fake, calls
+
+
+def test_incremental_processors_are_told_the_rows_the_stage_holds():
+    from omni_server.stage.base import Stage
+    from omni_server.stage.processors import StageInput
+
+    seen = []
+
+    def proc(payloads, ctx, options, **kw):
+        seen.append(kw)
+        return StageInput()
+
+    for incremental in (True, False):
+        seen.clear()
+        proc.incremental = incremental
+        fake, calls = _consumer(proc, rows_given=5)
+        Stage._maybe_start(fake, "r")  # starts the request: the whole input so far
+        Stage._maybe_start(fake, "r")  # a later chunk
+        assert [c[0] for c in calls] == ["start", "extend"]
+        assert seen == ([{}, {"since": 5}] if incremental else [{}, {}])
