@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -83,39 +84,56 @@ def test_cpu_host_starts_everything_at_once():
     assert [launcher.start_after(u) for u in launcher.cfg.units()] == [[]] * 6
 
 
-def _wait_for(capfd, seen: list[str], text: str, timeout: float = 120.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        seen.append(capfd.readouterr().err)
-        if text in "".join(seen):
-            return True
-        time.sleep(0.2)
-    return False
+class _StageLog:
+    """Stage processes' stderr in a file they append to. (Reading pytest's fd capture while a child
+    writes can drop the child's line: readouterr reads, then truncates the shared file.)"""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def start(self, launcher: Launcher, unit, hold: bool) -> None:
+        saved = os.dup(2)
+        os.dup2(self.fd, 2)  # the child inherits fd 2
+        try:
+            launcher.start(unit, hold=hold)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+    def text(self) -> str:
+        return self.path.read_text(errors="replace")
+
+    def wait_for(self, text: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.text():
+            assert time.monotonic() < deadline, f"no {text!r} in {timeout:.0f} s; stage output:\n{self.text()[-4000:]}"
+            time.sleep(0.2)
 
 
-def test_held_stage_imports_then_builds_its_engine_only_when_released(tiny_models, tmp_path, capfd):
+def test_held_stage_imports_then_builds_its_engine_only_when_released(tiny_models, tmp_path):
     # A real stage process (token2wav of the default pipeline): held, it gets as far as its imports
     # and waits; released, it builds its generator and reports ready; EOF without "go" ends it.
     cfg_path = str(REPO / "configs" / "default.yaml")
     launcher = Launcher(load_config(cfg_path), cfg_path, tmp_path)
     held, dropped = (2, 0), (1, 0)
-    launcher.start(held, hold=True)
-    launcher.start(dropped, hold=True)
-    seen: list[str] = []
+    out = _StageLog(tmp_path / "stages.log")
+    out.start(launcher, held, hold=True)
+    out.start(launcher, dropped, hold=True)
     try:
-        assert _wait_for(capfd, seen, "stage 2 (token2wav) imported; waiting")
+        out.wait_for("stage 2 (token2wav) imported; waiting")
         time.sleep(2.0)
-        seen.append(capfd.readouterr().err)
-        assert "stage 2 (token2wav) ready in" not in "".join(seen)
+        assert "stage 2 (token2wav) ready in" not in out.text()
         assert launcher.exited() == {}
         launcher.release(held)
-        assert _wait_for(capfd, seen, "stage 2 (token2wav) ready in")
-        assert _wait_for(capfd, seen, "stage 1 (talker) imported; waiting")
+        out.wait_for("stage 2 (token2wav) ready in")
+        out.wait_for("stage 1 (talker) imported; waiting")
         launcher.procs[dropped].stdin.close()  # the server went away before releasing it
         assert launcher.procs[dropped].wait(60) == 0
-        assert "stage 1 (talker): no go from the server; exiting" in "".join(seen) + capfd.readouterr().err
+        assert "stage 1 (talker): no go from the server; exiting" in out.text()
     finally:
         launcher.stop_all()
+        os.close(out.fd)
     assert launcher.procs[held].returncode is not None
 
 
