@@ -55,10 +55,11 @@ def test_first_chunk_leaves_in_the_step_that_computed_its_row(tmp_path):
 
 def test_token_chunks_leave_in_the_step_that_sampled_them(tmp_path):
     """A consumer of tokens only (as token2wav reads the talker's codes): the first token at once,
-    then every 4, each chunk in the step that sampled its last token (token j: step j)."""
+    then at every multiple of 4 (token2wav's windows end on multiples of the chunk), each chunk in
+    the step that sampled its last token (token j: step j)."""
     prompt, n_out = [11, 12, 13, 14, 15, 16, 17], 14
     sent = _probe(tmp_path, prompt, n_out, "--stream", "4", processor="qwen2_5_omni.talker_to_token2wav")
-    assert [len(c["out"]) for c in sent[:-1]] == [1, 4, 4, 4] and sent[-1]["final"]
+    assert [len(c["out"]) for c in sent] == [1, 3, 4, 4, 2] and sent[-1]["final"]
     assert all(len(c["hidden"]) == 0 for c in sent)  # nobody reads hidden states: none captured
     ends = torch.tensor([len(c["out"]) for c in sent]).cumsum(0).tolist()
     assert [c["step"] for c in sent[:-1]] == [end - 1 for end in ends[:-1]]
@@ -102,3 +103,24 @@ def test_incremental_processors_are_told_the_rows_the_stage_holds():
         Stage._maybe_start(fake, "r")  # a later chunk
         assert [c[0] for c in calls] == ["start", "extend"]
         assert seen == ([{}, {"since": 5}] if incremental else [{}, {}])
+
+
+def test_frame_chunks_end_on_multiples_of_the_chunk():
+    """A model that completes each token into a frame one step later (Qwen3's talker): the first
+    token at once, then whenever the frames cross a multiple of the chunk (code2wav's windows are
+    frames), checked on the producer's bookkeeping step by step."""
+    from omni_server.stage.ar import _Tracked
+
+    for chunk in (1, 5):
+        t = _Tracked(prompt_token_ids=[1], forward_to=[2], stream_to=[2], chunk=chunk, with_hidden=False)
+        sent_at = []
+        for step in range(12):
+            t.output_token_ids.append(100 + step)  # token `step`, sampled in this step...
+            if step:
+                t.frames.append(torch.zeros(16))  # ...and the frame of the token before it
+            if t.chunk_ready():
+                sent_at.append((len(t.output_token_ids), len(t.frames)))
+                t.mark_sent()
+        frames_sent = [f for _, f in sent_at]
+        assert sent_at[0] == (1, 0)
+        assert frames_sent[1:] == list(range(chunk, 12, chunk))

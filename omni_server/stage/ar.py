@@ -45,6 +45,7 @@ class _Tracked:
     with_hidden: bool = True  # some consumer reads hidden states (else only tokens travel)
     sent_rows: int = 0
     sent_tokens: int = 0
+    sent_units: int = 0  # (see chunk_ready)
     # Backpressure: output tokens each streaming consumer reported used, the consumers that need
     # no more, and how far ahead of the slowest the request may run (0: no limit).
     acked: dict[int, int] = field(default_factory=dict)
@@ -66,14 +67,26 @@ class _Tracked:
     def chunk_ready(self) -> bool:
         """Whether the streaming consumers get a chunk now. Hidden rows: once the prompt's and the
         first reply position's are in (the consumer starts on them, whatever the chunk size), then
-        every `chunk` rows. Tokens only: the first token, then every `chunk` tokens (a model's
-        frames lag its tokens by one step and travel with them: the frames go in multiples of
-        `chunk`)."""
+        every `chunk` rows. Tokens only: the first token, then whenever the output crosses a
+        multiple of `chunk` (a consumer decoding windows of a multiple of `chunk` gets each one's
+        last unit in the step that made it, not up to a chunk later). The unit is the frame for a
+        model that completes its tokens into frames (they lag the tokens by one step and travel
+        with them), else the token."""
         if self.with_hidden:
             n, prompt = self.hidden_len, len(self.prompt_token_ids)
             return n > prompt and (self.sent_rows <= prompt or n - self.sent_rows >= self.chunk)
-        n, sent = len(self.output_token_ids), self.sent_tokens
-        return n > sent and (sent == 0 or n - sent >= self.chunk)
+        if len(self.output_token_ids) <= self.sent_tokens:
+            return False
+        return self.sent_tokens == 0 or self.units() // self.chunk > self.sent_units // self.chunk
+
+    def units(self) -> int:
+        return len(self.frames) if self.frames else len(self.output_token_ids)
+
+    def mark_sent(self) -> None:
+        """Every token (and frame) so far went out. (No frame exists yet at the first chunk,
+        whatever the model: it counts none.)"""
+        self.sent_units = self.units() if self.sent_tokens else len(self.frames)
+        self.sent_tokens = len(self.output_token_ids)
 
     def too_far_ahead(self) -> bool:
         live = [c for c in self.stream_to if c not in self.done_to]
@@ -473,7 +486,8 @@ class ARStage(Stage):
             request_id=request_id, source_stage=self.stage_id,
             prompt_token_ids=tracked.prompt_token_ids if first else [],
             output_token_ids=tracked.output_token_ids[tracked.sent_tokens:], tensors=tensors, final=final)
-        tracked.sent_rows, tracked.sent_tokens = max(end, tracked.sent_rows), len(tracked.output_token_ids)
+        tracked.sent_rows = max(end, tracked.sent_rows)
+        tracked.mark_sent()
         for dst in tracked.stream_to:
             if dst not in tracked.done_to:
                 self.send_stage(dst, request_id, chunk)
