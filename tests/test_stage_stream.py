@@ -124,3 +124,28 @@ def test_frame_chunks_end_on_multiples_of_the_chunk():
         frames_sent = [f for _, f in sent_at]
         assert sent_at[0] == (1, 0)
         assert frames_sent[1:] == list(range(chunk, 12, chunk))
+
+
+def test_merged_stream_chunks_equal_their_concatenation_and_grow_in_place():
+    """A streamed input's chunks merge into views of one growing buffer per tensor: the same rows
+    as concatenating them, earlier views unchanged by later chunks, and a long stream reallocates
+    a few times (doubling), not once per chunk."""
+    from omni_server.stage.base import _Waiting
+    from omni_server.wire.messages import StagePayload
+
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(n, 6, generator=g) for n in [40] + [8] * 60]
+    codes = [torch.arange(k, k + 2)[:, None].repeat(1, 3) for k in range(0, 122, 2)]
+    w, seen, buffers = _Waiting(), [], set()
+    for k, (rows, c) in enumerate(zip(chunks, codes)):
+        w.merge(StagePayload(request_id="r", source_stage=3, prompt_token_ids=[1, 2] if k == 0 else [],
+                             output_token_ids=[k], tensors={"hidden": rows, "codes": c}, final=k == 60))
+        merged = w.payloads[3]
+        seen.append(merged.tensors["hidden"])
+        buffers.add(merged.tensors["hidden"].untyped_storage().data_ptr())
+    assert merged.final and merged.prompt_token_ids == [1, 2] and merged.output_token_ids == list(range(61))
+    assert torch.equal(merged.tensors["hidden"], torch.cat(chunks))
+    assert torch.equal(merged.tensors["codes"], torch.cat(codes))
+    for k, view in enumerate(seen):
+        assert torch.equal(view, torch.cat(chunks[:k + 1]))
+    assert len(buffers) <= 5  # 520 rows: the first chunk's own memory, then buffers of 96, 192, 384, 768

@@ -54,18 +54,34 @@ class _Waiting:
     expect: ExpectRequest | None = None
     payloads: dict[int, StagePayload] = field(default_factory=dict)
     started: bool = False
+    # Streamed tensors per (source, name): a buffer with room to grow, and the rows in it. The
+    # merged payload holds views of the filled part (concatenating every chunk onto the whole so
+    # far would copy a long prompt's hidden rows once per chunk).
+    _grown: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     def merge(self, chunk: StagePayload) -> None:
-        old = self.payloads.get(chunk.source_stage)
+        src = chunk.source_stage
+        old = self.payloads.get(src)
         if old is None:
-            self.payloads[chunk.source_stage] = chunk
+            self.payloads[src] = chunk
             return
         tensors = dict(old.tensors)
         for key, value in chunk.tensors.items():
-            tensors[key] = torch.cat([tensors[key], value]) if key in tensors else value
-        self.payloads[chunk.source_stage] = StagePayload(
-            request_id=old.request_id, source_stage=old.source_stage, prompt_token_ids=old.prompt_token_ids,
+            tensors[key] = self._append(src, key, tensors[key], value) if key in tensors else value
+        self.payloads[src] = StagePayload(
+            request_id=old.request_id, source_stage=src, prompt_token_ids=old.prompt_token_ids,
             output_token_ids=old.output_token_ids + chunk.output_token_ids, tensors=tensors, final=chunk.final)
+
+    def _append(self, src: int, key: str, have: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
+        """`have` + `more` along dim 0, amortised: rows are copied once, plus on each doubling."""
+        buf = self._grown.get((src, key))
+        n, m = len(have), len(more)
+        if buf is None or n + m > len(buf) or buf.shape[1:] != more.shape[1:] or buf.dtype != more.dtype:
+            buf = torch.empty((max(2 * (n + m), 64), *have.shape[1:]), dtype=have.dtype, device=have.device)
+            buf[:n] = have
+            self._grown[(src, key)] = buf
+        buf[n:n + m] = more
+        return buf[:n + m]
 
     def complete(self) -> bool:
         return self.expect is not None and all(
