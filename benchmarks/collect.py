@@ -68,6 +68,7 @@ def collect(out: Path) -> dict:
     full_c1, full_c16 = _level(out / "bench7b_full_c1.json"), _level(out / "bench7b_full_c16.json")
     ref = _level(out / "bench7b_c16_ref.json")
     sp1, sp16 = _level(out / "speech7b_c1.json"), _level(out / "speech7b_c16.json")
+    q1, q16 = _level(out / "qwen3_c1.json"), _level(out / "qwen3_c16.json")
     return {
         "p1_runner_vs_vllm_bs1": _runner_ratio(out, 1),
         "p1_runner_vs_vllm_bs32": _runner_ratio(out, 32),
@@ -94,6 +95,12 @@ def collect(out: Path) -> dict:
         "speech_ttfp_ms_c16": _get(sp16, "ttfp_ms", "p50"),
         "speech_rtf_c1": _get(sp1, "rtf", "p50"),
         "speech_rtf_c16": _get(sp16, "rtf", "p50"),
+        # Qwen3-Omni-30B-A3B shapes, configs/qwen3_omni.yaml (session step `qwen3`)
+        "qwen3_ttfp_ms_c1": _get(q1, "ttfp_ms", "p50"),
+        "qwen3_ttfp_ms_c16": _get(q16, "ttfp_ms", "p50"),
+        "qwen3_rtf_c1": _get(q1, "rtf", "p50"),
+        "qwen3_rtf_c16": _get(q16, "rtf", "p50"),
+        "qwen3_ready_s": _ready_s(out / "serve_qwen3.log"),
     }
 
 

@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main ref tests runner full mps", ~1,300 s;
-# also: t2w layouts fc24 fc72 tc4 prof).
+# also: t2w layouts fc24 fc72 tc4 prof qwen3).
 set -u
 R=/tmp/res; mkdir -p $R
 cd "$(dirname "$0")/../.."
@@ -30,10 +30,11 @@ B="python3 -m omni_server.cli bench --model $MODEL --max-tokens 100 --audio"
 # serves text only (vLLM then skips its multimodal start-up profiling).
 [ -n "${TEXT_ONLY+set}" ] || TEXT_ONLY='--stage-arg thinker.limit_mm_per_prompt={"image":0,"audio":0,"video":0}'
 # serve NAME PORT CONFIG [--stage-arg ...]: start in the background, wait for /health ok (or 600 s).
+# VOCODER / CKPT: the last stage's name and the checkpoint (the Qwen3 step sets them).
 serve() {
-  local name=$1 port=$2 cfg=$3; shift 3
+  local name=$1 port=$2 cfg=$3 m=${CKPT:-$M}; shift 3
   setsid python3 -m omni_server.cli serve $cfg --port $port \
-    --stage-arg thinker.model=$M --stage-arg talker.model=$M --stage-arg token2wav.model=$M \
+    --stage-arg thinker.model=$m --stage-arg talker.model=$m --stage-arg ${VOCODER:-token2wav}.model=$m \
     --stage-arg thinker.load_format=dummy --stage-arg talker.load_format=dummy \
     --stage-arg talker.default_sampling.max_tokens=$TALKER_MAX $TEXT_ONLY "$@" > $R/serve_$name.log 2>&1 &
   echo $! > $R/serve_$name.pid
@@ -53,7 +54,8 @@ stop() {  # NAME (no-op unless it runs)
   kill -TERM -$pid 2>/dev/null; sleep 8; kill -KILL -$pid 2>/dev/null
 }
 free_gpus() { stop bench7b; stop bench7b_again; }  # the main server stays up for `ref` only
-bench() {  # NAME PORT: warm-up, c=1 x3, c=16 x16
+bench() {  # NAME PORT [MODEL]: warm-up, c=1 x3, c=16 x16
+  local B="python3 -m omni_server.cli bench --model ${3:-$MODEL} --max-tokens 100 --audio"
   $B --base-url http://127.0.0.1:$2 --concurrency 1 --requests 1 --output $R/warm_$1.json > $R/bench_$1.log 2>&1
   $B --base-url http://127.0.0.1:$2 --concurrency 1 --requests 3 --output $R/$1_c1.json >> $R/bench_$1.log 2>&1
   $B --base-url http://127.0.0.1:$2 --concurrency 16 --requests 16 --output $R/$1_c16.json >> $R/bench_$1.log 2>&1
@@ -173,6 +175,22 @@ step_tc4() {
   serve tc4 8020 $CFG --stage-arg talker.stream_chunk=4
   wait_ready tc4 8020 && bench tc4 8020
   stop tc4
+}
+
+step_qwen3() {
+  # Qwen3-Omni-30B-A3B shapes (benchmarks/qwen3_omni_shape.py: real sizes, dummy weights, the tiny
+  # tokenizer's ids) in configs/qwen3_omni.yaml on one GPU, benched as the 7B; the talker capped
+  # at 125 frames (10 s of audio at 12.5 Hz). Not in the default steps: it has never run on a GPU.
+  free_gpus
+  local m3=${M3:-/tmp/omni3}
+  if [ ! -f $m3/config.json ]; then
+    python3 benchmarks/qwen3_omni_shape.py --out $m3 > $R/shape3.log 2>&1
+    say "Qwen3 shape checkpoint written (rc $?): $(tail -1 $R/shape3.log | cut -c1-200)"
+  fi
+  CKPT=$m3 VOCODER=code2wav TALKER_MAX=${QWEN3_FRAMES:-125} serve qwen3 8021 ${CFG3:-configs/qwen3_omni.yaml}
+  wait_ready qwen3 8021 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log
+                             bench qwen3 8021 ${MODEL3:-qwen3-omni}; }
+  stop qwen3
 }
 
 step_mps() {

@@ -1,7 +1,8 @@
 """Qwen3-Omni-MoE: the thinker is vLLM's own model with its image/video rope positions corrected
 (`qwen3_omni_moe.thinker`). The code2wav is a generator (`qwen3_omni_moe.code2wav`); the
-thinker -> talker input processor is `qwen3_omni_moe.thinker_to_talker`; the talker's decoder is
-`qwen3_omni_moe.talker` (its code predictor is not built yet: docs/qwen3_omni.md).
+thinker -> talker input processor is `qwen3_omni_moe.thinker_to_talker`; the talker
+(`qwen3_omni_moe.talker`) is its MoE decoder plus the code predictor that completes each frame
+(docs/qwen3_omni.md).
 """
 
 from omni_server.models.qwen3_omni_moe import processors  # noqa: F401  (registers the processors)
