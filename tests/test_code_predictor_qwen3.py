@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import pytest
 import torch
 
 from omni_server.models.qwen3_omni_moe.code_predictor import CodePredictor
@@ -61,3 +62,41 @@ def test_sampled_rows_follow_their_own_generator(tiny_models):
     assert not torch.equal(a[0], greedy[0])  # the sampled row did sample
     alone, _ = ours(h[:1], e0[:1], [torch.Generator().manual_seed(1)])
     assert torch.equal(a[0], alone[0])  # a sampled row does not depend on its batch
+
+
+def test_sampling_draws_from_the_filtered_distribution():
+    """A sampled code is a draw from the top-k 50 / top-p 0.8 distribution (the reference's filters):
+    frequencies over many uniforms match it, and codes outside it never come."""
+    from omni_server.models.qwen3_omni_moe.code_predictor import _pick
+
+    logits = torch.randn(2048, generator=torch.Generator().manual_seed(5)) * 2
+    top = torch.topk(logits, 50)
+    probs = torch.softmax(top.values, dim=-1)
+    keep = torch.cumsum(probs, dim=-1) - probs < 0.8
+    want = torch.zeros(2048)
+    want[top.indices[keep]] = probs[keep] / probs[keep].sum()
+    n = 40000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(6))
+    codes = _pick(logits.expand(n, -1), u)
+    got = torch.bincount(codes, minlength=2048).float() / n
+    assert set(codes.unique().tolist()) <= set(top.indices[keep].tolist())
+    assert 3 <= int(keep.sum()) < 50  # the filters cut something and leave a choice
+    assert (got - want).abs().max() < 0.01
+    greedy = _pick(logits.expand(3, -1), torch.tensor([-1.0, -1.0, 0.5]))
+    assert greedy[:2].tolist() == [int(logits.argmax())] * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_cuda_graph_frames_equal_eager_frames(tiny_models):
+    model_dir = str(tiny_models["tiny-qwen3-omni-moe"])
+    graphed = CodePredictor(model_dir, "cuda")
+    eager = CodePredictor(model_dir, "cuda", cuda_graphs=False)
+    graphed.warm_up(8)
+    assert sorted(graphed.graphs.graphs) == [(1,), (2,), (4,), (8,)] and not graphed.graphs.failed
+    hidden = graphed.module.config.hidden_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, e0 = torch.randn(3, hidden, device="cuda", generator=g), torch.randn(3, hidden, device="cuda", generator=g)
+    gens = lambda: [None, torch.Generator(device="cuda").manual_seed(1), None]  # noqa: E731
+    for a, b in [(graphed(h, e0), eager(h, e0)), (graphed(h, e0, gens()), eager(h, e0, gens()))]:
+        assert torch.equal(a[0], b[0])  # batch 3 ran padded to 4 in the graph
+        torch.testing.assert_close(a[1], b[1])

@@ -11,8 +11,13 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def pow2(rows: int) -> int:
+    """`rows` rounded up to a power of two (a bucket of graph batch sizes)."""
+    return 1 << (rows - 1).bit_length()
+
+
 class ShapeGraphs:
-    """`fn(*tensors, *options) -> tensor`, captured once per `key` (the caller's name for the input
+    """`fn(*tensors, *options) -> tensor or tuple of tensors`, captured once per `key` (the caller's name for the input
     shapes and options) and replayed after copying the inputs into the capture's own. At most
     `max_graphs`; past that, or after a failed capture, `fn` runs eagerly. All graphs share one
     memory pool: they never run at the same time, and each keeps its inputs and output alive, so
@@ -53,7 +58,8 @@ class ShapeGraphs:
         for dst, src in zip(static, inputs):
             dst.copy_(src)
         graph.replay()
-        return out.clone()  # the next replay of this graph overwrites `out`
+        # The next replay of this graph overwrites `out`.
+        return out.clone() if isinstance(out, torch.Tensor) else tuple(t.clone() for t in out)
 
     def _capture(self, inputs, options):
         static = tuple(t.clone() for t in inputs)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omni_server.models.checkpoint import load_module, read_config
-from omni_server.models.graphs import ShapeGraphs
+from omni_server.models.graphs import ShapeGraphs, pow2
 from .speakers import load_speakers
 
 log = logging.getLogger(__name__)
@@ -504,10 +504,6 @@ class Token2Wav:
 
 
 DIT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pow2(rows: int) -> int:
-    return 1 << (rows - 1).bit_length()
 
 
 class DiTGraphs(ShapeGraphs):

@@ -15,14 +15,32 @@ from __future__ import annotations
 import torch
 
 from omni_server.models.checkpoint import load_module, read_config
+from omni_server.models.graphs import ShapeGraphs, pow2
 
 WEIGHTS_PREFIX = "talker.code_predictor."
 # transformers' settings when the talker samples (greedy talker: greedy predictor).
 SAMPLE_TOP_K, SAMPLE_TOP_P = 50, 0.8
 
 
+class _FrameCache:
+    """The KV cache of one frame's 16 positions, written in place (the decoder layers call `update`):
+    every step of a frame has fixed shapes, so a whole frame can be one CUDA graph."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, like: torch.Tensor):
+        self.k = like.new_zeros(layers, batch, kv_heads, length, head_dim)
+        self.v = torch.zeros_like(self.k)
+        self.end = 0  # positions the step being run fills up to
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int):
+        lo = self.end - key.shape[2]
+        self.k[layer, :, :, lo:self.end] = key
+        self.v[layer, :, :, lo:self.end] = value
+        return self.k[layer, :, :, :self.end], self.v[layer, :, :, :self.end]
+
+
 class CodePredictor:
-    def __init__(self, model_dir: str, device: torch.device | str, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
+                 cuda_graphs: bool = True, max_graph_batch: int = 64):
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
             Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration as Module,
         )
@@ -34,40 +52,82 @@ class CodePredictor:
         self.dtype = dtype
         # Group j's positions (2 rows at j = 0, then one each) are slices of one range.
         self._positions = torch.arange(self.groups + 2, device=self.device)
+        # On CUDA a frame is ~1,000 small kernels: one graph per batch size (rounded up to a power
+        # of two) replays them at once.
+        self.max_graph_batch = max_graph_batch
+        self.graphs = (ShapeGraphs(self._frame, max_graphs=max_graph_batch.bit_length() + 1, name="code predictor",
+                                   warm_each=True)
+                       if cuda_graphs and self.device.type == "cuda" else None)
 
     @torch.inference_mode()
     def __call__(self, h: torch.Tensor, e0: torch.Tensor, generators: list[torch.Generator | None] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """h, e0: [B, hidden]. Returns (codes [B, 15] int64: c1..c15, residual [B, hidden]).
         `generators`: per row, None = greedy, else sample (top-k 50, top-p 0.8) from that generator."""
-        from transformers import DynamicCache
-
-        model, embeds = self.module.model, self.module.model.get_input_embeddings()
         batch = h.shape[0]
         x = torch.stack([h, e0], dim=1).to(self.device, self.dtype)
-        cache = DynamicCache()
-        codes, residual = [], torch.zeros(batch, h.shape[-1], device=self.device, dtype=self.dtype)
+        # Each sampling row draws its frame's 15 uniforms from its own generator up front; the
+        # frame itself then samples without host work (inverse CDF of the filtered distribution).
+        # Greedy rows get -1 (no host -> device copy of a flag, which would wait for the stream).
+        # (float32 whatever the default dtype: vLLM builds models under its model dtype.)
+        u = torch.full((batch, self.groups), -1.0, device=self.device, dtype=torch.float32)
+        for i, g in enumerate(generators or []):
+            if g is not None:
+                u[i] = torch.rand(self.groups, generator=g, device=g.device, dtype=torch.float32).to(self.device)
+        rows = pow2(batch)
+        if self.graphs is None or rows > self.max_graph_batch:
+            return self._frame(x, u)
+        if rows > batch:  # (padding rows decode garbage nobody reads)
+            pad = rows - batch
+            x, u = torch.cat([x, x[:1].expand(pad, -1, -1)]), torch.cat([u, u[:1].expand(pad, -1)])
+        codes, residual = self.graphs.run((rows,), (x, u))
+        return codes[:batch], residual[:batch]
+
+    def warm_up(self, max_batch: int) -> None:
+        """Capture the graphs of every batch size up to `max_batch` now, not on the first requests."""
+        if self.graphs is None:
+            return
+        rows = 1
+        while rows <= min(max_batch, self.max_graph_batch):
+            hidden = self.module.config.hidden_size
+            x = torch.zeros(rows, hidden, device=self.device, dtype=self.dtype)
+            self(x, x)
+            rows *= 2
+
+    def _frame(self, x: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame for every row: the 2-position prefill [h, E0(c0)], then one position per
+        code; what transformers' model forward does per call, with the KV cache in place."""
+        model, embeds = self.module.model, self.module.model.get_input_embeddings()
+        cfg = model.config
+        batch = x.shape[0]
+        cache = _FrameCache(len(model.layers), batch, cfg.num_key_value_heads, self.groups + 1,
+                            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, x)
+        codes, residual = [], torch.zeros(batch, x.shape[-1], device=x.device, dtype=x.dtype)
         for j in range(self.groups):
             start = 0 if j == 0 else j + 1
-            pos = self._positions[start:start + x.shape[1]].expand(batch, -1)
-            out = model(inputs_embeds=x, position_ids=pos, past_key_values=cache, use_cache=True)
-            logits = self.module.lm_head[j](out.last_hidden_state[:, -1]).float()
-            code = _pick(logits, generators)
+            cache.end = start + x.shape[1]
+            pos = self._positions[start:cache.end].expand(batch, -1)
+            position_embeddings = model.rotary_emb(x, pos)
+            hidden = x
+            for layer in model.layers:  # (no mask: causal over the prefill, all of the prefix after)
+                hidden = layer(hidden, attention_mask=None, position_ids=pos, past_key_values=cache,
+                               use_cache=True, position_embeddings=position_embeddings)
+            logits = self.module.lm_head[j](model.norm(hidden[:, -1])).float()
+            code = _pick(logits, u[:, j])
             codes.append(code)
             x = embeds[j](code)[:, None]
             residual += x[:, 0]
         return torch.stack(codes, dim=1), residual
 
 
-def _pick(logits: torch.Tensor, generators: list[torch.Generator | None] | None) -> torch.Tensor:
-    out = logits.argmax(dim=-1)
-    for i, g in enumerate(generators or []):
-        if g is None:
-            continue
-        row = logits[i]
-        top = torch.topk(row, min(SAMPLE_TOP_K, row.numel()))
-        probs = torch.softmax(top.values, dim=-1)
-        keep = torch.cumsum(probs, dim=-1) - probs < SAMPLE_TOP_P  # smallest prefix reaching top_p
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-        out[i] = top.indices[torch.multinomial(probs / probs.sum(), 1, generator=g)[0]]
-    return out
+def _pick(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row: argmax where `u` < 0, else the code whose cumulative probability first exceeds
+    `u` (in [0, 1)) in the top-k / top-p filtered distribution: a draw from it when `u` is uniform
+    (transformers' sampling filters)."""
+    greedy = logits.argmax(dim=-1)
+    top = torch.topk(logits, min(SAMPLE_TOP_K, logits.shape[-1]), dim=-1)
+    probs = torch.softmax(top.values, dim=-1)
+    keep = torch.cumsum(probs, dim=-1) - probs < SAMPLE_TOP_P  # smallest prefix reaching top_p
+    cdf = torch.cumsum(probs * keep, dim=-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
+    return torch.where(u >= 0, top.indices.gather(1, pick)[:, 0], greedy)

@@ -58,6 +58,9 @@ class Qwen3OmniMoeTalker(nn.Module):
         # Its own weights, read from the checkpoint now (vLLM's loader sees only the decoder's).
         self.code_predictor = CodePredictor(vllm_config.model_config.model, self.banned_ids.device,
                                             vllm_config.model_config.dtype)
+        # (On CUDA: its graphs for every batch the engine may run, captured now, before vLLM sizes
+        # its KV cache from the memory left.)
+        self.code_predictor.warm_up(vllm_config.scheduler_config.max_num_seqs)
 
     def predict_step(self, hidden: torch.Tensor, token_embeds: torch.Tensor, generators):
         return self.code_predictor(hidden, token_embeds, generators)
