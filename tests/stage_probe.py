@@ -1,12 +1,13 @@
 """Run one AR stage of a pipeline in this process on one prompt and save what it sends downstream.
 
     python -m tests.stage_probe CONFIG STAGE OUT_DIR --processor NAME --prompt-ids 1,2,3 [--max-tokens N]
-        [--stream CHUNK]
+        [--stream CHUNK] [--requests N]
 
 A sink stage reading STAGE through input processor NAME is added (never started), so STAGE captures
 and forwards its hidden states as in a served pipeline (`--stream`: the sink streams its input in
-chunks of CHUNK positions); every StagePayload it sends is written to OUT_DIR/<request>.<n>.safetensors
-(tensors, with the token ids and the engine step that sent it in the metadata). Greedy, ignore_eos.
+chunks of CHUNK positions); every StagePayload it sends for the request is written to
+OUT_DIR/probe.<n>.safetensors (tensors, with the token ids and the engine step that sent it in the
+metadata). `--requests N`: N - 1 more requests with the same prompt run beside it. Greedy, ignore_eos.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
     p.add_argument("--prompt-ids", required=True)
     p.add_argument("--max-tokens", type=int, default=6)
     p.add_argument("--stream", type=int, default=0, metavar="CHUNK")
+    p.add_argument("--requests", type=int, default=1)
     a = p.parse_args()
     from omni_server.config import load_config
     from omni_server.config.schema import PipelineConfig
@@ -69,13 +71,15 @@ def main() -> None:
     rec = _Recorder()
     engine = ARStage(cfg, a.stage, rec)
     ids = [int(t) for t in a.prompt_ids.split(",")]
-    engine._handle(AddRequest(request_id="probe", prompt_token_ids=ids, forward_to=[sink],
-                              sampling=SamplingSpec(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)))
+    for i in range(a.requests):
+        engine._handle(AddRequest(request_id="probe" if i == 0 else f"other{i}", prompt_token_ids=ids,
+                                  forward_to=[sink], sampling=SamplingSpec(max_tokens=a.max_tokens, temperature=0.0,
+                                                                           ignore_eos=True)))
     while engine.has_work():
         engine.step()
         rec.step += 1
     a.out.mkdir(parents=True, exist_ok=True)
-    for n, (step, msg) in enumerate(rec.payloads):
+    for n, (step, msg) in enumerate([(step, m) for step, m in rec.payloads if m.request_id == "probe"]):
         meta = {"prompt_token_ids": ",".join(map(str, msg.prompt_token_ids)),
                 "output_token_ids": ",".join(map(str, msg.output_token_ids)), "step": str(step),
                 "final": str(msg.final)}

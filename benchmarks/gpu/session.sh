@@ -169,8 +169,8 @@ step_fc24() { first_window 24 8019; }
 step_fc72() { first_window 72 8017; }
 
 step_tc4() {
-  # The thinker streams to the talker every 4 positions instead of 8: the talker (one thinker row
-  # per code, waiting on the thinker) gets its rows sooner, at twice the chunks.
+  # The thinker streams to the talker every 4 positions at most instead of 8 (this matters with
+  # many requests running: with one or two, rows go one per message anyway, ARStage.rows_chunk).
   free_gpus
   serve tc4 8020 $CFG --stage-arg talker.stream_chunk=4
   wait_ready tc4 8020 && bench tc4 8020

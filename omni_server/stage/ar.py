@@ -64,17 +64,18 @@ class _Tracked:
     # COMPACT_EVERY steps, so a long request does not pin every step buffer of its lifetime.
     loose: int = 0
 
-    def chunk_ready(self) -> bool:
+    def chunk_ready(self, rows_chunk: int | None = None) -> bool:
         """Whether the streaming consumers get a chunk now. Hidden rows: once the prompt's and the
         first reply position's are in (the consumer starts on them, whatever the chunk size), then
-        every `chunk` rows. Tokens only: the first token, then whenever the output crosses a
+        every `chunk` rows, or `rows_chunk` if fewer (see ARStage.rows_chunk). Tokens only: the first token, then whenever the output crosses a
         multiple of `chunk` (a consumer decoding windows of a multiple of `chunk` gets each one's
         last unit in the step that made it, not up to a chunk later). The unit is the frame for a
         model that completes its tokens into frames (they lag the tokens by one step and travel
         with them), else the token."""
         if self.with_hidden:
             n, prompt = self.hidden_len, len(self.prompt_token_ids)
-            return n > prompt and (self.sent_rows <= prompt or n - self.sent_rows >= self.chunk)
+            chunk = self.chunk if rows_chunk is None else min(self.chunk, rows_chunk)
+            return n > prompt and (self.sent_rows <= prompt or n - self.sent_rows >= chunk)
         if len(self.output_token_ids) <= self.sent_tokens:
             return False
         return self.sent_tokens == 0 or self.units() // self.chunk > self.sent_units // self.chunk
@@ -375,6 +376,7 @@ class ARStage(Stage):
             return scheduled
         deltas: list[RequestDelta] = []
         chunk_due = False  # this step's rows or tokens complete a chunk for a streaming consumer
+        rows_chunk = self.rows_chunk()
         for eco in outputs.values():
             for out in eco.outputs:
                 rid = out.request_id
@@ -382,7 +384,7 @@ class ARStage(Stage):
                 tracked = self.tracked.get(rid)
                 if tracked is not None:
                     tracked.output_token_ids.extend(out.new_token_ids)
-                    chunk_due |= bool(tracked.stream_to) and not finished and tracked.chunk_ready()
+                    chunk_due |= bool(tracked.stream_to) and not finished and tracked.chunk_ready(rows_chunk)
                 if self.send_tokens or finished:
                     reason = str(out.finish_reason) if finished else None
                     deltas.append(RequestDelta(
@@ -410,7 +412,7 @@ class ARStage(Stage):
             # windows need whole runs of codes): wait for the rows' copy now (done or nearly: the
             # step's tokens are here).
             self._settle()
-            self._stream_out()
+            self._stream_out(rows_chunk)
         if deltas:
             self.send_outputs(deltas)
         self._report_use()
@@ -455,11 +457,19 @@ class ARStage(Stage):
                     self._compact_next.append((rid, tracked))
             offset += n
 
-    def _stream_out(self) -> None:
+    def rows_chunk(self) -> int:
+        """Hidden rows per streamed chunk now, at most each consumer's `stream_chunk`: about two
+        chunk messages per step whatever the batch, so one row per message while one or two
+        requests run. A consumer that reads one row per step of its own and steps faster than
+        this stage (the talker beside a big thinker) then waits for none, where chunks of 8 rows
+        held up every few steps, and many requests still share a step's message count."""
+        return max(1, len(self.core.scheduler.running) // 2)
+
+    def _stream_out(self, rows_chunk: int) -> None:
         """A chunk (settled rows and tokens not sent yet) to each request's streaming consumers
         where one is ready (`_Tracked.chunk_ready`)."""
         for rid, tracked in self.tracked.items():
-            if tracked.stream_to and tracked.chunk_ready():
+            if tracked.stream_to and tracked.chunk_ready(rows_chunk):
                 self._send_chunk(rid, tracked, final=False)
 
     def _send_chunk(self, request_id: str, tracked: _Tracked, final: bool, rows: torch.Tensor | None = None) -> None:
