@@ -100,3 +100,22 @@ def test_cuda_graph_frames_equal_eager_frames(tiny_models):
     for a, b in [(graphed(h, e0), eager(h, e0)), (graphed(h, e0, gens()), eager(h, e0, gens()))]:
         assert torch.equal(a[0], b[0])  # batch 3 ran padded to 4 in the graph
         torch.testing.assert_close(a[1], b[1])
+
+
+def test_padded_graph_batches_return_each_rows_own_frame(tiny_models):
+    """The CUDA path pads a batch to its graph's size (a power of two) and cuts the result back; on
+    CPU, with the graph replaced by the frame function itself, that path equals the plain one."""
+    from types import SimpleNamespace
+
+    ours = CodePredictor(str(tiny_models["tiny-qwen3-omni-moe"]), "cpu")
+    hidden = ours.module.config.hidden_size
+    g = torch.Generator().manual_seed(4)
+    h, e0 = torch.randn(3, hidden, generator=g) * 3, torch.randn(3, hidden, generator=g)
+    gens = lambda: [torch.Generator().manual_seed(2), None, torch.Generator().manual_seed(3)]  # noqa: E731
+    plain = ours(h, e0, gens())
+    keys = []
+    ours.graphs = SimpleNamespace(run=lambda key, inputs: keys.append(key) or ours._frame(*inputs))
+    padded = ours(h, e0, gens())
+    assert keys == [(4,)]
+    assert torch.equal(padded[0], plain[0]) and padded[0].shape == (3, 15)
+    torch.testing.assert_close(padded[1], plain[1])
