@@ -313,9 +313,10 @@ def test_vllm_base_positions_are_one_token_late(client):
 
 
 @torch.inference_mode()
-def _hf_speech(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, voice: str, talker_max: int):
+def _hf_speech(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, voice: str, talker_max: int,
+               media: dict | None = None):
     """transformers' whole pipeline, greedy (thinker never stopping early): (thinker tokens, talker
-    codes c0, frames [n, 16], waveform)."""
+    codes c0, frames [n, 16], waveform). `media`: the processor's other inputs (pixel_values, ...)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -329,7 +330,7 @@ def _hf_speech(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, voic
 
     model.talker.generate = talker
     ids = torch.tensor([prompt_ids])
-    sequences, wave = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice,
+    sequences, wave = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice, **(media or {}),
                                      thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False,
                                      talker_do_sample=False, talker_repetition_penalty=1.0,
                                      talker_max_new_tokens=talker_max)
@@ -357,6 +358,29 @@ def test_speech_equals_transformers(client):
     assert frames.shape == (len(codes) - 1, 16)  # the last sampled code is never fed: n - 1 frames
     assert pcm.shape == wave.shape, (pcm.shape, wave.shape)
     assert np.abs(pcm - wave.clamp(-1, 1).numpy()).max() < 2e-4  # pcm16 rounding
+
+
+def test_speech_about_an_image_equals_transformers(client):
+    """With an image in the prompt the talker's positions are 3-D (the image's grid, from the
+    thinker's positions): its codes and the waveform are still transformers'."""
+    import base64
+
+    content, ref_content, rgb = _image_chat(client)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0,
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    prompt_ids = resp.model_extra["prompt_token_ids"]
+    codes = resp.model_extra["omni_outputs"]["talker"]["token_ids"]
+    inputs = _hf_media_inputs(_model_dir(), ref_content, images=[rgb])
+    ref_ids = inputs["input_ids"][0].tolist()  # (the placeholder expanded: one pad per image row)
+    assert prompt_ids == _collapse(ref_ids, _hf_tokenizer(_model_dir()).convert_tokens_to_ids("<|image_pad|>"))
+    media = {k: inputs[k] for k in ("pixel_values", "image_grid_thw")}
+    thinker, ref_codes, _, wave = _hf_speech(_model_dir(), ref_ids, MAX_TOKENS, "ethan", len(codes), media)
+    assert resp.choices[0].model_extra["token_ids"] == thinker
+    assert codes == ref_codes, (codes, ref_codes)
+    pcm = np.frombuffer(base64.b64decode(resp.choices[0].message.audio.data), dtype="<i2").astype(np.float32) / 32768
+    assert pcm.shape == wave.shape and np.abs(pcm - wave.clamp(-1, 1).numpy()).max() < 2e-4
 
 
 def test_streamed_speech_arrives_in_pieces_equal_to_the_whole(client):

@@ -51,9 +51,24 @@ def _hf_talker_input(model_dir, inputs: dict, voice: str, max_new_tokens: int = 
     layer = model.config.talker_config.accept_hidden_layer
     hidden = torch.cat([step[layer] for step in result.hidden_states], dim=1)[0]  # prompt + generated - 1 rows
     ids = result.sequences[0].tolist()
+    # The thinker prompt's M-RoPE positions, as our thinker stage sends them (its positions are
+    # transformers': tests/test_e2e_qwen3_omni.py).
+    audio = inputs.get("feature_attention_mask")
+    positions, _ = model.thinker.get_rope_index(
+        inputs["input_ids"], inputs.get("image_grid_thw"), inputs.get("video_grid_thw"), inputs.get("attention_mask"),
+        False, None if audio is None else audio.sum(-1))
     payload = StagePayload(request_id="r", source_stage=0, prompt_token_ids=ids[:n_prompt],
-                           output_token_ids=ids[n_prompt:], tensors={"hidden": hidden})
+                           output_token_ids=ids[n_prompt:], tensors={"hidden": hidden, "mrope_positions": positions[:, 0]})
     return payload, seen["talker"]
+
+
+def _talker_rope_index(model_dir, ref: dict) -> torch.Tensor:
+    """The positions transformers' talker computes for its prompt ([3, n]), from its generate kwargs."""
+    model, _ = _hf(model_dir)
+    positions, _ = model.talker.get_rope_index(
+        ref["talker_input_ids"], ref.get("image_grid_thw"), ref.get("video_grid_thw"), ref["attention_mask"],
+        False, ref.get("audio_feature_lengths"), ref.get("video_second_per_grid"))
+    return positions[:, 0]
 
 
 def _ours(model_dir, payload, voice, **since):
@@ -71,6 +86,7 @@ def _check(model_dir, inputs, voice):
     torch.testing.assert_close(out.prompt["prompt_embeds"], want_prompt, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.step_embeds, want_steps, rtol=1e-5, atol=1e-5)
     assert out.prompt["is_token_ids"] == [False] * want_prompt.shape[0]
+    assert torch.equal(out.positions, _talker_rope_index(model_dir, ref))
     return payload, out
 
 
@@ -101,6 +117,26 @@ def test_audio_prompt_reads_the_thinkers_hidden_rows_at_the_audio(tiny_models):
                              output_token_ids=payload.output_token_ids, tensors={})
     with pytest.raises(ValueError, match="hidden states"):
         _ours(model_dir, no_hidden, "Ethan")
+
+
+def test_image_prompt_gives_the_talker_its_3d_positions(tiny_models):
+    """An image in a later user turn (after a system turn and an assistant reply, which the talker
+    never sees): the talker's positions keep the image's 3-D grid, shifted back by the dropped tokens."""
+    model_dir = tiny_models["tiny-qwen3-omni-moe"]
+    _, proc = _hf(model_dir)
+    rgb = (torch.arange(96 * 160 * 3) % 251).reshape(96, 160, 3).to(torch.uint8).numpy()
+    messages = [{"role": "system", "content": "You are brief."},
+                {"role": "user", "content": "Hi there."},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = dict(proc(text=text, images=[rgb], return_tensors="pt"))
+    payload, out = _check(model_dir, inputs, "Ethan")
+    assert not torch.equal(out.positions[1], out.positions[2])  # a real grid: height and width differ
+    # Without positions from the thinker, plain ones (the talker numbers its prompt itself).
+    bare = StagePayload(request_id="r", source_stage=0, prompt_token_ids=payload.prompt_token_ids,
+                        output_token_ids=payload.output_token_ids, tensors={"hidden": payload.tensors["hidden"]})
+    assert _ours(model_dir, bare, "Ethan").positions is None
 
 
 def test_streamed_payload_starts_on_the_first_reply_token_and_grows(tiny_models):

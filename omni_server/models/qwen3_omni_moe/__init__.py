@@ -14,12 +14,11 @@ model_classes.register("qwen3_omni_moe.thinker", model_classes.ModelClass(
 ))
 
 
-def _talker_positions_1d(config) -> None:
-    # Text and audio prompts give the talker the same position in every M-RoPE section: plain RoPE
-    # (image prompts' 3-D positions are not sent to this talker yet).
+def _talker_mrope(config) -> None:
+    # transformers' talker always interleaves its M-RoPE sections (its rotary ignores the flags; the
+    # published config has `interleaved` but not vLLM's `mrope_interleaved`).
     text = config.text_config
-    text.rope_parameters = {k: v for k, v in text.rope_parameters.items()
-                            if k not in ("mrope_section", "interleaved", "mrope_interleaved")}
+    text.rope_parameters = {**text.rope_parameters, "mrope_interleaved": True}
 
 
 model_classes.register("qwen3_omni_moe.talker", model_classes.ModelClass(
@@ -28,7 +27,7 @@ model_classes.register("qwen3_omni_moe.talker", model_classes.ModelClass(
     sub_config="talker_config",
     # The talker reads embeddings, never text; prefix caching would skip the per-request prompt rows.
     engine_defaults={"skip_tokenizer_init": True, "enable_prompt_embeds": True, "enable_prefix_caching": False},
-    adapt_config=_talker_positions_1d,
+    adapt_config=_talker_mrope,
 ))
 
 generators.register("qwen3_omni_moe.code2wav", "omni_server.models.qwen3_omni_moe.code2wav:Code2Wav")

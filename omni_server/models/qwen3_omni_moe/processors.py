@@ -14,7 +14,11 @@ every row is projected whole) map thinker vectors into the talker:
   in the reference either).
 Prompt token ids are the codec pad id at every position: the reference's talker generates from
 embeddings only, so its repetition penalty counts generated codes alone; pad is never sampled.
-Talker positions are 1-D here, which is what the reference computes for text and audio prompts.
+Talker positions: the reference runs its M-RoPE index over the talker's own ids (the user turns,
+then the 9 assistant rows), so they are the thinker's positions of the user-turn tokens, each less
+the tokens dropped before it (system and earlier assistant turns: text, one position each), then
+the 9 rows one position apart; decode continues 1-D after the largest. For text and audio they are
+0, 1, 2, ...; an image or video keeps its 3-D grid.
 """
 
 from __future__ import annotations
@@ -183,12 +187,24 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         if p.final:
             reply = torch.cat([reply, tts_eos, tts_pad])
         prompt, reply = prompt.to("cpu", ctx.dtype), reply.to("cpu", ctx.dtype)
+        user = user.cpu()
     n = prompt.shape[0]
     return StageInput(
         prompt={"type": "embeds", "prompt_embeds": prompt,
                 "prompt_token_ids": [t.codec_pad] * n, "is_token_ids": [False] * n},
         step_embeds=reply,
+        positions=talker_positions(p.tensors.get("mrope_positions"), user, n - len(user)),
     )
+
+
+def talker_positions(thinker: torch.Tensor | None, user: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """The talker prompt's M-RoPE positions [3, len(user) + rows] from the thinker prompt's
+    ([3, n], None: the thinker sent none, so plain positions) and the user-turn indices into it."""
+    if thinker is None:
+        return None
+    pos = thinker[:, user].to(torch.int64) - (user - torch.arange(len(user)))  # minus the tokens dropped before
+    top = int(pos.max()) if pos.numel() else -1
+    return torch.cat([pos, torch.arange(top + 1, top + 1 + rows).expand(3, -1)], dim=1)
 
 
 thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model))

@@ -24,6 +24,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import SupportsMRoPE
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
 from vllm.sequence import IntermediateTensors
 
@@ -41,8 +42,9 @@ def banned_ids(vocab_size: int, eos: int) -> torch.Tensor:
     return banned
 
 
-class Qwen3OmniMoeTalker(nn.Module):
-    """vLLM model for `model_class: qwen3_omni_moe.talker` (hf_config = the checkpoint's talker_config)."""
+class Qwen3OmniMoeTalker(nn.Module, SupportsMRoPE):
+    """vLLM model for `model_class: qwen3_omni_moe.talker` (hf_config = the checkpoint's talker_config).
+    Its prompt positions (M-RoPE) come from the input processor (`StageInput.positions`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -61,6 +63,10 @@ class Qwen3OmniMoeTalker(nn.Module):
         # (On CUDA: its graphs for every batch the engine may run, captured now, before vLLM sizes
         # its KV cache from the memory left.)
         self.code_predictor.warm_up(vllm_config.scheduler_config.max_num_seqs)
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features) -> tuple[torch.Tensor, int]:
+        """A prompt that came without positions: text positions 0, 1, 2, ... in every section."""
+        return torch.arange(len(input_tokens)).expand(3, -1).clone(), 0
 
     def predict_step(self, hidden: torch.Tensor, token_embeds: torch.Tensor, generators):
         return self.code_predictor(hidden, token_embeds, generators)
