@@ -82,3 +82,31 @@ def test_overload_is_429_with_retry_after(client):
     assert r.json()["error"]["type"] == "rate_limit_error"
     del orch.requests["busy-0"]
     assert client.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 503  # under the limit
+
+
+SPEECH = """
+model: m
+stages:
+  - {id: 0, name: thinker, model: %s, output: text}
+  - {id: 1, name: talker, model: %s, inputs: [0], input_processor: hidden_to_embeds,
+     default_sampling: {temperature: 0.9, top_k: 40}}
+  - {id: 2, name: token2wav, kind: generation, generator: qwen2_5_omni.token2wav, model: %s, inputs: [1],
+     input_processor: qwen2_5_omni.talker_to_token2wav, output: audio}
+runtime_dir: %s
+"""
+
+
+def test_a_request_seed_seeds_every_stage(tiny_models, tmp_path):
+    """A sampling talker draws from the request's seed too, not only the thinker and the vocoder:
+    otherwise the same seed gives other codes, so another waveform."""
+    from omni_server.api.app import _sampling
+    from omni_server.api.protocol import ChatCompletionRequest
+
+    m = MODELS / "tiny-qwen2_5-omni"
+    cfg = load_config_text(SPEECH % (m, m, m, tmp_path))
+    state = ServerState(cfg, lambda: Orchestrator(cfg, tmp_path))
+    seeded = _sampling(state, ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], seed=7))
+    assert {i: spec.seed for i, spec in seeded.items()} == {0: 7, 1: 7, 2: 7}
+    assert seeded[1].temperature == 0.9  # (the talker's own sampling, seeded)
+    unseeded = _sampling(state, ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]))
+    assert {spec.seed for spec in unseeded.values()} == {None}

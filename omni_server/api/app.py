@@ -212,8 +212,9 @@ def create_app(state: ServerState) -> FastAPI:
         sampling = _sampling(state, None)
         first = state.cfg.stage(0).id
         sampling[first].max_tokens, sampling[first].ignore_eos = 1, True
-        if body.seed is not None:
-            sampling[state.audio_stage].seed = body.seed
+        if body.seed is not None:  # every sampling stage, as for chat
+            for spec in sampling.values():
+                spec.seed = body.seed
         orch = _orch(state)
         request_id = f"speech-{uuid.uuid4().hex}"
         req = await _submit(state, orch, request_id, prompt_ids, sampling, {"audio"},
@@ -375,8 +376,10 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None) -> dict[in
             top_p=d.top_p or 1.0, top_k=d.top_k or 0, seed=d.seed,
             repetition_penalty=d.repetition_penalty or 1.0, stop_token_ids=list(d.stop_token_ids or []),
             suppress_token_ids=list(d.suppress_token_ids or []))
-        if body is not None and s.id == state.audio_stage and body.seed is not None:
-            spec.seed = body.seed  # the vocoder's noise: same seed, same waveform
+        if body is not None and body.seed is not None:
+            # Every stage that samples (thinker, a sampling talker, the vocoder's noise) draws from
+            # the seed: same seed, same reply and waveform.
+            spec.seed = body.seed
         if body is not None and s.id == state.sampling_stage:
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is not None:
@@ -389,8 +392,6 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None) -> dict[in
                 spec.top_p = body.top_p
             if body.top_k is not None:
                 spec.top_k = max(body.top_k, 0)
-            if body.seed is not None:
-                spec.seed = body.seed
             if body.repetition_penalty is not None:
                 spec.repetition_penalty = body.repetition_penalty
             spec.ignore_eos = body.ignore_eos
