@@ -184,7 +184,7 @@ class SpeechRequest(_Lenient):
     # "audio": the body is the audio file, streamed as it is made; "sse": OpenAI's
     # speech.audio.delta / speech.audio.done events.
     stream_format: Literal["audio", "sse"] = "audio"
-    # Extension: seed of the vocoder's sampling noise (same seed, same waveform).
+    # Extension: seed of every sampling stage (talker, the vocoder's noise): same seed, same waveform.
     seed: int | None = None
 
 
