@@ -102,8 +102,9 @@ class Stage:
         # request id -> the replica of each stage on its route that serves it (payloads, credits).
         self.routes: OrderedDict[str, dict[int, int]] = OrderedDict()
         self.steps = 0
-        # Profiling counters: seconds spent in step() and requests running summed over steps (their
-        # deltas over a bench level give the mean step time, busy fraction and batch size).
+        # Profiling counters: seconds spent in step(), the steps that advanced a request and the
+        # requests they advanced, summed (their deltas over a bench level give the mean step time,
+        # busy fraction and batch size; a step that only flushes finished requests adds its time).
         self.step_s = 0.0
         self.batch_sum = 0
         self.backpressure_pauses = 0
@@ -226,8 +227,9 @@ class Stage:
                     t0 = time.perf_counter()
                     served = self.step()
                     self.step_s += time.perf_counter() - t0
-                    self.steps += 1
-                    self.batch_sum += served
+                    if served:  # (not a step that only told the engine of finished requests)
+                        self.steps += 1
+                        self.batch_sum += served
                     if prof is not None:
                         prof.after()
         finally:
