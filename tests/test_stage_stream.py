@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -158,3 +159,37 @@ def test_merged_stream_chunks_equal_their_concatenation_and_grow_in_place():
     for k, view in enumerate(seen):
         assert torch.equal(view, torch.cat(chunks[:k + 1]))
     assert len(buffers) <= 5  # 520 rows: the first chunk's own memory, then buffers of 96, 192, 384, 768
+
+
+def test_a_chunk_that_does_not_fit_fails_its_request_not_the_stage():
+    """A streamed chunk whose tensor rows do not match the earlier ones (another width): that
+    request fails with an error to the api; the stage keeps serving and drops its later chunks."""
+    from omni_server.config import load_config_text
+    from omni_server.stage.base import Stage
+    from omni_server.wire.messages import StagePayload
+
+    cfg = load_config_text("""
+model: m
+stages:
+  - {id: 0, name: a, model: x, output: text}
+  - {id: 1, name: b, model: x, inputs: [0], input_processor: hidden_to_embeds, input_mode: stream}
+""")
+    sent = []
+    sockets = SimpleNamespace(replica=0, send_api=sent.append, send_stage=lambda *a, **k: None)
+    stage = Stage(cfg, 1, sockets)
+
+    def chunk(rid, width, final=False):
+        return StagePayload(request_id=rid, source_stage=0, prompt_token_ids=[], output_token_ids=[1],
+                            tensors={"hidden": torch.zeros(2, width)}, final=final)
+
+    stage._handle(chunk("bad", 4))
+    stage._handle(chunk("good", 4))
+    stage._handle(chunk("bad", 5))  # does not raise
+    (out,) = sent
+    (delta,) = out.deltas
+    assert delta.request_id == "bad" and delta.finish_reason == "error" and "bad input from stage 0" in delta.error
+    assert "bad" not in stage.waiting and "good" in stage.waiting
+    stage._handle(chunk("bad", 4, final=True))  # later chunks of the failed request are dropped
+    assert "bad" not in stage.waiting
+    stage._handle(chunk("good", 4, final=True))
+    assert stage.waiting["good"].payloads[0].tensors["hidden"].shape == (4, 4)

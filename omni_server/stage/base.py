@@ -255,7 +255,12 @@ class Stage:
                 return
             if msg.request_id not in self.waiting:
                 self._bound_orphans()
-            self.waiting.setdefault(msg.request_id, _Waiting()).merge(msg)
+            try:
+                self.waiting.setdefault(msg.request_id, _Waiting()).merge(msg)
+            except (RuntimeError, ValueError, TypeError) as e:  # a chunk that does not fit the ones before
+                log.warning("stage %d: bad payload for %s: %s", self.stage_id, msg.request_id, e)
+                self.fail(msg.request_id, f"stage {self.stage.name}: bad input from stage {msg.source_stage}")
+                return
             self._dirty[msg.request_id] = None
         elif isinstance(msg, AbortRequest):
             self.abort(msg.request_ids)
