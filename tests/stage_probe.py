@@ -6,8 +6,9 @@
 A sink stage reading STAGE through input processor NAME is added (never started), so STAGE captures
 and forwards its hidden states as in a served pipeline (`--stream`: the sink streams its input in
 chunks of CHUNK positions); every StagePayload it sends for the request is written to
-OUT_DIR/probe.<n>.safetensors (tensors, with the token ids and the engine step that sent it in the
-metadata). `--requests N`: N - 1 more requests with the same prompt run beside it. Greedy, ignore_eos.
+OUT_DIR/probe.<n>.safetensors (tensors, with the token ids and the engine step that sent it, by
+batch index, in the metadata). `--requests N`: N - 1 more requests with the same prompt run beside
+it. Greedy, ignore_eos.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def main() -> None:
     register_vllm_models()
     rec = _Recorder()
     engine = ARStage(cfg, a.stage, rec)
+    # With async scheduling (CUDA) a call returns the batch scheduled by the call before: steps are
+    # numbered by batch, so the chunk timing reads the same on both paths.
+    rec.step = -1 if engine.vllm_config.scheduler_config.async_scheduling else 0
     ids = [int(t) for t in a.prompt_ids.split(",")]
     for i in range(a.requests):
         engine._handle(AddRequest(request_id="probe" if i == 0 else f"other{i}", prompt_token_ids=ids,
