@@ -180,7 +180,7 @@ step_tc4() {
 step_qwen3() {
   # Qwen3-Omni-30B-A3B shapes (benchmarks/qwen3_omni_shape.py: real sizes, dummy weights, the tiny
   # tokenizer's ids) in configs/qwen3_omni.yaml on one GPU, benched as the 7B; the talker capped
-  # at 125 frames (10 s of audio at 12.5 Hz). Not in the default steps: it has never run on a GPU.
+  # at 125 frames (10 s of audio at 12.5 Hz). It has never run on a GPU: its first run is a test.
   free_gpus
   local m3=${M3:-/tmp/omni3}
   if [ ! -f $m3/config.json ]; then

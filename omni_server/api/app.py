@@ -209,12 +209,9 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, "input has no speakable text", param="input")
         prompt_ids = prefix + reply
         _check_prompt(state, prompt_ids)
-        sampling = _sampling(state, None)
+        sampling = _sampling(state, None, seed=body.seed)
         first = state.cfg.stage(0).id
         sampling[first].max_tokens, sampling[first].ignore_eos = 1, True
-        if body.seed is not None:  # every sampling stage, as for chat
-            for spec in sampling.values():
-                spec.seed = body.seed
         orch = _orch(state)
         request_id = f"speech-{uuid.uuid4().hex}"
         req = await _submit(state, orch, request_id, prompt_ids, sampling, {"audio"},
@@ -366,8 +363,14 @@ async def _submit(state: ServerState, orch: Orchestrator, request_id: str, promp
         raise APIError(503, f"pipeline unavailable: {e}") from None
 
 
-def _sampling(state: ServerState, body: ChatCompletionRequest | None) -> dict[int, SamplingSpec]:
+def _sampling(state: ServerState, body: ChatCompletionRequest | None,
+              seed: int | None = None) -> dict[int, SamplingSpec]:
+    """Per-stage sampling: the YAML defaults, the chat request's fields on its text stage, and the
+    request's seed (the chat body's, or `seed`) on every stage that samples (thinker, a sampling
+    talker, the vocoder's noise): same seed, same reply and waveform."""
     out: dict[int, SamplingSpec] = {}
+    if body is not None and body.seed is not None:
+        seed = body.seed
     cap = state.cfg.server.max_tokens_limit
     for s in state.cfg.stages:
         d = s.default_sampling
@@ -376,10 +379,8 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None) -> dict[in
             top_p=d.top_p or 1.0, top_k=d.top_k or 0, seed=d.seed,
             repetition_penalty=d.repetition_penalty or 1.0, stop_token_ids=list(d.stop_token_ids or []),
             suppress_token_ids=list(d.suppress_token_ids or []))
-        if body is not None and body.seed is not None:
-            # Every stage that samples (thinker, a sampling talker, the vocoder's noise) draws from
-            # the seed: same seed, same reply and waveform.
-            spec.seed = body.seed
+        if seed is not None:
+            spec.seed = seed
         if body is not None and s.id == state.sampling_stage:
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is not None:

@@ -17,11 +17,11 @@ def pow2(rows: int) -> int:
 
 
 class ShapeGraphs:
-    """`fn(*tensors, *options) -> tensor or tuple of tensors`, captured once per `key` (the caller's name for the input
-    shapes and options) and replayed after copying the inputs into the capture's own. At most
-    `max_graphs`; past that, or after a failed capture, `fn` runs eagerly. All graphs share one
-    memory pool: they never run at the same time, and each keeps its inputs and output alive, so
-    no capture reuses another's live tensors (only their dead intermediates)."""
+    """`fn(*tensors, *options) -> tensor or tuple of tensors`, captured once per `key` (the caller's
+    name for the input shapes and options) and replayed after copying the inputs into the
+    capture's own. At most `max_graphs`; past that, or after a failed capture, `fn` runs eagerly.
+    All graphs share one memory pool: they never run at the same time, and each keeps its inputs
+    and output alive, so no capture reuses another's live tensors (only their dead intermediates)."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int, name: str, warm_each: bool = False):
         self.fn, self.max_graphs, self.name = fn, max_graphs, name

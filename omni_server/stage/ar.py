@@ -67,9 +67,10 @@ class _Tracked:
     def chunk_ready(self, rows_chunk: int | None = None) -> bool:
         """Whether the streaming consumers get a chunk now. Hidden rows: once the prompt's and the
         first reply position's are in (the consumer starts on them, whatever the chunk size), then
-        every `chunk` rows, or `rows_chunk` if fewer (see ARStage.rows_chunk). Tokens only: the first token, then whenever the output crosses a
-        multiple of `chunk` (a consumer decoding windows of a multiple of `chunk` gets each one's
-        last unit in the step that made it, not up to a chunk later). The unit is the frame for a
+        every `chunk` rows, or `rows_chunk` if fewer (see ARStage.rows_chunk). Tokens only: the
+        first token, then whenever the output crosses a multiple of `chunk` (a consumer decoding
+        windows of a multiple of `chunk` gets each one's last unit in the step that made it, not
+        up to a chunk later). The unit is the frame for a
         model that completes its tokens into frames (they lag the tokens by one step and travel
         with them), else the token."""
         if self.with_hidden:

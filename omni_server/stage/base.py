@@ -74,9 +74,12 @@ class _Waiting:
 
     def _append(self, src: int, key: str, have: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
         """`have` + `more` along dim 0, amortised: rows are copied once, plus on each doubling."""
+        if more.shape[1:] != have.shape[1:] or more.dtype != have.dtype:
+            raise ValueError(f"{key}: a chunk of {tuple(more.shape)} {more.dtype} "
+                             f"after {tuple(have.shape)} {have.dtype}")
         buf = self._grown.get((src, key))
         n, m = len(have), len(more)
-        if buf is None or n + m > len(buf) or buf.shape[1:] != more.shape[1:] or buf.dtype != more.dtype:
+        if buf is None or n + m > len(buf):
             buf = torch.empty((max(2 * (n + m), 64), *have.shape[1:]), dtype=have.dtype, device=have.device)
             buf[:n] = have
             self._grown[(src, key)] = buf

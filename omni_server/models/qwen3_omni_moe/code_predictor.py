@@ -87,9 +87,8 @@ class CodePredictor:
         """Capture the graphs of every batch size up to `max_batch` now, not on the first requests."""
         if self.graphs is None:
             return
-        rows = 1
+        rows, hidden = 1, self.module.config.hidden_size
         while rows <= min(max_batch, self.max_graph_batch):
-            hidden = self.module.config.hidden_size
             x = torch.zeros(rows, hidden, device=self.device, dtype=self.dtype)
             self(x, x)
             rows *= 2

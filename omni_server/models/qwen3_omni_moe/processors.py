@@ -61,9 +61,7 @@ class _Tables:
     im_start: int
     user: int
     assistant: int
-    tts_pad: int
-    tts_bos: int
-    tts_eos: int
+    tts: torch.Tensor  # P_text of tts_pad, tts_bos, tts_eos: [3, talker_hidden] (every request reads them)
     media_ids: torch.Tensor  # audio / image / video placeholder ids
     assistant_codec_ids: tuple[int, int, int, int, int]  # nothink, think_bos, think_eos, (voice), pad, bos
     codec_pad: int
@@ -90,15 +88,17 @@ def _tables(model_dir: str) -> _Tables:
     if act != "silu":
         raise ValueError(f"{model_dir}: talker projections use {act!r}; only silu is supported")
     dev = _device()
+    embed = load_tensors(model_dir, "thinker.model.embed_tokens.")["weight"].to(dev, torch.float32)
+    text = _mlp(load_tensors(model_dir, "talker.text_projection."), dev)
     tables = _Tables(
         device=dev,
-        embed=load_tensors(model_dir, "thinker.model.embed_tokens.")["weight"].to(dev, torch.float32),
-        text=_mlp(load_tensors(model_dir, "talker.text_projection."), dev),
+        embed=embed,
+        text=text,
         hidden=_mlp(load_tensors(model_dir, "talker.hidden_projection."), dev),
         codec=load_tensors(model_dir, "talker.model.codec_embedding.")["weight"].to(dev, torch.float32),
         voices={k.lower(): int(v) for k, v in tcfg.speaker_id.items()},
         im_start=cfg.im_start_token_id, user=cfg.user_token_id, assistant=cfg.assistant_token_id,
-        tts_pad=cfg.tts_pad_token_id, tts_bos=cfg.tts_bos_token_id, tts_eos=cfg.tts_eos_token_id,
+        tts=text(embed[torch.tensor([cfg.tts_pad_token_id, cfg.tts_bos_token_id, cfg.tts_eos_token_id], device=dev)]),
         media_ids=torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id], device=dev),
         assistant_codec_ids=(tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id,
                              tcfg.codec_pad_id, tcfg.codec_bos_id),
@@ -159,8 +159,7 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
     # On a side stream: its syncs (media check, copies) wait for this work only, not for the
     # talker's queued steps (this runs in the stage loop, between them).
     with torch.inference_mode(), aside(t.device):
-        special = t.text(t.embed[torch.tensor([t.tts_pad, t.tts_bos, t.tts_eos], device=t.device)])
-        tts_pad, tts_bos, tts_eos = special[0:1], special[1:2], special[2:3]
+        tts_pad, tts_bos, tts_eos = t.tts[0:1], t.tts[1:2], t.tts[2:3]
         if since is not None:  # started already (`since` step rows given): the reply rows from there on
             reply = t.text(t.embed[torch.tensor(seq[a + 4 + since:rows], device=t.device, dtype=torch.long)])
             if p.final:
