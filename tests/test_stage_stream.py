@@ -193,3 +193,28 @@ stages:
     assert "bad" not in stage.waiting
     stage._handle(chunk("good", 4, final=True))
     assert stage.waiting["good"].payloads[0].tensors["hidden"].shape == (4, 4)
+
+
+def test_steps_that_advance_nothing_add_time_but_no_step():
+    """The stage loop's counters: an engine step that advanced no request (it only told the engine
+    of finished ones) adds its seconds to step_s but is neither a step nor part of the batch sum."""
+    from omni_server.config import load_config_text
+    from omni_server.stage.base import Stage
+
+    cfg = load_config_text("model: m\nstages:\n  - {id: 0, name: a, model: x, output: text}\n")
+    sockets = SimpleNamespace(replica=0, send_api=lambda msg: None, recv_inputs=lambda timeout_ms: iter(()))
+
+    class Counted(Stage):
+        served = [0, 3, 0, 2]
+
+        def has_work(self):
+            return bool(self.served)
+
+        def step(self):
+            served = self.served.pop(0)
+            self.running = bool(self.served)
+            return served
+
+    stage = Counted(cfg, 0, sockets)
+    stage.run()
+    assert (stage.steps, stage.batch_sum) == (2, 5) and stage.step_s > 0
