@@ -53,6 +53,7 @@ def _check_qwen3_shape(out):
     import torch
     from transformers import AutoTokenizer
 
+    from omni_server.config.loader import load_config
     from omni_server.models.checkpoint import read_config
     from omni_server.models.qwen3_omni_moe import processors as q3
     from omni_server.models.qwen3_omni_moe.code2wav import Code2Wav
@@ -83,5 +84,8 @@ def _check_qwen3_shape(out):
     codes, residual = predictor(torch.randn(2, 1024), torch.randn(2, 1024))
     assert codes.shape == (2, 15) and residual.shape == (2, 1024) and 0 <= int(codes.min()) <= int(codes.max()) < 2048
     vocoder = Code2Wav(str(out))
+    # The shipped config's code2wav stage lets the talker run far enough ahead for its windows.
+    stage = load_config(REPO / "configs" / "qwen3_omni.yaml").stage(2)
+    assert Code2Wav(str(out), **stage.generator_args).stream_lead <= stage.stream_window
     wave = vocoder(torch.randint(0, 2048, (16, 4)))
     assert wave.ndim == 1 and 0 < wave.numel() <= 4 * 1920 and bool(torch.isfinite(wave).all())

@@ -125,6 +125,10 @@ def preload(cfg: PipelineConfig, stage_id: int) -> None:
     importlib.import_module("omni_server.stage.cpu_worker" if cpu else "omni_server.stage.gpu_worker")
 
 
+# What a stage with a fixed KV size asks vLLM's start-up check to find free (1% of the card).
+FIXED_KV_UTILIZATION = 0.01
+
+
 def build_engine_args(cfg: PipelineConfig, stage_id: int):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
@@ -135,6 +139,11 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
         mc = model_classes.get(stage.model_class)
         args = {**mc.engine_defaults, **args, "hf_overrides": model_classes.hf_overrides(mc)}
     args.setdefault("model", stage.model)
+    if args.get("kv_cache_memory_bytes") is not None:
+        # vLLM's GPU worker refuses to start unless `gpu_memory_utilization` (0.92 by default) of the
+        # card is free, even when the KV size is given and that fraction sizes nothing (its CPU worker
+        # skips the check then). Stages sharing a GPU would trip it; the fixed KV size is the budget.
+        args.setdefault("gpu_memory_utilization", FIXED_KV_UTILIZATION)
     if stage.tokenizer:
         args.setdefault("tokenizer", stage.tokenizer)
     on_cpu = current_platform.device_type == "cpu"
