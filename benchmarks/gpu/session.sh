@@ -3,7 +3,7 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main tests qwen3 runner full mps", ~1,400 s
+# Steps run in the order STEPS names them (default "main tests w144 qwen3 full runner mps", ~1,450 s
 # estimated; also: ref t2w layouts fc24 fc72 tc4 prof).
 set -u
 R=/tmp/res; mkdir -p $R
@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main tests qwen3 runner full mps}
+STEPS=${STEPS:-main tests w144 qwen3 full runner mps}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -168,6 +168,18 @@ first_window() {  # FRAMES PORT [--stage-arg ...]: the one-GPU layout, token2wav
 step_fc24() { first_window 24 8019; }
 step_fc72() { first_window 72 8017; }
 
+step_w144() {
+  # Growing windows: 48, 48, 72, 96, then 144 new frames (the configs: 48, 48, then 72). A window
+  # also computes 48 past + 24 future frames, so 72-frame windows pay 2x per new frame, 144-frame
+  # ones 1.5x; c=16 is token2wav-bound (busy 0.89) and its DiT runs beside the talker at c=1.
+  # benchmarks/window_schedule.py: no c=1 stall from the larger windows.
+  free_gpus
+  serve w144 8022 $CFG --stage-arg 'token2wav.generator_args.first_chunk_frames=[48,48,72,96]' \
+    --stage-arg token2wav.generator_args.chunk_frames=144
+  wait_ready w144 8022 && bench w144 8022
+  stop w144
+}
+
 step_tc4() {
   # The thinker streams to the talker every 4 positions at most instead of 8 (this matters with
   # many requests running: with one or two, rows go one per message anyway, ARStage.rows_chunk).
@@ -227,17 +239,15 @@ step_runner() {
     timeout 400 python3 benchmarks/runner_overhead.py --model qwen2-7b --mode $mode --batch 1 32 > $R/runner_$mode.txt 2>&1
     say "runner $mode: $(grep RESULT $R/runner_$mode.txt | tr '\n' ' ')"
   done
-  # Issue 2: the tiny thinker too (float32, as the tests run it), whose steps are all host time; and
-  # our stage loop without emission (omni-plain), to split our loop's cost from the emission's.
+  # RUNNER_TINY=1: the tiny thinker too (float32, as the tests run it), whose steps are all host
+  # time, and our stage loop without emission (omni-plain). Off by default: on 2026-11-30d its
+  # vLLM batch-32 runs spread 5,246-10,660 tok/s, too wide to read a few percent from.
+  [ -n "${RUNNER_TINY:-}" ] || return 0
   local tiny="benchmarks/runner_overhead.py --model $PWD/var/models/tiny-qwen2_5-omni --dtype float32"
   for mode in vllm omni omni-plain; do
     timeout 300 python3 $tiny --mode $mode --batch 1 32 > $R/runner_tiny_$mode.txt 2>&1
     say "runner tiny $mode: $(grep RESULT $R/runner_tiny_$mode.txt | tr '\n' ' ')"
   done
-  # Where the host time of a tiny batch-1 step goes: cProfile of the omni loop, top functions.
-  timeout 200 python3 -m cProfile -o $R/runner_tiny.prof $tiny --mode omni --batch 1 --repeats 2 > /dev/null 2>&1
-  python3 -c "import pstats; pstats.Stats('$R/runner_tiny.prof').sort_stats('tottime').print_stats(40)" \
-    > $R/runner_tiny_prof.txt 2>&1
 }
 # With two GPUs the CUDA tests (~10 min) run on GPU 1 in the background from the start; the steps
 # that need GPU 1 wait for them, the others use GPU 0 only meanwhile. (Not the runner benchmark:
