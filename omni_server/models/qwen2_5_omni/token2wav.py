@@ -87,6 +87,11 @@ class Token2Wav:
             # mantissa in the products): several times the DiT's fp32 throughput. Process-wide, which
             # is this generator's own stage process.
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        if self.device.type == "cuda":
+            # cuDNN may pick nondeterministic (atomic-add) algorithms for the vocoder's convolutions
+            # and transposed convolutions: the same seed then gave samples 1 LSB apart on the H200.
+            # Process-wide, which is this generator's own stage process.
+            torch.backends.cudnn.deterministic = True
         model = load_module(Qwen2_5OmniToken2WavModel, config, model_dir, WEIGHTS_PREFIX, self.device)
         self.dit = model.code2wav_dit_model
         self.vocoder = model.code2wav_bigvgan_model

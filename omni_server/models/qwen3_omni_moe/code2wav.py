@@ -76,6 +76,9 @@ class Code2Wav:
         full_config = read_config(model_dir)
         config = full_config.code2wav_config
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            # Deterministic cuDNN convolutions (as Qwen2.5's token2wav): the same codes, the same samples.
+            torch.backends.cudnn.deterministic = True
         self.model = load_module(Qwen3OmniMoeCode2Wav, config, model_dir, WEIGHTS_PREFIX, self.device)
 
         self.sample_rate: int = SAMPLE_RATE
