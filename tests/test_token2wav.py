@@ -393,7 +393,7 @@ def test_unknown_dit_dtype(model_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_decode_repeats_exactly(model_dir):
     """The same codes and seed give the same samples, graphed or eager (cuDNN's default algorithms
-    for the vocoder's convolutions may add in any order: the same seed gave samples 1 LSB apart)."""
+    for the vocoder's convolutions may add in any order)."""
     for graphs in (True, False):
         t2w = Token2Wav(model_dir, device="cuda", cuda_graphs=graphs)
         assert torch.backends.cudnn.deterministic

@@ -89,7 +89,7 @@ class Token2Wav:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         if self.device.type == "cuda":
             # cuDNN may pick nondeterministic (atomic-add) algorithms for the vocoder's convolutions
-            # and transposed convolutions: the same seed then gave samples 1 LSB apart on the H200.
+            # and transposed convolutions (the suspected cause of one seed giving two waveforms on the H200).
             # Process-wide, which is this generator's own stage process.
             torch.backends.cudnn.deterministic = True
         model = load_module(Qwen2_5OmniToken2WavModel, config, model_dir, WEIGHTS_PREFIX, self.device)
