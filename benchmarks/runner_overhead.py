@@ -103,6 +103,7 @@ def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, e
              repeats: int) -> list[dict]:
     from omni_server.config.schema import PipelineConfig
     from omni_server.stage.ar import ARStage
+    from omni_server.stage.profiling import StepProfiler
     from omni_server.wire.messages import AddRequest, SamplingSpec
 
     args = {k: v for k, v in engine_args.items() if k != "model"}
@@ -115,6 +116,7 @@ def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, e
     stage = ARStage(cfg, 0, sockets)
     spec = SamplingSpec(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     fwd = [1] if emit else []
+    prof = StepProfiler.from_env("runner")  # OMNI_PROFILE, as in a stage's loop
     results = []
     for bs in batches:
         walls = []
@@ -125,11 +127,17 @@ def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, e
                 stage._handle(AddRequest(request_id=f"r{bs}-{rep}-{i}", prompt_token_ids=p, sampling=spec,
                                          forward_to=fwd))
             while stage.core.scheduler.has_requests():
+                if prof is not None:
+                    prof.before(stage.counts()[0])
                 stage.step()
+                if prof is not None:
+                    prof.after()
             if rep:
                 walls.append(time.perf_counter() - t0)
         results.append({**_rate("omni-emit" if emit else "omni-plain", bs, out_len, walls),
                         "payload_mb": round(sockets.payload_bytes / 2**20, 1)})
+    if prof is not None:
+        prof.finish()
     stage.core.shutdown()
     return results
 

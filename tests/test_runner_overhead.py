@@ -13,8 +13,9 @@ from tests.conftest import REPO
 
 
 @pytest.mark.parametrize("model", ["tiny-embeds-lm", "tiny-qwen2_5-omni"])  # a plain LM; an omni thinker
-def test_stage_mode_reports_a_rate_per_batch(tiny_models, model):
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
+def test_stage_mode_reports_a_rate_per_batch(tiny_models, model, tmp_path):
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1",
+           "OMNI_PROFILE": f"dir={tmp_path},batch=2,skip=1,steps=3"}
     proc = subprocess.run(
         [sys.executable, "benchmarks/runner_overhead.py", "--model", str(tiny_models[model]),
          "--mode", "omni", "--batch", "1", "2", "--input-len", "16", "--output-len", "8", "--dtype", "float32",
@@ -26,3 +27,5 @@ def test_stage_mode_reports_a_rate_per_batch(tiny_models, model):
     assert [(r["mode"], r["batch"]) for r in rows] == [("omni-emit", 1), ("omni-emit", 2)]
     assert all(r["tok_s"] > 0 and r["hbm_tb_s"] >= 0 for r in rows)
     assert all(r["runs"] == 3 and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"] for r in rows)  # median of 3
+    # OMNI_PROFILE profiles steps of the loop as in a stage: 3 of those with 2 requests running.
+    assert (tmp_path / "runner.txt").read_text().startswith("3 steps with >= 2 requests running")

@@ -239,6 +239,11 @@ step_runner() {
     timeout 400 python3 benchmarks/runner_overhead.py --model qwen2-7b --mode $mode --batch 1 32 > $R/runner_$mode.txt 2>&1
     say "runner $mode: $(grep RESULT $R/runner_$mode.txt | tr '\n' ' ')"
   done
+  # Where a batch-1 step of our loop goes (0.959 of vLLM on 2026-11-30d, 1.005 the run before):
+  # torch-profiler tables and a trace of 50 steps (omni_server/stage/profiling.py).
+  OMNI_PROFILE=dir=$R/prof_runner,batch=1,skip=100,steps=50,trace=1 timeout 300 python3 benchmarks/runner_overhead.py \
+    --model qwen2-7b --mode omni --batch 1 --repeats 1 > $R/runner_prof.txt 2>&1
+  say "runner profiled (rc $?): $(ls $R/prof_runner 2>/dev/null | tr '\n' ' ')"
   # RUNNER_TINY=1: the tiny thinker too (float32, as the tests run it), whose steps are all host
   # time, and our stage loop without emission (omni-plain). Off by default: on 2026-11-30d its
   # vLLM batch-32 runs spread 5,246-10,660 tok/s, too wide to read a few percent from.
