@@ -207,7 +207,7 @@ step_qwen3() {
 
 step_mps() {
   # The one-GPU layout under CUDA MPS (stage processes' kernels run side by side instead of
-  # time-slicing the GPU), if the host has the daemon. Not in the default steps.
+  # time-slicing the GPU), if the host has the daemon.
   free_gpus
   command -v nvidia-cuda-mps-control > /dev/null || { say "mps skipped: no nvidia-cuda-mps-control"; return; }
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
@@ -215,6 +215,11 @@ step_mps() {
   CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d && say "MPS daemon up"
   serve mps 8015 $CFG && wait_ready mps 8015 && bench mps 8015
   stop mps
+  # The same with token2wav's kernels at MPS's below-normal client priority: the thinker and the
+  # talker, whose steps pace every code, go first when they and a DiT window both have work.
+  serve mpsprio 8023 $CFG --stage-arg token2wav.env.CUDA_MPS_CLIENT_PRIORITY=1
+  wait_ready mpsprio 8023 && bench mpsprio 8023
+  stop mpsprio
   echo quit | nvidia-cuda-mps-control
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
