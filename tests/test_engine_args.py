@@ -1,7 +1,7 @@
 """The vLLM engine arguments a stage builds from its YAML."""
 from pathlib import Path
 
-from omni_server.config.loader import load_config
+from omni_server.config.loader import load_config, load_config_text
 from omni_server.stage.ar import FIXED_KV_UTILIZATION, build_engine_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -11,13 +11,12 @@ def test_a_fixed_kv_size_stops_vllm_demanding_most_of_the_gpu_free():
     """With `kv_cache_memory_bytes` the stage asks vLLM's start-up check for ~nothing free (stages
     sharing a GPU failed it: 'Free memory ... less than desired GPU memory utilization (0.92)');
     an explicit `gpu_memory_utilization` is kept, and without a fixed size vLLM's default stays."""
-    cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml",
-                      ["thinker.kv_cache_memory_bytes=1073741824", "talker.gpu_memory_utilization=0.3"])
+    cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml", ["talker.gpu_memory_utilization=0.3"])
     thinker, talker = build_engine_args(cfg, 0), build_engine_args(cfg, 1)
-    assert thinker.kv_cache_memory_bytes == 1 << 30 and thinker.gpu_memory_utilization == 0.5  # the YAML's
+    assert thinker.kv_cache_memory_bytes == 16 << 30 and thinker.gpu_memory_utilization == FIXED_KV_UTILIZATION
     assert talker.kv_cache_memory_bytes == 12 << 30 and talker.gpu_memory_utilization == 0.3
-    cfg = load_config(REPO / "tests" / "configs" / "qwen3_omni.yaml")
-    assert build_engine_args(cfg, 0).gpu_memory_utilization == FIXED_KV_UTILIZATION
     cfg = load_config(REPO / "configs" / "qwen3_omni.yaml")
     assert build_engine_args(cfg, 0).kv_cache_memory_bytes is None
     assert build_engine_args(cfg, 0).gpu_memory_utilization == 0.6
+    cfg = load_config_text("model: m\nstages: [{id: 0, name: lm, model: x, output: text}]\n")
+    assert build_engine_args(cfg, 0).gpu_memory_utilization == 0.92  # vLLM's default

@@ -71,8 +71,9 @@ stages:
 
 
 def test_a_generation_stage_builds_before_the_engines_that_profile_its_gpu():
-    # configs/qwen2_5_omni.yaml's shape: token2wav (CUDA graph capture, ~20 s on the H200) builds
-    # first, while thinker and talker import; they then profile with its memory already in use.
+    # A one-GPU speech pipeline whose engines profile memory: token2wav (CUDA graph capture, ~20 s
+    # on the H200) builds first, while thinker and talker import; they then profile with its memory
+    # already in use. (configs/qwen2_5_omni.yaml gives both engines KV sizes: all three build at once.)
     launcher = Launcher(load_config_text(ONE_GPU), "unused.yaml", Path("/tmp"))
     launcher.sequential = True
     assert launcher.build_order() == [(2, 0), (0, 0), (1, 0)]
