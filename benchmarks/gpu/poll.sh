@@ -1,8 +1,12 @@
-# Wait up to ${WAIT:-540} s for session.sh to print DONE (or for progress), then pack /tmp/res into $OUT.
+# Wait up to ${WAIT:-540} s for session.sh to print DONE (or for progress), then pack /tmp/res into $OUT:
+# res.tar.gz without the profiler traces, traces.tar.gz with them (a file comes back only under 16 MiB,
+# so large traces cannot cost the results).
 for i in $(seq 1 ${WAIT:-540}); do
   grep -q "DONE" /tmp/res/progress.log 2>/dev/null && break
   sleep 1
 done
 cat /tmp/res/progress.log
-tar -czf $OUT/res.tar.gz -C /tmp res 2>/dev/null
+tar -czf $OUT/res.tar.gz -C /tmp --exclude='res/prof*/*.json' res 2>/dev/null
+traces=$(cd /tmp && ls -d res/prof*/*.json 2>/dev/null)
+[ -z "$traces" ] || tar -czf $OUT/traces.tar.gz -C /tmp $traces 2>/dev/null
 ls -la $OUT

@@ -86,11 +86,17 @@ step_full() {
   # The same with token2wav in full-payload mode, from the first server's compile cache (p6 warm):
   # the TTFP ratio. (The config's fixed KV sizes let its engines build side by side; the `sized`
   # variant that measured that, 43.8 s on 2026-11-30d, is the config since.)
+  # Also the thinker's and the talker's batch-1 steps under the torch profiler (in prof_c1/): 50 of
+  # each within the bench's unmeasured warm-up request, where the talker steps without token2wav
+  # beside it (3.5 ms per step, most of it host time: the c=1 RTF's limit).
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
-  serve bench7b_full 8011 $CFG --stage-arg token2wav.input_mode=full
+  local p="dir=$R/prof_c1,batch=1,steps=50,trace=1"
+  serve bench7b_full 8011 $CFG --stage-arg token2wav.input_mode=full \
+    --stage-arg thinker.env.OMNI_PROFILE=$p,skip=20 --stage-arg talker.env.OMNI_PROFILE=$p,skip=100
   wait_ready bench7b_full 8011 && bench bench7b_full 8011
   stop bench7b_full
+  say "c=1 profiles: $(ls $R/prof_c1 2>/dev/null | tr '\n' ' ')"
 }
 
 step_ref() {
