@@ -3,8 +3,8 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main tests w144 qwen3 full runner mps", ~1,450 s
-# estimated; also: ref t2w layouts fc24 fc72 tc4 prof).
+# Steps run in the order STEPS names them (default "main tests w144 qwen3 full runner mps prof", ~1,560 s
+# estimated; also: ref t2w layouts fc24 fc72 tc4).
 set -u
 R=/tmp/res; mkdir -p $R
 cd "$(dirname "$0")/../.."
@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main tests w144 qwen3 full runner mps}
+STEPS=${STEPS:-main tests w144 qwen3 full runner mps prof}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
