@@ -48,6 +48,7 @@ class GPUOmniWorker(Worker):
                              min(sched.max_num_seqs, sched.max_num_batched_tokens), self.device)
         t1 = time.monotonic()
         out = super().compile_or_warm_up_model()
-        log.info("warm-up: top-k/top-p kernels %.1f s, vLLM's warm-up and graph capture %.1f s", t1 - t0,
-                 time.monotonic() - t1)
+        capture = self.model_runner.capture_s
+        log.info("warm-up: top-k/top-p kernels %.1f s, vLLM's dummy runs and kernel warm-up %.1f s, "
+                 "CUDA graph capture %.1f s", t1 - t0, time.monotonic() - t1 - capture, capture)
         return out

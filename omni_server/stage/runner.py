@@ -9,6 +9,7 @@ the step's ModelRunnerOutput as `omni_hidden` (the OmniScheduler takes it off).
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import torch
@@ -310,4 +311,11 @@ class StepEmbedsAdder:
 
 
 class GPUOmniModelRunner(UpstreamPositions, StepPredictor, StepEmbedsAdder, HiddenStatesEmitter, GPUModelRunner):
-    pass
+    capture_s = 0.0  # how long vLLM's CUDA graph capture took (the worker logs its warm-up phases)
+
+    def capture_model(self) -> int:
+        t0 = time.monotonic()
+        try:
+            return super().capture_model()
+        finally:
+            self.capture_s = time.monotonic() - t0
