@@ -10,7 +10,7 @@ import torch
 
 from omni_server.models.checkpoint import read_config
 from omni_server.stage import processors
-from omni_server.stage.transfer import aside, host_index, to_device
+from omni_server.stage.transfer import aside, host_index, rejoin, to_device
 from omni_server.wire.messages import StagePayload
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
@@ -23,6 +23,7 @@ def test_host_side_copies_on_cpu():
     assert torch.equal(host_index([3, 1, 2], torch.device("cpu")), torch.tensor([3, 1, 2]))
     with aside(torch.device("cpu")):  # nothing to do off a GPU
         assert torch.equal((t * 2).cpu(), t + t)
+    assert rejoin(t) is t
 
 
 def _busy_stream() -> None:
@@ -83,3 +84,42 @@ def test_talker_input_processor_does_not_wait_for_the_talkers_steps(tiny_models)
     assert not torch.cuda.current_stream().query()
     assert torch.equal(out.prompt["prompt_embeds"], expected.prompt["prompt_embeds"])
     assert torch.equal(out.step_embeds, expected.step_embeds)
+
+
+@cuda
+def test_rejoined_work_is_ordered_before_the_models_later_work_without_a_host_wait():
+    dev = torch.device("cuda")
+    src = torch.randn(64, 64, device=dev)
+    torch.cuda.synchronize()
+    _busy_stream()  # the model's stream: busy for ~1 s
+    with aside(dev):
+        torch.cuda._sleep(200_000_000)  # side-stream work still running when the model reads it
+        made = src * 3
+    out = rejoin(made)
+    assert not torch.cuda.current_stream().query()  # no host wait
+    read = out + 0  # the model stream's next work
+    torch.cuda.synchronize()
+    assert torch.equal(read, src * 3)
+
+
+@cuda
+def test_talker_step_rows_stay_on_the_device_and_do_not_wait(tiny_models):
+    """An incremental call (`since`, every thinker chunk) returns the new step rows on the device,
+    rejoined to the model's stream, without waiting for its queued steps; the rows equal those of
+    the first call."""
+    model_dir = str(tiny_models["tiny-qwen2_5-omni"])
+    thinker = read_config(model_dir).thinker_config
+    hidden = thinker.text_config.hidden_size if hasattr(thinker, "text_config") else thinker.hidden_size
+    payload = StagePayload(request_id="r", source_stage=0, prompt_token_ids=[11, 12, 13, 14, 15],
+                           output_token_ids=[21, 22, 23, 24], tensors={"hidden": torch.randn(8, hidden)})
+    ctx = SimpleNamespace(stage=SimpleNamespace(model=model_dir), dtype=torch.float32)
+    proc = processors.get("qwen2_5_omni.thinker_to_talker")
+    whole = proc({0: payload}, ctx, {"voice": "Ethan"})
+    proc({0: payload}, ctx, {"voice": "Ethan"}, since=1)
+    _busy_stream()
+    later = proc({0: payload}, ctx, {"voice": "Ethan"}, since=1)
+    assert not torch.cuda.current_stream().query()
+    assert later.step_embeds.is_cuda and later.step_offset == 1
+    torch.cuda.synchronize()
+    # (The same rows through a GEMM of another height: equal up to its rounding.)
+    assert torch.allclose(later.step_embeds.cpu(), whole.step_embeds[1:], rtol=1e-5, atol=1e-5)

@@ -266,8 +266,9 @@ class StepEmbedsAdder:
             extra = new.sampling_params.extra_args if new.sampling_params is not None else None
             host = extra.get(STEP_EMBEDS) if extra else None
             if host is not None:
-                rows = torch.cat([host, *more.pop(new.req_id, [])])
-                cache[new.req_id] = to_device(rows, self.device, self.dtype)
+                # (Later rows may be on the device already: an input processor's `rejoin`.)
+                cache[new.req_id] = torch.cat([to_device(r, self.device, self.dtype)
+                                               for r in (host, *more.pop(new.req_id, []))])
         for rid, chunks in (getattr(scheduler_output, "omni_step_embeds", None) or {}).items():
             for rows in chunks:
                 if rid in cache:

@@ -5,7 +5,7 @@ synchronises with that stream — `torch.tensor(..., device=cuda)` or a copy fro
 driver syncs the stream first), `.cpu()`, `.item()` — stalls the loop until those steps are done and
 breaks the overlap. So inputs go through pinned memory (`to_device`, `host_index`) and request-side
 device work (input processors) runs `aside`: on a side stream, where its syncs wait for its own
-kernels only.
+kernels only. A result that stays on the device is `rejoin`ed to the model's stream: no sync at all.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ _streams_lock = threading.Lock()
 
 def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`t` (host) on `device` as `dtype`, copied behind the queued work (from pinned memory) on CUDA."""
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device == device:  # (a device tensor: see `rejoin`)
         return t.to(device, dtype)
     if not t.is_pinned():
         t = t.pin_memory()
@@ -60,3 +60,17 @@ def settle(device: torch.device) -> None:
     """Wait for every stream of `device` (after building tables that `aside` blocks will read)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def rejoin(t: torch.Tensor) -> torch.Tensor:
+    """`t`, made in an `aside` block just before, handed to the device's current (model) stream
+    without a host sync: that stream's later work waits on the GPU for the side stream's, and `t`'s
+    memory is not reused until that work is done."""
+    if t.device.type != "cuda":
+        return t
+    done = torch.cuda.Event()
+    done.record(_side_stream(t.device))
+    current = torch.cuda.current_stream(t.device)
+    current.wait_event(done)
+    t.record_stream(current)
+    return t

@@ -22,7 +22,7 @@ from omni_server.models.checkpoint import load_tensors, read_config
 from omni_server.models.qwen2_5_omni.speakers import load_speakers
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
-from omni_server.stage.transfer import aside, settle
+from omni_server.stage.transfer import aside, host_index, rejoin, settle, to_device
 from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
 
 # Text-to-speech (options[REPLY_FROM_OPTION]): the reply was given, not generated. The thinker ran
@@ -133,27 +133,31 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
     # steps (this runs in the stage loop, between them).
     lo = 0 if since is None else n_prompt + 1 + since
     with torch.inference_mode(), aside(t.device):
-        ids = torch.tensor((prompt_ids + out_ids[:-1])[lo:], dtype=torch.long, device=t.device)
-        token_part = t.projected_embed[ids]
-        token_part[torch.isin(ids, t.placeholder_ids)] = 0
-        x = hidden[lo:].to(t.device, torch.float32) @ t.proj_weight.T + token_part
+        ids = host_index((prompt_ids + out_ids[:-1])[lo:], t.device)
+        token_part = t.projected_embed[ids].masked_fill_(torch.isin(ids, t.placeholder_ids)[:, None], 0)
+        x = to_device(hidden[lo:], t.device, torch.float32) @ t.proj_weight.T + token_part
         emb = t.projected_embed
         ends = [emb[t.text_end][None], emb[t.text_pad][None]] if p.final else []
         if since is not None:
-            return StageInput(step_embeds=torch.cat([x, *ends]).to("cpu", ctx.dtype), step_offset=since)
-        prompt = torch.cat([x[:n_prompt], emb[t.voice_start[voice]][None], x[n_prompt:n_prompt + 1]])
-        prompt[-1] += t.codec_start
-        prompt[-2] += t.codec_pad
-        prompt += t.proj_bias
-        reply = torch.cat([x[n_prompt + 1:], *ends])
-        ids = [t.codec_mask_id] * n_prompt + [t.codec_pad_id, t.codec_start_id]
-        return StageInput(
-            positions=_talker_positions(p.tensors.get("mrope_positions"), n_prompt),
-            # vLLM's engine-input form: `is_token_ids` False = every prompt position is our embedding.
-            prompt={"type": "embeds", "prompt_embeds": prompt.to("cpu", ctx.dtype),
-                    "prompt_token_ids": ids, "is_token_ids": [False] * len(ids)},
-            step_embeds=reply.to("cpu", ctx.dtype),
-        )
+            rows = torch.cat([x, *ends]).to(ctx.dtype)
+        else:
+            prompt = torch.cat([x[:n_prompt], emb[t.voice_start[voice]][None], x[n_prompt:n_prompt + 1]])
+            prompt[-1] += t.codec_start
+            prompt[-2] += t.codec_pad
+            prompt += t.proj_bias
+            # (vLLM takes prompt embeddings on the host.)
+            prompt, reply = prompt.to("cpu", ctx.dtype), torch.cat([x[n_prompt + 1:], *ends]).to("cpu", ctx.dtype)
+    if since is not None:
+        # Later rows stay on the device: the talker's runner adds them there, and the stage loop,
+        # which calls this for every thinker chunk, does not wait for the GPU.
+        return StageInput(step_embeds=rejoin(rows), step_offset=since)
+    ids = [t.codec_mask_id] * n_prompt + [t.codec_pad_id, t.codec_start_id]
+    return StageInput(
+        positions=_talker_positions(p.tensors.get("mrope_positions"), n_prompt),
+        # vLLM's engine-input form: `is_token_ids` False = every prompt position is our embedding.
+        prompt={"type": "embeds", "prompt_embeds": prompt, "prompt_token_ids": ids, "is_token_ids": [False] * len(ids)},
+        step_embeds=reply,
+    )
 
 
 thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model), stage.dtype)

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from omni_server.models.checkpoint import load_tensors, read_config
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
-from omni_server.stage.transfer import aside, settle
+from omni_server.stage.transfer import aside, host_index, rejoin, settle
 from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
 
 DEFAULT_VOICE = "ethan"  # transformers' generate() default ("Ethan"; lookups are lower-case)
@@ -161,10 +161,14 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
     with torch.inference_mode(), aside(t.device):
         tts_pad, tts_bos, tts_eos = t.tts[0:1], t.tts[1:2], t.tts[2:3]
         if since is not None:  # started already (`since` step rows given): the reply rows from there on
-            reply = t.text(t.embed[torch.tensor(seq[a + 4 + since:rows], device=t.device, dtype=torch.long)])
+            reply = t.text(t.embed[host_index(seq[a + 4 + since:rows], t.device)])
             if p.final:
                 reply = torch.cat([reply, tts_eos, tts_pad])
-            return StageInput(step_embeds=reply.to("cpu", ctx.dtype), step_offset=since)
+            reply = reply.to(ctx.dtype)
+    if since is not None:
+        # Kept on the device (as Qwen2.5's): the stage loop does not wait for the GPU per chunk.
+        return StageInput(step_embeds=rejoin(reply), step_offset=since)
+    with torch.inference_mode(), aside(t.device):
         ids = torch.tensor(prompt_ids, device=t.device)
         user = _user_positions(ids, t.im_start, t.user)
         media = torch.isin(ids[user], t.media_ids)
