@@ -88,16 +88,14 @@ def test_talker_input_processor_does_not_wait_for_the_talkers_steps(tiny_models)
 
 @cuda
 def test_rejoined_work_is_ordered_before_the_models_later_work_without_a_host_wait():
-    dev = torch.device("cuda")
-    src = torch.randn(64, 64, device=dev)
+    src = torch.randn(64, 64, device="cuda")
     torch.cuda.synchronize()
-    _busy_stream()  # the model's stream: busy for ~1 s
-    with aside(dev):
-        torch.cuda._sleep(200_000_000)  # side-stream work still running when the model reads it
+    with aside(torch.device("cuda")):  # (the tables' device; `made` says cuda:0: the same stream)
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of side-stream work before the result is written
         made = src * 3
     out = rejoin(made)
-    assert not torch.cuda.current_stream().query()  # no host wait
-    read = out + 0  # the model stream's next work
+    read = out + 0  # the model stream's next work: it must wait, on the GPU, for the side stream
+    assert not torch.cuda.current_stream().query()  # queued behind it; the host did not wait
     torch.cuda.synchronize()
     assert torch.equal(read, src * 3)
 

@@ -36,6 +36,8 @@ def host_index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device.index is None:  # one stream per GPU: "cuda" and "cuda:0" name the same one
+        device = torch.device("cuda", torch.cuda.current_device())
     with _streams_lock:
         stream = _streams.get(device)
         if stream is None:
