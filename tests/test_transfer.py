@@ -10,7 +10,7 @@ import torch
 
 from omni_server.models.checkpoint import read_config
 from omni_server.stage import processors
-from omni_server.stage.transfer import aside, host_index, rejoin, to_device
+from omni_server.stage.transfer import aside, handoff, host_index, receive, to_device
 from omni_server.wire.messages import StagePayload
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
@@ -23,7 +23,7 @@ def test_host_side_copies_on_cpu():
     assert torch.equal(host_index([3, 1, 2], torch.device("cpu")), torch.tensor([3, 1, 2]))
     with aside(torch.device("cpu")):  # nothing to do off a GPU
         assert torch.equal((t * 2).cpu(), t + t)
-    assert rejoin(t) is t
+    assert handoff(t) == (t, None) and receive(t, None) is t
 
 
 def _busy_stream() -> None:
@@ -87,15 +87,17 @@ def test_talker_input_processor_does_not_wait_for_the_talkers_steps(tiny_models)
 
 
 @cuda
-def test_rejoined_work_is_ordered_before_the_models_later_work_without_a_host_wait():
+def test_handed_off_work_is_ordered_before_the_readers_work_without_a_host_wait():
     src = torch.randn(64, 64, device="cuda")
     torch.cuda.synchronize()
     with aside(torch.device("cuda")):  # (the tables' device; `made` says cuda:0: the same stream)
         torch.cuda._sleep(1_000_000_000)  # ~0.5 s of side-stream work before the result is written
         made = src * 3
-    out = rejoin(made)
-    read = out + 0  # the model stream's next work: it must wait, on the GPU, for the side stream
-    assert not torch.cuda.current_stream().query()  # queued behind it; the host did not wait
+    t, ready = handoff(made)
+    reader = torch.cuda.Stream()  # as vLLM's execution thread's stream: not the caller's
+    with torch.cuda.stream(reader):
+        read = receive(t, ready) + 0  # must wait, on the GPU, for the side stream
+    assert not reader.query()  # queued behind it; the host did not wait
     torch.cuda.synchronize()
     assert torch.equal(read, src * 3)
 
@@ -103,8 +105,8 @@ def test_rejoined_work_is_ordered_before_the_models_later_work_without_a_host_wa
 @cuda
 def test_talker_step_rows_stay_on_the_device_and_do_not_wait(tiny_models):
     """An incremental call (`since`, every thinker chunk) returns the new step rows on the device,
-    rejoined to the model's stream, without waiting for its queued steps; the rows equal those of
-    the first call."""
+    with the event their reader waits for, without waiting for the model's queued steps; the rows
+    equal those of the first call."""
     model_dir = str(tiny_models["tiny-qwen2_5-omni"])
     thinker = read_config(model_dir).thinker_config
     hidden = thinker.text_config.hidden_size if hasattr(thinker, "text_config") else thinker.hidden_size
@@ -117,7 +119,7 @@ def test_talker_step_rows_stay_on_the_device_and_do_not_wait(tiny_models):
     _busy_stream()
     later = proc({0: payload}, ctx, {"voice": "Ethan"}, since=1)
     assert not torch.cuda.current_stream().query()
-    assert later.step_embeds.is_cuda and later.step_offset == 1
+    assert later.step_embeds.is_cuda and later.step_offset == 1 and later.step_ready is not None
     torch.cuda.synchronize()
     # (The same rows through a GEMM of another height: equal up to its rounding.)
     assert torch.allclose(later.step_embeds.cpu(), whole.step_embeds[1:], rtol=1e-5, atol=1e-5)

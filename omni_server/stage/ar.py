@@ -288,7 +288,7 @@ class ARStage(Stage):
         more = None if rows is None else rows[self.stream_in[request_id] - stage_input.step_offset:]
         if more is not None and len(more):
             # Reach the runner with the next step, before its forward.
-            self.core.scheduler.queue_step_embeds(request_id, more)
+            self.core.scheduler.queue_step_embeds(request_id, more, stage_input.step_ready)
             self.stream_in[request_id] += len(more)
         if final:
             del self.stream_in[request_id]

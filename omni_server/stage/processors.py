@@ -23,9 +23,10 @@ class StageInput:
     prompt: dict[str, Any] | None = None
     # AR stages: [rows, hidden] added to the input embedding of output token k (row min(k, rows-1)),
     # for models fed a per-step signal from upstream (e.g. a talker reading the thinker's reply).
-    # On the host, or (rows after the first, `since` calls) on the stage's device, `rejoin`ed to
-    # its current stream (omni_server/stage/transfer.py).
+    # On the host, or (rows after the first, `since` calls) on the stage's device with `step_ready`.
     step_embeds: torch.Tensor | None = None
+    # Device step_embeds: the event their reader's stream waits for (transfer.handoff / receive).
+    step_ready: Any = None
     # AR stages of M-RoPE models: the prompt's positions, [3, prompt_len] int64, where the model
     # cannot derive them from its own prompt (e.g. a talker whose prompt mirrors an image prompt).
     positions: torch.Tensor | None = None

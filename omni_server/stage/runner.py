@@ -17,7 +17,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS, HiddenCapture
-from omni_server.stage.transfer import host_index, to_device
+from omni_server.stage.transfer import host_index, receive, to_device
 
 
 class _AsyncWithHidden(AsyncModelRunnerOutput):
@@ -266,11 +266,12 @@ class StepEmbedsAdder:
             extra = new.sampling_params.extra_args if new.sampling_params is not None else None
             host = extra.get(STEP_EMBEDS) if extra else None
             if host is not None:
-                # (Later rows may be on the device already: an input processor's `rejoin`.)
+                # (Later rows may be on the device already, received below.)
                 cache[new.req_id] = torch.cat([to_device(r, self.device, self.dtype)
                                                for r in (host, *more.pop(new.req_id, []))])
         for rid, chunks in (getattr(scheduler_output, "omni_step_embeds", None) or {}).items():
-            for rows in chunks:
+            for rows, ready in chunks:
+                rows = receive(rows, ready)  # device rows: this thread's stream waits for them on the GPU
                 if rid in cache:
                     old = cache[rid]
                     cache[rid] = torch.cat([old, to_device(rows, old.device, old.dtype)])

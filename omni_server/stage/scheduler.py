@@ -31,8 +31,9 @@ class _TakesHiddenCaptures:
         self.step_embeds_out: dict[str, list] = {}
         self.scheduled = 0  # requests in the batches scheduled so far (the stage's batch statistic)
 
-    def queue_step_embeds(self, request_id: str, rows) -> None:
-        self.step_embeds_out.setdefault(request_id, []).append(rows)
+    def queue_step_embeds(self, request_id: str, rows, ready=None) -> None:
+        """Rows for the runner with the next step; `ready`: the event device rows wait for."""
+        self.step_embeds_out.setdefault(request_id, []).append((rows, ready))
 
     def schedule(self, *args, **kwargs):
         out = self._schedule(*args, **kwargs)

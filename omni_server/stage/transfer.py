@@ -5,7 +5,8 @@ synchronises with that stream — `torch.tensor(..., device=cuda)` or a copy fro
 driver syncs the stream first), `.cpu()`, `.item()` — stalls the loop until those steps are done and
 breaks the overlap. So inputs go through pinned memory (`to_device`, `host_index`) and request-side
 device work (input processors) runs `aside`: on a side stream, where its syncs wait for its own
-kernels only. A result that stays on the device is `rejoin`ed to the model's stream: no sync at all.
+kernels only. A result that stays on the device goes with an event (`handoff`) that its reader's
+stream waits for (`receive`): no host sync at all.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _streams_lock = threading.Lock()
 
 def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`t` (host) on `device` as `dtype`, copied behind the queued work (from pinned memory) on CUDA."""
-    if device.type != "cuda" or t.device == device:  # (a device tensor: see `rejoin`)
+    if device.type != "cuda" or t.device == device:  # (a device tensor: see `handoff`)
         return t.to(device, dtype)
     if not t.is_pinned():
         t = t.pin_memory()
@@ -64,15 +65,23 @@ def settle(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rejoin(t: torch.Tensor) -> torch.Tensor:
-    """`t`, made in an `aside` block just before, handed to the device's current (model) stream
-    without a host sync: that stream's later work waits on the GPU for the side stream's, and `t`'s
-    memory is not reused until that work is done."""
+def handoff(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`t`, made in an `aside` block just before, and the event that marks it done on the side
+    stream (None off a GPU). Its reader calls `receive` on the stream that reads it: in a stage,
+    vLLM's execution thread, whose stream is not the stage loop's."""
     if t.device.type != "cuda":
-        return t
+        return t, None
     done = torch.cuda.Event()
     done.record(_side_stream(t.device))
+    return t, done
+
+
+def receive(t: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
+    """`t` for the current stream: its later work waits, on the GPU, for `ready` (no host wait),
+    and `t`'s memory is not reused until that work is done."""
+    if ready is None:
+        return t
     current = torch.cuda.current_stream(t.device)
-    current.wait_event(done)
+    current.wait_event(ready)
     t.record_stream(current)
     return t

@@ -22,7 +22,7 @@ from omni_server.models.checkpoint import load_tensors, read_config
 from omni_server.models.qwen2_5_omni.speakers import load_speakers
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
-from omni_server.stage.transfer import aside, host_index, rejoin, settle, to_device
+from omni_server.stage.transfer import aside, handoff, host_index, settle, to_device
 from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
 
 # Text-to-speech (options[REPLY_FROM_OPTION]): the reply was given, not generated. The thinker ran
@@ -150,7 +150,8 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
     if since is not None:
         # Later rows stay on the device: the talker's runner adds them there, and the stage loop,
         # which calls this for every thinker chunk, does not wait for the GPU.
-        return StageInput(step_embeds=rejoin(rows), step_offset=since)
+        rows, ready = handoff(rows)
+        return StageInput(step_embeds=rows, step_ready=ready, step_offset=since)
     ids = [t.codec_mask_id] * n_prompt + [t.codec_pad_id, t.codec_start_id]
     return StageInput(
         positions=_talker_positions(p.tensors.get("mrope_positions"), n_prompt),

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from omni_server.models.checkpoint import load_tensors, read_config
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
-from omni_server.stage.transfer import aside, host_index, rejoin, settle
+from omni_server.stage.transfer import aside, handoff, host_index, settle
 from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
 
 DEFAULT_VOICE = "ethan"  # transformers' generate() default ("Ethan"; lookups are lower-case)
@@ -167,7 +167,8 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
             reply = reply.to(ctx.dtype)
     if since is not None:
         # Kept on the device (as Qwen2.5's): the stage loop does not wait for the GPU per chunk.
-        return StageInput(step_embeds=rejoin(reply), step_offset=since)
+        reply, ready = handoff(reply)
+        return StageInput(step_embeds=reply, step_ready=ready, step_offset=since)
     with torch.inference_mode(), aside(t.device):
         ids = torch.tensor(prompt_ids, device=t.device)
         user = _user_positions(ids, t.im_start, t.user)
