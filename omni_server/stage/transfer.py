@@ -23,7 +23,7 @@ _streams_lock = threading.Lock()
 
 def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`t` (host) on `device` as `dtype`, copied behind the queued work (from pinned memory) on CUDA."""
-    if device.type != "cuda" or t.device == device:  # (a device tensor: see `handoff`)
+    if device.type != "cuda" or t.is_cuda:  # (on the GPU already: see `handoff`)
         return t.to(device, dtype)
     if not t.is_pinned():
         t = t.pin_memory()
