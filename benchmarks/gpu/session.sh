@@ -6,8 +6,14 @@
 # Steps run in the order STEPS names them (default "main tests w144 qwen3 full runner mps prof", ~1,560 s
 # estimated; also: ref t2w layouts fc24 fc72 tc4).
 set -u
+# Run from a private copy: bash reads a script as it goes, and each device call copies the working
+# tree again (a later edit of this file would change the running session under it).
+if [ -z "${SESSION_REPO:-}" ]; then
+  SESSION_REPO=$(cd "$(dirname "$0")/../.." && pwd) && cp "$0" /tmp/session.run.$$.sh && \
+    SESSION_REPO=$SESSION_REPO exec bash /tmp/session.run.$$.sh "$@"
+fi
 R=/tmp/res; mkdir -p $R
-cd "$(dirname "$0")/../.."
+cd "$SESSION_REPO"
 T0=$(date +%s)
 say() { echo "$(( $(date +%s) - T0 )) s: $*" | tee -a $R/progress.log; }
 # DRY=1: a CPU rehearsal of this script (no bundle; M and CFG point at the tiny checkpoint and config).
