@@ -95,7 +95,7 @@ def test_handed_off_work_is_ordered_before_the_readers_work_without_a_host_wait(
         made = src * 3
     t, ready = handoff(made)
     assert to_device(t, torch.device("cuda")) is t  # a device tensor is not copied again
-    reader = torch.cuda.Stream()  # as vLLM's execution thread's stream: not the caller's
+    reader = torch.cuda.Stream()  # the reader's stream (the model's), not the caller's
     with torch.cuda.stream(reader):
         read = receive(t, ready) + 0  # must wait, on the GPU, for the side stream
     assert not reader.query()  # queued behind it; the host did not wait

@@ -271,7 +271,7 @@ class StepEmbedsAdder:
                                                for r in (host, *more.pop(new.req_id, []))])
         for rid, chunks in (getattr(scheduler_output, "omni_step_embeds", None) or {}).items():
             for rows, ready in chunks:
-                rows = receive(rows, ready)  # device rows: this thread's stream waits for them on the GPU
+                rows = receive(rows, ready)  # device rows: the model's stream waits for them on the GPU
                 if rid in cache:
                     old = cache[rid]
                     cache[rid] = torch.cat([old, to_device(rows, old.device, old.dtype)])

@@ -67,8 +67,8 @@ def settle(device: torch.device) -> None:
 
 def handoff(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """`t`, made in an `aside` block just before, and the event that marks it done on the side
-    stream (None off a GPU). Its reader calls `receive` on the stream that reads it: in a stage,
-    vLLM's execution thread, whose stream is not the stage loop's."""
+    stream (None off a GPU). Its reader calls `receive` where it reads it (in a stage, the model
+    runner, on the model's stream), so the maker need not know that stream."""
     if t.device.type != "cuda":
         return t, None
     done = torch.cuda.Event()
