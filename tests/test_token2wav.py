@@ -289,11 +289,13 @@ def _window_inputs(t2w, lengths):
 
 
 def test_graph_buckets_pad_without_changing_results(t2w):
-    # CUDA graphs serve padded shapes (rows to a power of two, frames to whole DiT blocks x code
-    # rate); the padding itself, exercised here on CPU, must not change any request's mel.
+    # CUDA graphs serve padded shapes (rows to a power of two, frames to the next window span); the
+    # padding itself, exercised here on CPU, must not change any request's mel.
     from omni_server.models.qwen2_5_omni.token2wav import DiTGraphs
 
-    assert DiTGraphs.bucket(3, 100, 48) == (4, 144) and DiTGraphs.bucket(1, 48, 48) == (1, 48)
+    assert t2w.frame_buckets == [96, 144]  # first window 72 + 24 future; then 48 past + 72 + 24
+    assert DiTGraphs.bucket(3, 100, [96, 144]) == (4, 144) and DiTGraphs.bucket(1, 96, [96, 144]) == (1, 96)
+    assert DiTGraphs.bucket(1, 145, [96, 144]) is None  # wider than any window: eager
     codes, voices, noise = _window_inputs(t2w, [50, 23, 37])  # 100, 46, 74 frames -> 4 rows x 144
     grid = t2w._time_grid(10, -1.0)
     plain = t2w._sample_mels(codes, voices, noise, grid, 0.5, pad=False)
@@ -301,6 +303,23 @@ def test_graph_buckets_pad_without_changing_results(t2w):
     assert [m.shape for m in padded] == [m.shape for m in plain] == [(1, t2w.dit.mel_dim, n * 2) for n in (50, 23, 37)]
     for a, b in zip(plain, padded):
         assert (a - b).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("first, chunk, spans", [([48, 48], 72, [72, 120, 144]),
+                                                 ([48, 48, 72, 96], 144, [72, 120, 144, 168, 216]),
+                                                 (24, 72, [48, 120, 144])])
+def test_every_regular_window_fills_its_graph_bucket(model_dir, first, chunk, spans, monkeypatch):
+    """The DiT graphs' frame sizes are the stream's window spans: no window but a stream's last
+    computes padding (those used to round up to whole 48-frame units: the first 72-frame window
+    of the 7B config ran as 96)."""
+    t2w = Token2Wav(model_dir, chunk_frames=chunk, first_chunk_frames=first, past_frames=48, future_frames=24)
+    assert t2w.frame_buckets == spans and t2w.stream_lead == spans[-1] // 2
+    seen = []
+    solve = t2w._sample_mels
+    monkeypatch.setattr(t2w, "_sample_mels", lambda codes, *a, **k: seen.append(codes[0].numel() * 2) or
+                        solve(codes, *a, **k))
+    t2w.stream_all(torch.randint(0, 8000, (400,), generator=torch.Generator().manual_seed(3)), seed=0)
+    assert len(seen) > 5 and all(frames in spans for frames in seen[:-1]) and seen[-1] <= spans[-1]
 
 
 def test_vocoder_batches_equal_lengths_exactly(t2w):

@@ -125,20 +125,26 @@ class Token2Wav:
         self.start_windows: tuple[int, ...] = tuple(starts)
         self.first_chunk_frames = starts[0]
         self.vocoder_context_frames = vocoder_context_frames
-        # The most frames one window spans (past context + new + future): the graphs' largest shape.
-        # Codes a stream must have beyond those it consumed before its next window can run: as many.
-        widest, settled = past_frames + chunk_frames + future_frames, 0
-        for size in starts:
-            widest = max(widest, min(settled, past_frames) + size + future_frames)
-            settled += size
-        self.stream_lead = widest // repeats
+        # The frames a stream's windows span (past context + new + future), smallest first: the
+        # DiT graphs' frame sizes, so no regular window computes padding (a stream's shorter last
+        # window rounds up to the next). Codes a stream must have beyond those it consumed before
+        # its next window can run: as many as the widest window spans.
+        spans, settled, k = set(), 0, 0
+        while True:
+            size = starts[k] if k < len(starts) else chunk_frames
+            spans.add(min(settled, past_frames) + size + future_frames)
+            if k >= len(starts) and settled >= past_frames:  # every later window spans the same
+                break
+            settled, k = settled + size, k + 1
+        self.frame_buckets: list[int] = sorted(spans)
+        self.stream_lead = self.frame_buckets[-1] // repeats
         self.hop = 1  # waveform samples per mel frame
         for rate in config.bigvgan_config.upsample_rates:
             self.hop *= int(rate)
         # CUDA graphs of the DiT's ODE solve (see DiTGraphs): the DiT is small, so eager mode spends
         # its time launching ~30k kernels per window, not computing.
         graphs = cuda_graphs and self.device.type == "cuda"
-        self.graphs = DiTGraphs(self._rk4, max_graphs, max_graph_batch, block * repeats, widest) if graphs else None
+        self.graphs = DiTGraphs(self._rk4, max_graphs, max_graph_batch, self.frame_buckets) if graphs else None
         # The vocoder's ~2,600 ops per call, likewise: one graph per (batch bucket, mel length).
         self.vocoder_graphs = ShapeGraphs(self._vocoder_body, max_graphs, "token2wav vocoder",
                                           warm_each=True) if graphs else None
@@ -172,7 +178,7 @@ class Token2Wav:
         grid = self._time_grid(10, -1.0)
         # Every frame bucket a streaming window can fall in (replies end with shorter windows).
         buckets = [1 << i for i in range(self.graphs.max_batch.bit_length())]  # 1, 2, 4, ... <= max_batch
-        for frames in range(self.graphs.frame_unit, self.graphs.max_frames + 1, self.graphs.frame_unit):
+        for frames in self.frame_buckets:
             for rows in buckets:
                 codes = [torch.zeros(frames // repeats, dtype=torch.long)] * rows
                 noise = [torch.zeros(frames, self.dit.mel_dim)] * rows
@@ -434,13 +440,14 @@ class Token2Wav:
         dit, repeats = self.dit, self.dit.repeats
         lengths = [c.numel() * repeats for c in codes]
         count, frames = len(codes), max(lengths)
+        shape = DiTGraphs.bucket(count, frames, self.frame_buckets)
         graphs = self.graphs if self.graphs is not None and self.graphs.serves(count, frames) else None
         if pad is None:
             pad = graphs is not None
-        if not pad:  # graphs only ever see bucketed shapes
+        if not pad or shape is None:  # graphs only ever see bucketed shapes
             graphs = None
         else:
-            rows, frames = DiTGraphs.bucket(count, frames, repeats * dit.block_size)
+            rows, frames = shape
             # Extra rows repeat the first request (real inputs, no empty attention rows); dropped below.
             codes, voices, noise = (list(v) + [v[0]] * (rows - count) for v in (codes, voices, noise))
             lengths = lengths + [lengths[0]] * (rows - count)
@@ -513,22 +520,22 @@ DIT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": t
 
 class DiTGraphs(ShapeGraphs):
     """The DiT's ODE solves as CUDA graphs: a captured solve replays its ~30k kernel launches at
-    once. Shapes are bucketed (rows to a power of two, frames to `frame_unit`) so a few graphs serve
-    every streaming window; windows longer than `max_frames` or batches above `max_batch` run
-    eagerly."""
+    once. Shapes are bucketed (rows to a power of two, frames to the next of `frame_buckets`, the
+    streaming windows' spans) so a few graphs serve every streaming window; windows wider than the
+    widest bucket or batches above `max_batch` run eagerly."""
 
-    def __init__(self, solve, max_graphs: int, max_batch: int, frame_unit: int, max_frames: int):
+    def __init__(self, solve, max_graphs: int, max_batch: int, frame_buckets: list[int]):
         super().__init__(solve, max_graphs, "token2wav DiT")
-        self.max_batch, self.frame_unit = max_batch, frame_unit
-        self.max_frames = self.bucket(1, max_frames, frame_unit)[1]
+        self.max_batch, self.frame_buckets = max_batch, frame_buckets
 
     @staticmethod
-    def bucket(rows: int, frames: int, frame_unit: int) -> tuple[int, int]:
-        return pow2(rows), -(-frames // frame_unit) * frame_unit
+    def bucket(rows: int, frames: int, frame_buckets: list[int]) -> tuple[int, int] | None:
+        wide = next((b for b in frame_buckets if b >= frames), None)
+        return None if wide is None else (pow2(rows), wide)
 
     def serves(self, rows: int, frames: int) -> bool:
-        rows, frames = self.bucket(rows, frames, self.frame_unit)
-        return rows <= self.max_batch and frames <= self.max_frames and self.has_room((rows, frames))
+        shape = self.bucket(rows, frames, self.frame_buckets)
+        return shape is not None and shape[0] <= self.max_batch and self.has_room(shape)
 
     def solve(self, inputs: tuple[torch.Tensor, ...], options: tuple) -> torch.Tensor:
         # The grid's values are a static input like the others: only its length shapes the graph.
