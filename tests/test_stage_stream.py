@@ -76,27 +76,34 @@ def test_token_chunks_leave_in_the_step_that_sampled_them(tmp_path):
     assert ends[-1] == n_out
 
 
-def _consumer(processor, rows_given: int):
-    """A stand-in stage around base.Stage._maybe_start: what it hands its processor, start, extend."""
+def _consumer(processor, rows_given: int, ids=("r",)):
+    """A stage with only base.Stage's input handling (`_start_dirty`, as its loop runs it after
+    each drain): what it hands its processor, start, extend."""
     from types import SimpleNamespace
 
-    from omni_server.stage.base import _Waiting
+    from omni_server.stage.base import Stage, _Waiting
     from omni_server.wire.messages import ExpectRequest, SamplingSpec, StagePayload
 
-    calls = []
-    w = _Waiting(expect=ExpectRequest(request_id="r", sources=[0], sampling=SamplingSpec()))
-    w.merge(StagePayload(request_id="r", source_stage=0, prompt_token_ids=[1, 2], output_token_ids=[3],
-                         tensors={}, final=False))
-    fake = SimpleNamespace(waiting={"r": w}, stage=SimpleNamespace(input_mode="stream", name="s"), stage_id=1,
-                           processor=processor, step_rows_given=lambda rid: rows_given,
-                           start=lambda expect, si, final: calls.append(("start", si)),
-                           extend=lambda rid, si, final: calls.append(("extend", si)),
-                           fail=lambda *a, **k: calls.append(("fail", a)))
+    calls, waiting = [], {}
+    for rid in ids:
+        w = waiting[rid] = _Waiting(expect=ExpectRequest(request_id=rid, sources=[0], sampling=SamplingSpec()))
+        w.merge(StagePayload(request_id=rid, source_stage=0, prompt_token_ids=[1, 2], output_token_ids=[3],
+                             tensors={}, final=False))
+    fake = Stage.__new__(Stage)  # (no engine, no sockets)
+    fake.__dict__.update(waiting=waiting, _dirty={}, stage=SimpleNamespace(input_mode="stream", name="s"),
+                         stage_id=1, processor=processor, step_rows_given=lambda rid: rows_given,
+                         start=lambda expect, si, final: calls.append(("start", si)),
+                         extend=lambda rid, si, final: calls.append(("extend", si)),
+                         fail=lambda *a, **k: calls.append(("fail", a)))
     return fake, calls
 
 
+def _new_input(fake) -> None:
+    fake._dirty["r"] = None
+    fake._start_dirty()
+
+
 def test_incremental_processors_are_told_the_rows_the_stage_holds():
-    from omni_server.stage.base import Stage
     from omni_server.stage.processors import StageInput
 
     seen = []
@@ -109,10 +116,37 @@ def test_incremental_processors_are_told_the_rows_the_stage_holds():
         seen.clear()
         proc.incremental = incremental
         fake, calls = _consumer(proc, rows_given=5)
-        Stage._maybe_start(fake, "r")  # starts the request: the whole input so far
-        Stage._maybe_start(fake, "r")  # a later chunk
+        _new_input(fake)  # starts the request: the whole input so far
+        _new_input(fake)  # a later chunk
         assert [c[0] for c in calls] == ["start", "extend"]
         assert seen == ([{}, {"since": 5}] if incremental else [{}, {}])
+
+
+def test_inputs_built_in_one_loop_are_waited_for_after_all_are_built():
+    """Every request with new input gets its processor call first, then the stage waits for their
+    device -> host copies (StageInput.host_ready) and hands them on: the copies overlap, and the
+    first wait covers the others (one side stream), instead of a wait between processor calls."""
+    from omni_server.stage.processors import StageInput
+
+    order = []
+
+    class Copied:  # stands in for the CUDA event of a processor's host copies
+        def __init__(self, rid):
+            self.rid = rid
+
+        def synchronize(self):
+            order.append(("wait", self.rid))
+
+    def proc(payloads, ctx, options, **kw):
+        rid = next(iter(payloads.values())).request_id
+        order.append(("build", rid))
+        return StageInput(host_ready=Copied(rid))
+
+    fake, calls = _consumer(proc, rows_given=0, ids=("a", "b"))
+    fake._dirty.update(a=None, b=None)
+    fake._start_dirty()
+    assert order == [("build", "a"), ("build", "b"), ("wait", "a"), ("wait", "b")]
+    assert [c[0] for c in calls] == ["start", "start"] and all(c[1].host_ready is None for c in calls)
 
 
 def test_frame_chunks_end_on_multiples_of_the_chunk():

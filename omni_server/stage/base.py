@@ -220,10 +220,7 @@ class Stage:
                     self._handle(msg)
                 # Inputs are processed once per loop, after the drain: a burst of stream chunks for
                 # one request costs one processor call, not one per chunk.
-                dirty, self._dirty = self._dirty, {}
-                for rid in dirty:
-                    if rid in self.waiting:
-                        self._maybe_start(rid)
+                self._start_dirty()
                 if self.running and self.has_work():
                     if prof is not None:
                         prof.before(self.counts()[0])
@@ -292,16 +289,28 @@ class Stage:
             log.warning("stage %d: too many payloads without a request; failing %s", self.stage_id, oldest)
             self.fail(oldest, f"stage {self.stage.name}: input dropped (too many pending payloads)", code=503)
 
-    def _maybe_start(self, request_id: str) -> None:
-        """Start the request once its input is complete, or, for a streamed input, as soon as the
-        processor can build a start from what arrived; after that, hand it each new piece."""
+    def _start_dirty(self) -> None:
+        """Inputs are processed once per loop, after the drain: a burst of stream chunks for one
+        request costs one processor call, not one per chunk. All processors run before any result
+        is used, so the stage waits for their device -> host copies after queueing all of them
+        (the first wait covers the rest), not between processor calls."""
+        dirty, self._dirty = self._dirty, {}
+        built = [b for rid in dirty if rid in self.waiting and (b := self._build(rid)) is not None]
+        for request_id, stage_input, complete in built:
+            stage_input.wait()
+            self._hand(request_id, stage_input, complete)
+
+    def _build(self, request_id: str) -> tuple[str, StageInput, bool] | None:
+        """The processor's input for the request now: once its input is complete, or, for a
+        streamed input, as soon as the processor can build a start from what arrived (and then
+        for each new piece); None when there is nothing to hand yet, or it failed."""
         w = self.waiting[request_id]
         streamed = self.stage.input_mode == "stream"
         if w.expect is None or any(src not in w.payloads for src in w.expect.sources):
-            return
+            return None
         complete = w.complete()
         if not (complete or streamed):
-            return
+            return None
         since = {}
         if w.started and getattr(self.processor, "incremental", False):
             since["since"] = self.step_rows_given(request_id)
@@ -310,13 +319,18 @@ class Stage:
         except ValueError as e:  # the request's own input is unusable (e.g. unknown voice)
             log.warning("stage %d: input of %s rejected: %s", self.stage_id, request_id, e)
             self.fail(request_id, f"stage {self.stage.name}: {e}", code=400)
-            return
+            return None
         except Exception as e:  # a bad payload fails this request only
             log.exception("stage %d: input processor failed for %s", self.stage_id, request_id)
             self.fail(request_id, f"stage {self.stage.name}: input processing failed: {e}")
-            return
+            return None
         if stage_input is None:  # a streamed input that cannot start the request yet
-            return
+            return None
+        return request_id, stage_input, complete
+
+    def _hand(self, request_id: str, stage_input: StageInput, complete: bool) -> None:
+        """Start the request with its first input, or extend it with a later one."""
+        w = self.waiting[request_id]
         if complete:
             del self.waiting[request_id]
         if not w.started:

@@ -27,6 +27,9 @@ class StageInput:
     step_embeds: torch.Tensor | None = None
     # Device step_embeds: the event their reader's stream waits for (transfer.handoff / receive).
     step_ready: Any = None
+    # Host tensors above still being copied from the device (transfer.to_host): the event the
+    # stage waits for (`wait`) after building all of a loop's inputs.
+    host_ready: Any = None
     # AR stages of M-RoPE models: the prompt's positions, [3, prompt_len] int64, where the model
     # cannot derive them from its own prompt (e.g. a talker whose prompt mirrors an image prompt).
     positions: torch.Tensor | None = None
@@ -35,6 +38,12 @@ class StageInput:
     # Index of step_embeds' first row in the request's rows: an incremental processor called with
     # `since` (see below) returns only the rows from there on.
     step_offset: int = 0
+
+    def wait(self) -> None:
+        """Until the host tensors are filled (a no-op unless `host_ready`)."""
+        if self.host_ready is not None:
+            self.host_ready.synchronize()
+            self.host_ready = None
 
 
 # (payloads by source stage, the stage object, the request's options such as {"voice": ...}).

@@ -65,6 +65,22 @@ def settle(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def to_host(*ts: torch.Tensor, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Host copies of device tensors `ts` as `dtype`, into pinned memory, queued on the current
+    stream (an `aside` block's), and the event after which they are filled (None off a GPU: the
+    copies are done). The caller waits for the event where it first reads them."""
+    if not ts or ts[0].device.type != "cuda":
+        return [t.to("cpu", dtype) for t in ts], None
+    out = []
+    for t in ts:
+        host = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+        host.copy_(t.to(dtype), non_blocking=True)
+        out.append(host)
+    done = torch.cuda.Event()
+    done.record()
+    return out, done
+
+
 def handoff(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """`t`, made in an `aside` block just before, and the event that marks it done on the side
     stream (None off a GPU). Its reader calls `receive` where it reads it (in a stage, the model

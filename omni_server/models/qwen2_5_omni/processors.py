@@ -22,7 +22,7 @@ from omni_server.models.checkpoint import load_tensors, read_config
 from omni_server.models.qwen2_5_omni.speakers import load_speakers
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
-from omni_server.stage.transfer import aside, handoff, host_index, settle, to_device
+from omni_server.stage.transfer import aside, handoff, host_index, settle, to_device, to_host
 from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
 
 # Text-to-speech (options[REPLY_FROM_OPTION]): the reply was given, not generated. The thinker ran
@@ -145,8 +145,9 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
             prompt[-1] += t.codec_start
             prompt[-2] += t.codec_pad
             prompt += t.proj_bias
-            # (vLLM takes prompt embeddings on the host.)
-            prompt, reply = prompt.to("cpu", ctx.dtype), torch.cat([x[n_prompt + 1:], *ends]).to("cpu", ctx.dtype)
+            # vLLM takes prompt embeddings on the host: copied without waiting here (the stage waits
+            # after building all of a loop's inputs, StageInput.wait).
+            (prompt, reply), copied = to_host(prompt, torch.cat([x[n_prompt + 1:], *ends]), dtype=ctx.dtype)
     if since is not None:
         # Later rows stay on the device: the talker's runner adds them there, and the stage loop,
         # which calls this for every thinker chunk, does not wait for the GPU.
@@ -158,6 +159,7 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         # vLLM's engine-input form: `is_token_ids` False = every prompt position is our embedding.
         prompt={"type": "embeds", "prompt_embeds": prompt, "prompt_token_ids": ids, "is_token_ids": [False] * len(ids)},
         step_embeds=reply,
+        host_ready=copied,
     )
 
 
