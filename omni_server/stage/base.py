@@ -218,8 +218,6 @@ class Stage:
                 busy = self.has_work()
                 for msg in self.sockets.recv_inputs(timeout_ms=0 if busy else 50):
                     self._handle(msg)
-                # Inputs are processed once per loop, after the drain: a burst of stream chunks for
-                # one request costs one processor call, not one per chunk.
                 self._start_dirty()
                 if self.running and self.has_work():
                     if prof is not None:

@@ -156,16 +156,15 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         if p.final:
             raise ValueError("the thinker produced no reply to speak")
         return None
+    tts_pad, tts_bos, tts_eos = t.tts[0:1], t.tts[1:2], t.tts[2:3]
     # On a side stream: its syncs (media check, copies) wait for this work only, not for the
     # talker's queued steps (this runs in the stage loop, between them).
-    with torch.inference_mode(), aside(t.device):
-        tts_pad, tts_bos, tts_eos = t.tts[0:1], t.tts[1:2], t.tts[2:3]
-        if since is not None:  # started already (`since` step rows given): the reply rows from there on
+    if since is not None:  # started already (`since` step rows given): the reply rows from there on
+        with torch.inference_mode(), aside(t.device):
             reply = t.text(t.embed[host_index(seq[a + 4 + since:rows], t.device)])
             if p.final:
                 reply = torch.cat([reply, tts_eos, tts_pad])
             reply = reply.to(ctx.dtype)
-    if since is not None:
         # Kept on the device (as Qwen2.5's): the stage loop does not wait for the GPU per chunk.
         reply, ready = handoff(reply)
         return StageInput(step_embeds=reply, step_ready=ready, step_offset=since)
