@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.media import png, tone_wav
-from tests.conftest import MODELS, REPO, STARTUP_TIMEOUT, Server
+from tests.conftest import MODELS, REPO, STARTUP_TIMEOUT, Server, compiled_config
 
 MODEL = "omni-tiny-qwen3"
 CONFIG = REPO / "tests" / "configs" / "qwen3_omni.yaml"
@@ -114,12 +114,11 @@ def _collapse(ids: list[int], pad: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def qwen3_server(tmp_path_factory):
+def _serve(config: Path, log: Path):
     from omni_server.models.tiny_checkpoints import ensure_all
 
     ensure_all(MODELS)
-    server = Server(CONFIG, tmp_path_factory.mktemp("qwen3-omni-logs") / "qwen3_omni_text.log")
+    server = Server(config, log)
     try:
         server.wait_ready(time.monotonic() + STARTUP_TIMEOUT)
         yield server
@@ -129,8 +128,21 @@ def qwen3_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_server(tmp_path_factory):
+    yield from _serve(CONFIG, tmp_path_factory.mktemp("qwen3-omni-logs") / "qwen3_omni_text.log")
+
+
+@pytest.fixture(scope="module")
 def client(qwen3_server):
     return openai.OpenAI(base_url=f"{qwen3_server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def compiled_client(tmp_path):
+    """The same pipeline with thinker and talker under vLLM's torch.compile (real configs' default)."""
+    server = _serve(compiled_config(CONFIG, tmp_path / "compiled.yaml"), tmp_path / "qwen3_compiled.log")
+    yield openai.OpenAI(base_url=f"{next(server).base_url}/v1", api_key="unused", max_retries=0)
+    next(server, None)
 
 
 def _greedy_chat(client, messages):
@@ -344,6 +356,10 @@ def test_speech_equals_transformers(client):
     """Thinker -> talker (decoder + code predictor, frame by frame) -> code2wav, greedy: the reply,
     the talker's codes and the waveform are transformers' own pipeline's (without the code
     predictor's residual embeddings the codes part from transformers' at the second one)."""
+    _check_speech(client)
+
+
+def _check_speech(client):
     import base64
 
     resp = client.chat.completions.create(
@@ -399,3 +415,9 @@ def test_streamed_speech_arrives_in_pieces_equal_to_the_whole(client):
     whole = base64.b64decode(client.chat.completions.create(**kwargs).choices[0].message.audio.data)
     assert len(pieces) >= 2, "audio arrived in one piece"
     assert b"".join(pieces) == whole and len(whole) > 0
+
+
+def test_compiled_speech_equals_transformers(compiled_client):
+    """The same under torch.compile: the thinker's compiled stack still returns the talker's layer,
+    and the talker's compiled decoder takes any token count with its (3, tokens) M-RoPE positions."""
+    _check_speech(compiled_client)

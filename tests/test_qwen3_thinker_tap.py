@@ -7,16 +7,20 @@ import copy
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors import safe_open
 
-from tests.conftest import REPO
+from tests.conftest import REPO, compiled_config
 
 CONFIG = REPO / "tests" / "configs" / "qwen3_omni.yaml"
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
 @torch.inference_mode()
-def test_thinker_stage_emits_the_talkers_layer(tiny_models, tmp_path):
+def test_thinker_stage_emits_the_talkers_layer(tiny_models, tmp_path, mode):
+    """`compiled`: the compiled stack must run our forward, not the one vLLM's compile wrapper saw
+    when the stack was built."""
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     model_dir = tiny_models["tiny-qwen3-omni-moe"]
@@ -24,8 +28,9 @@ def test_thinker_stage_emits_the_talkers_layer(tiny_models, tmp_path):
     ids = tok.apply_chat_template([{"role": "user", "content": "Say something about the sea."}],
                                   add_generation_prompt=True, tokenize=True, return_dict=False)
     n_out = 5
+    config = CONFIG if mode == "eager" else compiled_config(CONFIG, tmp_path / "compiled.yaml")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.stage_probe", str(CONFIG), "0", str(tmp_path), "--processor",
+        [sys.executable, "-m", "tests.stage_probe", str(config), "0", str(tmp_path), "--processor",
          "qwen3_omni_moe.thinker_to_talker", "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", str(n_out)],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -33,6 +34,14 @@ from omni_server.models.qwen3_omni_moe.code_predictor import CodePredictor
 
 PREFIX = "talker."
 SUPPRESSED_TOP = 1024  # the reference never samples the last 1024 ids, except the end of speech
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
+                                         "inputs_embeds": 0})
+class _Decoder(Qwen3MoeModel):
+    """vLLM's Qwen3-MoE stack, compiled with the token count on the LAST dim of `positions`: its
+    M-RoPE positions are (3, tokens), and the parent's compile marks dim 0 (which pins the token
+    count to the first size it is traced with)."""
 
 
 def banned_ids(vocab_size: int, eos: int) -> torch.Tensor:
@@ -51,7 +60,7 @@ class Qwen3OmniMoeTalker(nn.Module, SupportsMRoPE):
         config = vllm_config.model_config.hf_config
         text = config.text_config
         self.config = config
-        self.model = Qwen3MoeModel(vllm_config=vllm_config, prefix=f"{prefix}model")
+        self.model = _Decoder(vllm_config=vllm_config, prefix=f"{prefix}model")
         self.codec_head = ParallelLMHead(text.vocab_size, text.hidden_size, quant_config=vllm_config.quant_config,
                                          prefix=f"{prefix}codec_head")
         self.logits_processor = LogitsProcessor(text.vocab_size)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
 from vllm.distributed import get_pp_group
 from vllm.model_executor.models.qwen3_omni_moe_thinker import (
     Qwen3MoeLLMModel,
@@ -59,7 +60,13 @@ class Qwen3OmniMoeThinker(Qwen3OmniMoeThinkerForConditionalGeneration):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         # Our LLM stack class on the instance this model built (same modules and weights; only the
         # forward differs): the parent constructs it itself, and a second one would double its memory.
-        self.language_model.model.__class__ = _LLMWithTap
+        llm = self.language_model.model
+        llm.__class__ = _LLMWithTap
+        # vLLM's compile wrapper (support_torch_compile) took the bound forward when the stack was
+        # built, before the swap: without a new one, compiled runs trace the parent's forward (no taps).
+        if not getattr(llm, "do_not_compile", True):
+            llm.cleanup()  # its bytecode hook watches the old forward
+            TorchCompileWithNoGuardsWrapper.__init__(llm)
         talker = getattr(vllm_config.model_config.hf_config, "talker_config", None)
         self.emitted_hidden_layer: int | None = getattr(talker, "accept_hidden_layer", None)
 
