@@ -37,6 +37,8 @@ def _runner(out: Path, batch: int, model: str = "qwen2-7b") -> dict[str, dict]:
     """runner_overhead RESULT lines at this batch for this model (its name or its dir's), by mode."""
     rows: dict[str, dict] = {}
     for f in sorted(out.glob("runner_*.txt")):
+        if f.name.startswith("runner_prof"):  # the profiled run: its steps are slowed by the profiler
+            continue
         for line in f.read_text().splitlines():
             if line.startswith("RESULT "):
                 r = json.loads(line[7:])
