@@ -1,5 +1,6 @@
 """Token2wav alone: time per streaming DiT window step and real-time factor, eager vs CUDA graphs
-vs graphs + TF32 vs graphs + a bfloat16 / float16 DiT, at several batch sizes (streams advanced together), same process, same codes.
+vs graphs + TF32 vs graphs + a bfloat16 / float16 DiT (and that with polyphase upsampling in the
+vocoder), at several batch sizes (streams advanced together), same process, same codes.
 
     python benchmarks/token2wav_speed.py --model /tmp/omni7b --batch 1 16
     python benchmarks/token2wav_speed.py --model var/models/tiny-qwen2_5-omni --device cpu --modes eager
@@ -25,7 +26,9 @@ WINDOWS = dict(chunk_frames=72, first_chunk_frames=72, past_frames=48, future_fr
 # (tf32 sets process-wide flags: the modes after graphs_tf32 keep them, as a config with tf32 would.)
 MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "graphs_tf32": dict(cuda_graphs=True, tf32=True),
          "graphs_bf16": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16"),
-         "graphs_fp16": dict(cuda_graphs=True, tf32=True, dit_dtype="float16")}
+         "graphs_fp16": dict(cuda_graphs=True, tf32=True, dit_dtype="float16"),
+         # the configs' settings, with the vocoder's upsamplers as forward convolutions
+         "graphs_bf16_poly": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", polyphase_upsampling=True)}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

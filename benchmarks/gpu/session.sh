@@ -143,10 +143,11 @@ step_layouts() {
 }
 
 step_t2w() {
-  # Token2wav alone on the 7B shape: eager vs CUDA graphs vs graphs + TF32 vs a bf16 / fp16 DiT,
-  # batch 1 and 16.
+  # Token2wav alone on the 7B shape, batch 1 and 16: the configs' settings (graphs, TF32, bf16 DiT)
+  # with and without the vocoder's polyphase upsampling (T2W_MODES: any of token2wav_speed's modes).
   free_gpus
-  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 > $R/t2w.txt 2>&1
+  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 \
+    --modes ${T2W_MODES:-graphs_bf16 graphs_bf16_poly} > $R/t2w.txt 2>&1
   say "token2wav: $(grep RESULT $R/t2w.txt | python3 -c "import sys,json
 for l in sys.stdin: d=json.loads(l[7:]); print(d['mode'], 'b', d['batch'], d['step_ms_p50'], 'ms/step rtf', d['rtf'], end='; ')")"
 }

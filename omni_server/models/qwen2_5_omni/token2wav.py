@@ -31,6 +31,7 @@ import torch
 
 from omni_server.models.checkpoint import load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
+from omni_server.models.polyphase import use_polyphase_upsampling
 from .speakers import load_speakers
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class Token2Wav:
                  past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20,
                  first_chunk_frames: int | list[int] | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
-                 dit_dtype: str = "float32"):
+                 dit_dtype: str = "float32", polyphase_upsampling: bool = False):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
@@ -95,6 +96,8 @@ class Token2Wav:
         model = load_module(Qwen2_5OmniToken2WavModel, config, model_dir, WEIGHTS_PREFIX, self.device)
         self.dit = model.code2wav_dit_model
         self.vocoder = model.code2wav_bigvgan_model
+        if polyphase_upsampling:  # the same output to rounding, without a transposed convolution
+            use_polyphase_upsampling(self.vocoder)
 
         dit_config = config.dit_config
         self.sample_rate: int = int(getattr(config, "sample_rate", None) or DEFAULT_SAMPLE_RATE)
