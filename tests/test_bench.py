@@ -42,6 +42,7 @@ def test_bench_audio_reports_ttfp_and_rtf(speech_server, tmp_path):
     samples = round(lv["audio_s"] * 24000)
     assert 0 < samples <= 2 * 64 * 480 and samples % 480 == 0
     assert 0 < lv["ttft_ms"]["p50"] <= lv["ttfp_ms"]["p50"] <= lv["latency_ms"]["p99"]
+    assert lv["ttfp_ms"]["p50"] <= lv["last_packet_ms"]["p50"] <= lv["latency_ms"]["p99"]
     assert lv["rtf"]["p50"] > 0 and lv["audio_s_per_wall_s"] > 0
     assert "TTFP" in proc.stdout
     assert 0 <= lv["stall_ms"]["p50"] <= lv["stall_ms"]["p90"] <= lv["stall_ms"]["max"]
@@ -93,6 +94,7 @@ def test_playback_stalls_count_the_gaps_a_player_would_wait():
     w.add(b"\0\0" * (rate // 2), t=4.25)  # 0.25 s late
     assert w.seconds == 3.5
     assert abs(w.stall_s - 0.75) < 1e-9
+    assert w.first_s == 0.1 and w.last_s == 4.25  # (the header counts as the first packet)
 
 
 def test_bench_speech_drives_the_speech_endpoint(speech_server, tmp_path):

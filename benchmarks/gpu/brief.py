@@ -10,7 +10,7 @@ for path in sys.argv[1:]:
         print(f"{path}: {type(e).__name__}", end="; ")
         continue
     g = lambda k: (lv.get(k) or {}).get("p50")  # noqa: E731
-    print(f"c={lv['concurrency']} ttft {g('ttft_ms')} ms, ttfp {g('ttfp_ms')} ms, rtf {g('rtf')}, "
+    print(f"c={lv['concurrency']} ttft {g('ttft_ms')} ms, ttfp {g('ttfp_ms')} ms, last packet {g('last_packet_ms')} ms, rtf {g('rtf')}, "
           f"audio/wall {lv.get('audio_s_per_wall_s')}, stall p90 {(lv.get('stall_ms') or {}).get('p90')} ms, tok/s {lv.get('output_tok_s')}, errors {lv['errors']} "
           f"{lv.get('error_examples') or ''}", end="")
     firsts = [s.get("first_output_ms") for s in lv.get("stages") or []]

@@ -160,6 +160,7 @@ class _WavStream:
         self.t0 = t0
         self.rate, self.sample_bytes = 0, 0
         self.first_s: float | None = None
+        self.last_s: float | None = None  # when the last piece with samples came
         self.play_end: float | None = None  # when what arrived so far has finished playing
         self.stall_s = 0.0
 
@@ -173,6 +174,7 @@ class _WavStream:
         self.sample_bytes += len(data)
         if not data:
             return
+        self.last_s = t
         if self.play_end is None:
             self.play_end = t
         elif t > self.play_end:
@@ -181,7 +183,8 @@ class _WavStream:
         self.play_end += len(data) / 2 / self.rate
 
     def result(self, ttft: float | None, tokens: int, error: str | None) -> dict:
-        return {"ttft_s": ttft, "ttfp_s": self.first_s, "audio_s": self.seconds, "stall_s": self.stall_s,
+        return {"ttft_s": ttft, "ttfp_s": self.first_s, "last_packet_s": self.last_s, "audio_s": self.seconds,
+                "stall_s": self.stall_s,
                 "latency_s": time.perf_counter() - self.t0, "tokens": tokens, "error": error}
 
     @property
@@ -218,11 +221,15 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
     audio = {}
     if cfg.audio or cfg.speech:
         ttfps = [r["ttfp_s"] for r in ok if r["ttfp_s"] is not None]
+        lasts = [r["last_packet_s"] for r in ok if r.get("last_packet_s") is not None]
         rtfs = [r["latency_s"] / r["audio_s"] for r in ok if r["audio_s"]]
         stalls = [r["stall_s"] for r in ok if r["audio_s"]]
         total_audio = sum(r["audio_s"] for r in ok)
         audio = {
             "ttfp_ms": {"p50": ms(_pct(ttfps, 50)), "p90": ms(_pct(ttfps, 90)), "p99": ms(_pct(ttfps, 99))},
+            # When the last audio packet came: close to TTFP while the audio is seconds long means
+            # it came in a burst (a stage held it back), not as it was generated.
+            "last_packet_ms": {"p50": ms(_pct(lasts, 50)), "p90": ms(_pct(lasts, 90))},
             "audio_s": round(total_audio, 2),
             "audio_s_per_wall_s": round(total_audio / wall, 3) if wall > 0 else None,
             "rtf": {"p50": _round(_pct(rtfs, 50)), "p90": _round(_pct(rtfs, 90)),
