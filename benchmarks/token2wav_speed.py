@@ -1,6 +1,6 @@
 """Token2wav alone: time per streaming DiT window step and real-time factor, eager vs CUDA graphs
 vs graphs + TF32 vs graphs + a bfloat16 / float16 DiT (and that with polyphase upsampling in the
-vocoder), at several batch sizes (streams advanced together), same process, same codes.
+vocoder and / or torch.compile), at several batch sizes (streams advanced together), same process, same codes.
 
     python benchmarks/token2wav_speed.py --model /tmp/omni7b --batch 1 16
     python benchmarks/token2wav_speed.py --model var/models/tiny-qwen2_5-omni --device cpu --modes eager
@@ -28,7 +28,11 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
          "graphs_bf16": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16"),
          "graphs_fp16": dict(cuda_graphs=True, tf32=True, dit_dtype="float16"),
          # the configs' settings, with the vocoder's upsamplers as forward convolutions
-         "graphs_bf16_poly": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", polyphase_upsampling=True)}
+         "graphs_bf16_poly": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", polyphase_upsampling=True),
+         # ... and with the DiT's layers and the vocoder through torch.compile
+         "graphs_bf16_compiled": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile=True),
+         "graphs_bf16_poly_compiled": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16",
+                                           polyphase_upsampling=True, compile=True)}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

@@ -144,10 +144,11 @@ step_layouts() {
 
 step_t2w() {
   # Token2wav alone on the 7B shape, batch 1 and 16: the configs' settings (graphs, TF32, bf16 DiT)
-  # with and without the vocoder's polyphase upsampling (T2W_MODES: any of token2wav_speed's modes).
+  # with and without the vocoder's polyphase upsampling and torch.compile (T2W_MODES: any of
+  # token2wav_speed's modes; each compiled mode compiles at its first decode, tens of seconds).
   free_gpus
-  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 \
-    --modes ${T2W_MODES:-graphs_bf16 graphs_bf16_poly} > $R/t2w.txt 2>&1
+  timeout 420 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 \
+    --modes ${T2W_MODES:-graphs_bf16 graphs_bf16_poly graphs_bf16_compiled graphs_bf16_poly_compiled} > $R/t2w.txt 2>&1
   say "token2wav: $(grep RESULT $R/t2w.txt | python3 -c "import sys,json
 for l in sys.stdin: d=json.loads(l[7:]); print(d['mode'], 'b', d['batch'], d['step_ms_p50'], 'ms/step rtf', d['rtf'], end='; ')")"
 }

@@ -76,7 +76,7 @@ class Token2Wav:
                  past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20,
                  first_chunk_frames: int | list[int] | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
-                 dit_dtype: str = "float32", polyphase_upsampling: bool = False):
+                 dit_dtype: str = "float32", polyphase_upsampling: bool = False, compile: bool = False):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
@@ -146,10 +146,17 @@ class Token2Wav:
             self.hop *= int(rate)
         # CUDA graphs of the DiT's ODE solve (see DiTGraphs): the DiT is small, so eager mode spends
         # its time launching ~30k kernels per window, not computing.
+        # compile: the DiT's layers and the vocoder through torch.compile (its fused element-wise
+        # kernels: norms, modulation, rotary, GELU, Snake), one dynamic-shape compile each at the
+        # first calls; the graphs then capture the compiled code (an eager run before each capture,
+        # which is where a new shape would recompile).
+        self._dit_layers = torch.compile(self._dit_body, dynamic=True) if compile else self._dit_body
+        self._vocoder_fn = torch.compile(self._vocoder_body, dynamic=True) if compile else self._vocoder_body
         graphs = cuda_graphs and self.device.type == "cuda"
-        self.graphs = DiTGraphs(self._rk4, max_graphs, max_graph_batch, self.frame_buckets) if graphs else None
+        self.graphs = DiTGraphs(self._rk4, max_graphs, max_graph_batch, self.frame_buckets,
+                                warm_each=compile) if graphs else None
         # The vocoder's ~2,600 ops per call, likewise: one graph per (batch bucket, mel length).
-        self.vocoder_graphs = ShapeGraphs(self._vocoder_body, max_graphs, "token2wav vocoder",
+        self.vocoder_graphs = ShapeGraphs(self._vocoder_fn, max_graphs, "token2wav vocoder",
                                           warm_each=True) if graphs else None
         # transformers' amplitude_to_db floor, made once on the device (capturable).
         self._min_level = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), dtype=torch.float32)).to(self.device)
@@ -381,7 +388,7 @@ class Token2Wav:
         graphs, count = self.vocoder_graphs, mels.shape[0]
         rows = pow2(count)
         if graphs is None or rows > self.graphs.max_batch or not graphs.has_room((rows, mels.shape[2])):
-            return self._vocoder_body(mels).cpu()
+            return self._vocoder_fn(mels).cpu()
         if rows > count:  # rows are independent: pad with copies of the first
             mels = torch.cat([mels, mels[:1].expand(rows - count, -1, -1)])
         return graphs.run((rows, mels.shape[2]), (mels,))[:count].cpu()
@@ -491,16 +498,13 @@ class Token2Wav:
              block_diff: torch.Tensor, grid: torch.Tensor, cfg: bool, guidance_scale: float) -> torch.Tensor:
         """The ODE solve from noise `x` to mel frames: fixed shapes, no host syncs (CUDA-graphable)."""
         dit, rows = self.dit, fixed.shape[0]
-        rotary = (cos, sin)
 
         def velocity(t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
             # (The casts are no-ops in float32.)
             temb = dit.time_embed(t.repeat(rows)).to(fixed.dtype)
             state = state.to(fixed.dtype)
             h = dit.input_embed.proj(torch.cat([state.repeat(rows // state.shape[0], 1, 1), fixed], dim=-1))
-            for block in dit.transformer_blocks:
-                h = block(h, temb, position_embeddings=rotary, block_diff=block_diff)
-            out = dit.proj_out(dit.norm_out(h, temb)).float()
+            out = self._dit_layers(h, temb, cos, sin, block_diff).float()
             if not cfg:
                 return out
             guided, null = torch.chunk(out, 2, dim=0)
@@ -518,6 +522,15 @@ class Token2Wav:
         return x
 
 
+    def _dit_body(self, h: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  block_diff: torch.Tensor) -> torch.Tensor:
+        """The DiT's transformer layers and output projection (one velocity evaluation's bulk)."""
+        dit = self.dit
+        for block in dit.transformer_blocks:
+            h = block(h, temb, position_embeddings=(cos, sin), block_diff=block_diff)
+        return dit.proj_out(dit.norm_out(h, temb))
+
+
 DIT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -527,8 +540,8 @@ class DiTGraphs(ShapeGraphs):
     streaming windows' spans) so a few graphs serve every streaming window; windows wider than the
     widest bucket or batches above `max_batch` run eagerly."""
 
-    def __init__(self, solve, max_graphs: int, max_batch: int, frame_buckets: list[int]):
-        super().__init__(solve, max_graphs, "token2wav DiT")
+    def __init__(self, solve, max_graphs: int, max_batch: int, frame_buckets: list[int], warm_each: bool = False):
+        super().__init__(solve, max_graphs, "token2wav DiT", warm_each=warm_each)
         self.max_batch, self.frame_buckets = max_batch, frame_buckets
 
     @staticmethod
