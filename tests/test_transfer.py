@@ -93,6 +93,36 @@ def test_talker_input_processor_does_not_wait_for_the_talkers_steps(tiny_models)
 
 
 @cuda
+def test_qwen3_talker_prompt_is_built_without_waiting(tiny_models):
+    """The Qwen3 processor's first call (user turns with an audio placeholder, whose rows come from
+    the thinker's hidden states): the media rows are found on the host and the prompt is copied to
+    pinned memory behind an event, so nothing waits for the model's queued steps."""
+    from transformers import AutoTokenizer
+
+    model_dir = str(tiny_models["tiny-qwen3-omni-moe"])
+    cfg = read_config(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = list(tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True,
+                                       return_dict=True)["input_ids"])
+    ids[2] = cfg.thinker_config.audio_token_id  # a media row in the user turn
+    hidden = torch.randn(len(ids) + 2, cfg.thinker_config.text_config.hidden_size)
+    payload = StagePayload(request_id="r", source_stage=0, prompt_token_ids=ids, output_token_ids=[100, 101, 102],
+                           tensors={"hidden": hidden})
+    ctx = SimpleNamespace(stage=SimpleNamespace(model=model_dir), dtype=torch.float32)
+    proc = processors.get("qwen3_omni_moe.thinker_to_talker")
+    expected = proc({0: payload}, ctx, {})  # (also builds the tables)
+    expected.wait()
+    _busy_stream()
+    out = proc({0: payload}, ctx, {})
+    assert not torch.cuda.current_stream().query()
+    assert out.host_ready is not None and out.prompt["prompt_embeds"].is_pinned()
+    out.wait()
+    assert not torch.cuda.current_stream().query()
+    assert torch.equal(out.prompt["prompt_embeds"], expected.prompt["prompt_embeds"])
+    assert torch.equal(out.step_embeds, expected.step_embeds)
+
+
+@cuda
 def test_handed_off_work_is_ordered_before_the_readers_work_without_a_host_wait():
     src = torch.randn(64, 64, device="cuda")
     torch.cuda.synchronize()

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from omni_server.models.checkpoint import load_tensors, read_config
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
-from omni_server.stage.transfer import aside, handoff, host_index, settle
+from omni_server.stage.transfer import aside, handoff, host_index, settle, to_device, to_host
 from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
 
 DEFAULT_VOICE = "ethan"  # transformers' generate() default ("Ethan"; lookups are lower-case)
@@ -62,7 +62,7 @@ class _Tables:
     user: int
     assistant: int
     tts: torch.Tensor  # P_text of tts_pad, tts_bos, tts_eos: [3, talker_hidden] (every request reads them)
-    media_ids: torch.Tensor  # audio / image / video placeholder ids
+    media_ids_host: torch.Tensor  # audio / image / video placeholder ids (CPU: read with the prompt ids)
     assistant_codec_ids: tuple[int, int, int, int, int]  # nothink, think_bos, think_eos, (voice), pad, bos
     codec_pad: int
     codec_bos: int
@@ -99,7 +99,7 @@ def _tables(model_dir: str) -> _Tables:
         voices={k.lower(): int(v) for k, v in tcfg.speaker_id.items()},
         im_start=cfg.im_start_token_id, user=cfg.user_token_id, assistant=cfg.assistant_token_id,
         tts=text(embed[torch.tensor([cfg.tts_pad_token_id, cfg.tts_bos_token_id, cfg.tts_eos_token_id], device=dev)]),
-        media_ids=torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id], device=dev),
+        media_ids_host=torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id]),
         assistant_codec_ids=(tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id,
                              tcfg.codec_pad_id, tcfg.codec_bos_id),
         codec_pad=tcfg.codec_pad_id, codec_bos=tcfg.codec_bos_id,
@@ -157,8 +157,8 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
             raise ValueError("the thinker produced no reply to speak")
         return None
     tts_pad, tts_bos, tts_eos = t.tts[0:1], t.tts[1:2], t.tts[2:3]
-    # On a side stream: its syncs (media check, copies) wait for this work only, not for the
-    # talker's queued steps (this runs in the stage loop, between them).
+    # On a side stream, without waiting for the GPU: this runs in the stage loop, between the
+    # talker's queued steps.
     if since is not None:  # started already (`since` step rows given): the reply rows from there on
         with torch.inference_mode(), aside(t.device):
             reply = t.text(t.embed[host_index(seq[a + 4 + since:rows], t.device)])
@@ -168,35 +168,41 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         # Kept on the device (as Qwen2.5's): the stage loop does not wait for the GPU per chunk.
         reply, ready = handoff(reply)
         return StageInput(step_embeds=reply, step_ready=ready, step_offset=since)
+    # Which rows are user turns and which of them media: from the ids, on the host (no GPU syncs).
+    ids = torch.tensor(prompt_ids, dtype=torch.long)
+    user = _user_positions(ids, t.im_start, t.user)
+    media = torch.isin(ids[user], t.media_ids_host)
+    hidden = None
+    if bool(media.any()):
+        hidden = p.tensors.get("hidden")
+        need = int(user[media].max()) + 1
+        if hidden is None or hidden.shape[0] < need:
+            shape = None if hidden is None else tuple(hidden.shape)
+            raise ValueError(f"thinker payload has hidden states {shape}; media rows up to {need} are needed")
     with torch.inference_mode(), aside(t.device):
-        ids = torch.tensor(prompt_ids, device=t.device)
-        user = _user_positions(ids, t.im_start, t.user)
-        media = torch.isin(ids[user], t.media_ids)
-        user_rows = t.text(t.embed[ids[user]])
-        if bool(media.any()):
-            hidden = p.tensors.get("hidden")
-            need = int(user[media].max()) + 1
-            if hidden is None or hidden.shape[0] < need:
-                shape = None if hidden is None else tuple(hidden.shape)
-                raise ValueError(f"thinker payload has hidden states {shape}; media rows up to {need} are needed")
-            user_rows[media] = t.hidden(hidden[user[media].cpu()].to(t.device, torch.float32))
-        head = t.text(t.embed[torch.tensor(seq[a:a + 4], device=t.device)])
+        user_rows = t.text(t.embed[host_index(ids[user].tolist(), t.device)])
+        if hidden is not None:
+            at = host_index(torch.nonzero(media).flatten().tolist(), t.device)
+            media_rows = to_device(hidden[user[media]], t.device, torch.float32)
+            user_rows.index_copy_(0, at, t.hidden(media_rows))
+        head = t.text(t.embed[host_index(seq[a:a + 4], t.device)])
         assistant = torch.cat([head[:3], tts_pad.expand(4, -1), tts_bos, head[3:4]])
         nothink, think_bos, think_eos, pad, bos = t.assistant_codec_ids
-        codec_ids = torch.tensor([nothink, think_bos, think_eos, t.voices[voice], pad, bos], device=t.device)
-        assistant[3:] += t.codec[codec_ids]
+        assistant[3:] += t.codec[host_index([nothink, think_bos, think_eos, t.voices[voice], pad, bos], t.device)]
         prompt = torch.cat([user_rows, assistant])
-        reply = t.text(t.embed[torch.tensor(seq[a + 4:rows], device=t.device, dtype=torch.long)])
+        reply = t.text(t.embed[host_index(seq[a + 4:rows], t.device)])
         if p.final:
             reply = torch.cat([reply, tts_eos, tts_pad])
-        prompt, reply = prompt.to("cpu", ctx.dtype), reply.to("cpu", ctx.dtype)
-        user = user.cpu()
-    n = prompt.shape[0]
+        # vLLM takes prompt embeddings on the host: copied without waiting here (the stage waits
+        # after building all of a loop's inputs, StageInput.wait).
+        (prompt, reply), copied = to_host(prompt, reply, dtype=ctx.dtype)
+    n = len(user) + 9  # the user rows, then the 9 assistant rows
     return StageInput(
         prompt={"type": "embeds", "prompt_embeds": prompt,
                 "prompt_token_ids": [t.codec_pad] * n, "is_token_ids": [False] * n},
         step_embeds=reply,
         positions=talker_positions(p.tensors.get("mrope_positions"), user, n - len(user)),
+        host_ready=copied,
     )
 
 
