@@ -30,9 +30,10 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
          # the configs' settings, with the vocoder's upsamplers as forward convolutions
          "graphs_bf16_poly": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", polyphase_upsampling=True),
          # ... and with the DiT's layers and the vocoder through torch.compile
-         "graphs_bf16_compiled": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile=True),
+         "graphs_bf16_compiled": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile=True,
+                                      warmup_graphs=True),
          "graphs_bf16_poly_compiled": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16",
-                                           polyphase_upsampling=True, compile=True)}
+                                           polyphase_upsampling=True, compile=True, warmup_graphs=True)}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

@@ -3,8 +3,8 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main tests w144 qwen3 full runner mps prof", ~1,560 s
-# estimated; also: ref t2w layouts fc24 fc72 tc4).
+# Steps run in the order STEPS names them (default "main tests t2w t2wfast qwen3 full runner mps prof",
+# ~1,400 s estimated; also: ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -25,7 +25,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main tests w144 qwen3 full runner mps prof}
+STEPS=${STEPS:-main tests t2w t2wfast qwen3 full runner mps prof}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -190,6 +190,17 @@ step_w144() {
   stop w144
 }
 
+step_t2wfast() {
+  # The 7B config with token2wav's opt-in speed-ups (polyphase upsampling, torch.compile of the
+  # DiT's layers and the vocoder; both compile while its graphs are captured at start): c=16 is
+  # token2wav-bound (busy 0.92 on 2026-11-30e). Its start time says what the compile costs.
+  free_gpus
+  serve t2wfast 8024 $CFG --stage-arg token2wav.generator_args.polyphase_upsampling=true \
+    --stage-arg token2wav.generator_args.compile=true
+  wait_ready t2wfast 8024 && bench t2wfast 8024
+  stop t2wfast
+}
+
 step_tc4() {
   # The thinker streams to the talker every 4 positions at most instead of 8 (this matters with
   # many requests running: with one or two, rows go one per message anyway, ARStage.rows_chunk).
@@ -225,11 +236,13 @@ step_mps() {
   CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d && say "MPS daemon up"
   serve mps 8015 $CFG && wait_ready mps 8015 && bench mps 8015
   stop mps
-  # The same with token2wav's kernels at MPS's below-normal client priority: the thinker and the
-  # talker, whose steps pace every code, go first when they and a DiT window both have work.
-  serve mpsprio 8023 $CFG --stage-arg token2wav.env.CUDA_MPS_CLIENT_PRIORITY=1
-  wait_ready mpsprio 8023 && bench mpsprio 8023
-  stop mpsprio
+  # MPS_PRIO=1: the same with token2wav's kernels at MPS's below-normal client priority (on
+  # 2026-11-30e no better than plain MPS: c=16 TTFP 1068 vs 1023 ms).
+  if [ -n "${MPS_PRIO:-}" ]; then
+    serve mpsprio 8023 $CFG --stage-arg token2wav.env.CUDA_MPS_CLIENT_PRIORITY=1
+    wait_ready mpsprio 8023 && bench mpsprio 8023
+    stop mpsprio
+  fi
   echo quit | nvidia-cuda-mps-control
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }

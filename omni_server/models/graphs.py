@@ -19,12 +19,17 @@ def pow2(rows: int) -> int:
 class ShapeGraphs:
     """`fn(*tensors, *options) -> tensor or tuple of tensors`, captured once per `key` (the caller's
     name for the input shapes and options) and replayed after copying the inputs into the
-    capture's own. At most `max_graphs`; past that, or after a failed capture, `fn` runs eagerly.
+    capture's own. At most `max_graphs`; past that, or after a failed capture, `eager` (default
+    `fn`) runs instead.
     All graphs share one memory pool: they never run at the same time, and each keeps its inputs
     and output alive, so no capture reuses another's live tensors (only their dead intermediates)."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int, name: str, warm_each: bool = False):
+    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int, name: str, warm_each: bool = False,
+                 eager: Callable[..., torch.Tensor] | None = None):
         self.fn, self.max_graphs, self.name = fn, max_graphs, name
+        # eager: what runs outside the graphs, if not `fn` (e.g. `fn` compiled: compiled once for
+        # the captured shapes, never again for a shape met while serving).
+        self.eager = fn if eager is None else eager
         # warm_each: an eager run before every capture, not just the first (cuDNN builds its plans
         # for a new shape on the host, which it does not promise to be capture-safe).
         self.warm_each = warm_each
@@ -44,7 +49,7 @@ class ShapeGraphs:
         entry = self.graphs.get(key)
         if entry is None:
             if not self._capturing():
-                return self.fn(*inputs, *options)
+                return self.eager(*inputs, *options)
             stream = torch.cuda.current_stream()
             try:
                 entry = self.graphs[key] = self._capture(inputs, options)
@@ -53,7 +58,7 @@ class ShapeGraphs:
                 self.failed = True
                 torch.cuda.set_stream(stream)  # a failed capture's exit does not restore it
                 torch.cuda.synchronize()
-                return self.fn(*inputs, *options)
+                return self.eager(*inputs, *options)
         graph, static, out = entry
         for dst, src in zip(static, inputs):
             dst.copy_(src)

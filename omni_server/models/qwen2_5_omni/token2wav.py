@@ -21,10 +21,12 @@ response of at most (first window + `future_frames`) mel frames equals the full 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -146,18 +148,20 @@ class Token2Wav:
             self.hop *= int(rate)
         # CUDA graphs of the DiT's ODE solve (see DiTGraphs): the DiT is small, so eager mode spends
         # its time launching ~30k kernels per window, not computing.
-        # compile: the DiT's layers and the vocoder through torch.compile (its fused element-wise
-        # kernels: norms, modulation, rotary, GELU, Snake), one dynamic-shape compile each at the
-        # first calls; the graphs then capture the compiled code (an eager run before each capture,
-        # which is where a new shape would recompile).
-        self._dit_layers = torch.compile(self._dit_body, dynamic=True) if compile else self._dit_body
-        self._vocoder_fn = torch.compile(self._vocoder_body, dynamic=True) if compile else self._vocoder_body
         graphs = cuda_graphs and self.device.type == "cuda"
-        self.graphs = DiTGraphs(self._rk4, max_graphs, max_graph_batch, self.frame_buckets,
-                                warm_each=compile) if graphs else None
+        # compile: the graphs capture the DiT's layers and the vocoder compiled by torch.compile
+        # (fused element-wise kernels: norms, modulation, rotary, GELU, Snake). Compiled at start
+        # only (an eager run of the compiled code precedes each capture, all of them in the
+        # warm-up); anything outside the graphs runs the plain modules, so no serving step compiles.
+        if compile and not (graphs and warmup_graphs):
+            raise ValueError("compile needs CUDA graphs captured at start (a CUDA device, cuda_graphs and warmup_graphs)")
+        dit_layers = torch.compile(self._dit_body, dynamic=True) if compile else self._dit_body
+        vocoder = torch.compile(self._vocoder_body, dynamic=True) if compile else self._vocoder_body
+        self.graphs = DiTGraphs(functools.partial(self._rk4, layers=dit_layers), max_graphs, max_graph_batch,
+                                self.frame_buckets, warm_each=compile, eager=self._rk4) if graphs else None
         # The vocoder's ~2,600 ops per call, likewise: one graph per (batch bucket, mel length).
-        self.vocoder_graphs = ShapeGraphs(self._vocoder_fn, max_graphs, "token2wav vocoder",
-                                          warm_each=True) if graphs else None
+        self.vocoder_graphs = ShapeGraphs(vocoder, max_graphs, "token2wav vocoder", warm_each=True,
+                                          eager=self._vocoder_body) if graphs else None
         # transformers' amplitude_to_db floor, made once on the device (capturable).
         self._min_level = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), dtype=torch.float32)).to(self.device)
         # The DiT's speaker encoder sees only the voice's reference mel (or, for the unconditioned
@@ -177,7 +181,7 @@ class Token2Wav:
             self._voice_codes = {name: tuple(c.to(self.dit_dtype) for c in codes)
                                  for name, codes in self._voice_codes.items()}
         if self.graphs is not None and warmup_graphs:
-            self._warm_graphs()
+            self._warm_graphs()  # (compiles too: an eager run precedes each capture)
 
     @torch.inference_mode()
     def _warm_graphs(self) -> None:
@@ -388,7 +392,7 @@ class Token2Wav:
         graphs, count = self.vocoder_graphs, mels.shape[0]
         rows = pow2(count)
         if graphs is None or rows > self.graphs.max_batch or not graphs.has_room((rows, mels.shape[2])):
-            return self._vocoder_fn(mels).cpu()
+            return self._vocoder_body(mels).cpu()
         if rows > count:  # rows are independent: pad with copies of the first
             mels = torch.cat([mels, mels[:1].expand(rows - count, -1, -1)])
         return graphs.run((rows, mels.shape[2]), (mels,))[:count].cpu()
@@ -495,16 +499,19 @@ class Token2Wav:
         return [x[b:b + 1, :lengths[b]].permute(0, 2, 1) for b in range(count)]
 
     def _rk4(self, x: torch.Tensor, fixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             block_diff: torch.Tensor, grid: torch.Tensor, cfg: bool, guidance_scale: float) -> torch.Tensor:
-        """The ODE solve from noise `x` to mel frames: fixed shapes, no host syncs (CUDA-graphable)."""
+             block_diff: torch.Tensor, grid: torch.Tensor, cfg: bool, guidance_scale: float,
+             layers: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """The ODE solve from noise `x` to mel frames: fixed shapes, no host syncs (CUDA-graphable).
+        `layers`: `_dit_body` or a compiled one."""
         dit, rows = self.dit, fixed.shape[0]
+        layers = self._dit_body if layers is None else layers
 
         def velocity(t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
             # (The casts are no-ops in float32.)
             temb = dit.time_embed(t.repeat(rows)).to(fixed.dtype)
             state = state.to(fixed.dtype)
             h = dit.input_embed.proj(torch.cat([state.repeat(rows // state.shape[0], 1, 1), fixed], dim=-1))
-            out = self._dit_layers(h, temb, cos, sin, block_diff).float()
+            out = layers(h, temb, cos, sin, block_diff).float()
             if not cfg:
                 return out
             guided, null = torch.chunk(out, 2, dim=0)
@@ -540,8 +547,9 @@ class DiTGraphs(ShapeGraphs):
     streaming windows' spans) so a few graphs serve every streaming window; windows wider than the
     widest bucket or batches above `max_batch` run eagerly."""
 
-    def __init__(self, solve, max_graphs: int, max_batch: int, frame_buckets: list[int], warm_each: bool = False):
-        super().__init__(solve, max_graphs, "token2wav DiT", warm_each=warm_each)
+    def __init__(self, solve, max_graphs: int, max_batch: int, frame_buckets: list[int], warm_each: bool = False,
+                 eager=None):
+        super().__init__(solve, max_graphs, "token2wav DiT", warm_each=warm_each, eager=eager)
         self.max_batch, self.frame_buckets = max_batch, frame_buckets
 
     @staticmethod
