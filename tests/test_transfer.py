@@ -77,14 +77,20 @@ def test_talker_input_processor_does_not_wait_for_the_talkers_steps(tiny_models)
     payload = StagePayload(request_id="r", source_stage=0, prompt_token_ids=[11, 12, 13, 14, 15],
                            output_token_ids=[21, 22, 23], tensors={"hidden": torch.randn(7, hidden)})
     ctx = SimpleNamespace(stage=SimpleNamespace(model=model_dir), dtype=torch.float32)
-    proc = processors.get("qwen2_5_omni.thinker_to_talker")
-    expected = proc({0: payload}, ctx, {"voice": "Ethan"})  # (also builds the tables)
+    _check_built_without_waiting(lambda: processors.get("qwen2_5_omni.thinker_to_talker")(
+        {0: payload}, ctx, {"voice": "Ethan"}))
+
+
+def _check_built_without_waiting(build) -> None:
+    """`build()` (a talker processor's first call) behind ~1 s of queued GPU work: it returns
+    without waiting for it, its prompt comes to the host in pinned memory behind an event (the
+    stage waits for it after building all of a loop's inputs, StageInput.wait, still not for the
+    model's steps), and the result equals one built on an idle GPU."""
+    expected = build()  # (also builds the tables)
     expected.wait()
     _busy_stream()
-    out = proc({0: payload}, ctx, {"voice": "Ethan"})
+    out = build()
     assert not torch.cuda.current_stream().query()
-    # The prompt comes to the host in pinned memory without a wait here: the stage waits after
-    # building all of a loop's inputs (StageInput.wait), still not for the model's steps.
     assert out.host_ready is not None and out.prompt["prompt_embeds"].is_pinned()
     out.wait()
     assert not torch.cuda.current_stream().query()
@@ -109,17 +115,7 @@ def test_qwen3_talker_prompt_is_built_without_waiting(tiny_models):
     payload = StagePayload(request_id="r", source_stage=0, prompt_token_ids=ids, output_token_ids=[100, 101, 102],
                            tensors={"hidden": hidden})
     ctx = SimpleNamespace(stage=SimpleNamespace(model=model_dir), dtype=torch.float32)
-    proc = processors.get("qwen3_omni_moe.thinker_to_talker")
-    expected = proc({0: payload}, ctx, {})  # (also builds the tables)
-    expected.wait()
-    _busy_stream()
-    out = proc({0: payload}, ctx, {})
-    assert not torch.cuda.current_stream().query()
-    assert out.host_ready is not None and out.prompt["prompt_embeds"].is_pinned()
-    out.wait()
-    assert not torch.cuda.current_stream().query()
-    assert torch.equal(out.prompt["prompt_embeds"], expected.prompt["prompt_embeds"])
-    assert torch.equal(out.step_embeds, expected.step_embeds)
+    _check_built_without_waiting(lambda: processors.get("qwen3_omni_moe.thinker_to_talker")({0: payload}, ctx, {}))
 
 
 @cuda
