@@ -252,3 +252,33 @@ def test_steps_that_advance_nothing_add_time_but_no_step():
     stage = Counted(cfg, 0, sockets)
     stage.run()
     assert (stage.steps, stage.batch_sum) == (2, 5) and stage.step_s > 0
+
+
+def test_a_loop_slow_between_steps_says_where_the_time_went(caplog):
+    """Time spent outside engine steps (draining messages, building inputs) holds every request's
+    output back; past `slow_loop_s` the loop logs how long and in which part."""
+    import logging
+    import time
+
+    from omni_server.config import load_config_text
+    from omni_server.stage.base import Stage
+
+    cfg = load_config_text("model: m\nstages:\n  - {id: 0, name: a, model: x, output: text}\n")
+    sockets = SimpleNamespace(replica=0, send_api=lambda msg: None, recv_inputs=lambda timeout_ms: iter(()))
+
+    class SlowInputs(Stage):
+        slow_loop_s = 0.05
+        loops = [0.0, 0.2]  # seconds each loop's input building takes
+
+        def _start_dirty(self):
+            time.sleep(self.loops.pop(0))
+            self.running = bool(self.loops)
+
+        def has_work(self):
+            return False
+
+    with caplog.at_level(logging.WARNING, logger="omni_server.stage.base"):
+        SlowInputs(cfg, 0, sockets).run()
+    (record,) = [r for r in caplog.records if "between engine steps" in r.getMessage()]
+    assert "stage 0 (a)" in record.getMessage() and "0 messages" in record.getMessage()
+    assert "inputs built in 0.2" in record.getMessage()

@@ -92,6 +92,10 @@ class _Waiting:
 
 
 class Stage:
+    # A loop that spends longer than this between engine steps (draining messages, building
+    # inputs) says so in the log: its requests' outputs waited that long.
+    slow_loop_s = 1.0
+
     def __init__(self, cfg: PipelineConfig, stage_id: int, sockets: StageSockets):
         self.cfg = cfg
         self.stage_id = stage_id
@@ -216,9 +220,16 @@ class Stage:
         try:
             while self.running:
                 busy = self.has_work()
+                t0, n = time.perf_counter(), 0
                 for msg in self.sockets.recv_inputs(timeout_ms=0 if busy else 50):
                     self._handle(msg)
+                    n += 1
+                t1 = time.perf_counter()
                 self._start_dirty()
+                t2 = time.perf_counter()
+                if t2 - t0 > self.slow_loop_s:  # (the time a request's input waits for a step)
+                    log.warning("stage %d (%s): %.2f s between engine steps: %d messages in %.2f s, inputs "
+                                "built in %.2f s", self.stage_id, self.stage.name, t2 - t0, n, t1 - t0, t2 - t1)
                 if self.running and self.has_work():
                     if prof is not None:
                         prof.before(self.counts()[0])
