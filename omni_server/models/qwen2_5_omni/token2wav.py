@@ -528,7 +528,6 @@ class Token2Wav:
             x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
         return x
 
-
     def _dit_body(self, h: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   block_diff: torch.Tensor) -> torch.Tensor:
         """The DiT's transformer layers and output projection (one velocity evaluation's bulk)."""
