@@ -16,6 +16,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from omni_server.models import register_vllm_models
 from omni_server.stage.runner import GPUOmniModelRunner
+from omni_server.stage.moe_warmup import warm_fused_moe
 from omni_server.stage.sampler_warmup import warm_top_k_top_p
 
 # Worker processes are fresh interpreters: vLLM resolves our model classes here too.
@@ -47,8 +48,11 @@ class GPUOmniWorker(Worker):
             warm_top_k_top_p(self.model_config.get_vocab_size(),
                              min(sched.max_num_seqs, sched.max_num_batched_tokens), self.device)
         t1 = time.monotonic()
+        moe = warm_fused_moe(self.model_runner, self.scheduler_config.max_num_batched_tokens)
+        t2 = time.monotonic()
         out = super().compile_or_warm_up_model()
         capture = self.model_runner.capture_s
-        log.info("warm-up: top-k/top-p kernels %.1f s, vLLM's dummy runs and kernel warm-up %.1f s, "
-                 "CUDA graph capture %.1f s", t1 - t0, time.monotonic() - t1 - capture, capture)
+        log.info("warm-up: top-k/top-p kernels %.1f s, fused-MoE kernels %.1f s (%d token counts), vLLM's "
+                 "dummy runs and kernel warm-up %.1f s, CUDA graph capture %.1f s", t1 - t0, t2 - t1, moe,
+                 time.monotonic() - t2 - capture, capture)
         return out

@@ -1,0 +1,40 @@
+"""Compile vLLM's fused-MoE Triton kernels for the token counts a stage will run, when it starts.
+
+vLLM picks the fused-MoE kernel's block sizes by the batch's token count, and Triton compiles one
+variant per block-size config and per specialisation of its integer arguments (1, a multiple of 16
+or not). vLLM's own warm-up runs the CUDA-graph sizes (decode batches) only, so prefills of other
+sizes compile in a live step, and the whole stage waits: on the H200 (2026-11-30) vLLM's JIT
+monitor flagged `fused_moe_kernel` in the first Qwen3-Omni request of both MoE stages, and at c=16
+the talker's first chunk left 2.85 s after its requests started (0.18 s at c=1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def warm_sizes(max_tokens: int) -> list[int]:
+    """Token counts up to `max_tokens`: every power of two and the count after it (a multiple of 16
+    from 16 up, and not), so each of vLLM's token-count buckets runs in both forms."""
+    sizes, p = {max_tokens}, 1
+    while p <= max_tokens:
+        sizes.update(n for n in (p, p + 1) if n <= max_tokens)
+        p *= 2
+    return sorted(sizes)
+
+
+def uses_fused_moe(model: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    return any(isinstance(m, MoERunner) for m in model.modules())
+
+
+def warm_fused_moe(runner, max_tokens: int) -> int:
+    """A dummy forward (vLLM's own warm-up call) at each of `warm_sizes` for a model with fused-MoE
+    layers; returns how many ran (0 for other models)."""
+    if not uses_fused_moe(runner.get_model()):
+        return 0
+    sizes = warm_sizes(max_tokens)
+    for n in sorted(sizes, reverse=True):  # (the largest first, as vLLM's warm-up)
+        runner._dummy_run(n, skip_eplb=True, remove_lora=False)
+    return len(sizes)

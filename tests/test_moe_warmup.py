@@ -1,0 +1,44 @@
+"""Fused-MoE kernel variants compiled at stage start (omni_server/stage/moe_warmup.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from omni_server.stage.moe_warmup import uses_fused_moe, warm_fused_moe, warm_sizes
+
+
+def test_sizes_reach_every_bucket_in_both_forms():
+    assert warm_sizes(1) == [1]
+    assert warm_sizes(20) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 20]
+    sizes = warm_sizes(2048)
+    assert sizes[-1] == 2048 and all(n <= 2048 for n in sizes)
+    for p in (16, 32, 64, 128, 256, 512, 1024):  # a multiple of 16 and a count that is not, per bucket
+        assert p in sizes and p + 1 in sizes
+
+
+def _runner(model):
+    ran = []
+    return SimpleNamespace(get_model=lambda: model, _dummy_run=lambda n, **kw: ran.append((n, kw))), ran
+
+
+def test_only_models_with_fused_moe_layers_are_warmed():
+    runner, ran = _runner(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    assert not uses_fused_moe(runner.get_model())
+    assert warm_fused_moe(runner, 64) == 0 and ran == []
+
+
+def test_a_moe_model_runs_every_size_once():
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
+    class FakeMoE(moe_runner.MoERunner):  # (stands in for a real layer: only its type is read)
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), FakeMoE())
+    runner, ran = _runner(model)
+    assert uses_fused_moe(model)
+    assert warm_fused_moe(runner, 40) == len(warm_sizes(40))
+    assert sorted(n for n, _ in ran) == warm_sizes(40) and ran[0][0] == 40  # largest first
+    assert all(kw == {"skip_eplb": True, "remove_lora": False} for _, kw in ran)
