@@ -68,7 +68,8 @@ bench() {  # NAME PORT [MODEL]: warm-up, c=1 x3, c=16 x16
   say "$1 benched: $(python3 benchmarks/gpu/brief.py $R/$1_c1.json $R/$1_c16.json)"
 }
 
-if [ ! -f $M/config.json ]; then
+# (Every step but `qwen3` serves or reads the 7B shape; ~20 s to write.)
+if [ ! -f $M/config.json ] && [ "$(echo $STEPS)" != "qwen3" ]; then
   python3 benchmarks/qwen2_5_omni_shape.py --out $M --size 7b --device cuda > $R/shape.log 2>&1
   say "7B shape checkpoint written (rc $?)"
 fi
