@@ -23,6 +23,8 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     (tmp_path / "runner_a.txt").write_text(
         'noise\nRESULT {"model": "qwen2-7b", "mode": "vllm", "batch": 1, "tok_s": 200.0}\n'
         'RESULT {"model": "qwen2-7b", "mode": "omni-emit", "batch": 1, "tok_s": 198.0, "hbm_tb_s": 2.8}\n')
+    (tmp_path / "runner_prof.txt").write_text(  # the profiled run: slowed by the profiler, not counted
+        'RESULT {"model": "qwen2-7b", "mode": "omni-emit", "batch": 1, "tok_s": 150.0, "hbm_tb_s": 2.1}\n')
     (tmp_path / "runner_tiny_a.txt").write_text(
         'RESULT {"model": "/w/var/models/tiny-qwen2_5-omni", "mode": "vllm", "batch": 1, "tok_s": 900.0}\n'
         'RESULT {"model": "/w/var/models/tiny-qwen2_5-omni", "mode": "omni-emit", "batch": 1, "tok_s": 880.0}\n')
