@@ -40,13 +40,17 @@ class PolyphaseUpsample2x(nn.Module):
         self.offset = (crop - 1) // 2 - half + 1
         self.register_buffer("phases", torch.stack([even, odd])[:, None, :].to(upsample.filter.dtype),
                              persistent=False)  # [2, 1, K/2 + 1]
+        self._weight: torch.Tensor | None = None  # [2C, 1, K/2 + 1], made at the first call (C known)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, n = x.shape
         xp = F.pad(x, (self.pad, self.pad), mode="replicate")
         taps = self.phases.shape[-1]
         window = xp[..., self.offset:self.offset + n + taps - 1]
-        weight = self.phases.to(x.dtype).repeat(c, 1, 1)  # [2C, 1, taps]: channel k's two phases
+        weight = self._weight
+        if weight is None or weight.shape[0] != 2 * c or weight.dtype != x.dtype or weight.device != x.device:
+            # channel k's two phases, once per layer (not per call: the vocoder runs this ~70 times)
+            weight = self._weight = self.phases.to(x.device, x.dtype).repeat(c, 1, 1)
         y = F.conv1d(window, weight, groups=c)  # [B, 2C, L]
         return y.view(b, c, 2, n).transpose(2, 3).reshape(b, c, 2 * n)
 
