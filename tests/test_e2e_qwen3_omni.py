@@ -11,6 +11,7 @@ the session fixtures in conftest.py serve the Qwen2.5-Omni pipelines.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -114,7 +115,8 @@ def _collapse(ids: list[int], pad: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _serve(config: Path, log: Path):
+@contextlib.contextmanager
+def _serving(config: Path, log: Path):
     from omni_server.models.tiny_checkpoints import ensure_all
 
     ensure_all(MODELS)
@@ -129,7 +131,8 @@ def _serve(config: Path, log: Path):
 
 @pytest.fixture(scope="module")
 def qwen3_server(tmp_path_factory):
-    yield from _serve(CONFIG, tmp_path_factory.mktemp("qwen3-omni-logs") / "qwen3_omni_text.log")
+    with _serving(CONFIG, tmp_path_factory.mktemp("qwen3-omni-logs") / "qwen3_omni_text.log") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +143,8 @@ def client(qwen3_server):
 @pytest.fixture
 def compiled_client(tmp_path):
     """The same pipeline with thinker and talker under vLLM's torch.compile (real configs' default)."""
-    server = _serve(compiled_config(CONFIG, tmp_path / "compiled.yaml"), tmp_path / "qwen3_compiled.log")
-    yield openai.OpenAI(base_url=f"{next(server).base_url}/v1", api_key="unused", max_retries=0)
-    next(server, None)
+    with _serving(compiled_config(CONFIG, tmp_path / "compiled.yaml"), tmp_path / "qwen3_compiled.log") as server:
+        yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
 def _greedy_chat(client, messages):
