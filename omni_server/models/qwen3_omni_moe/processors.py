@@ -196,7 +196,7 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         # vLLM takes prompt embeddings on the host: copied without waiting here (the stage waits
         # after building all of a loop's inputs, StageInput.wait).
         (prompt, reply), copied = to_host(prompt, reply, dtype=ctx.dtype)
-    n = len(user) + 9  # the user rows, then the 9 assistant rows
+    n = prompt.shape[0]  # (known before its copy is done)
     return StageInput(
         prompt={"type": "embeds", "prompt_embeds": prompt,
                 "prompt_token_ids": [t.codec_pad] * n, "is_token_ids": [False] * n},
