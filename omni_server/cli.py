@@ -52,7 +52,19 @@ def cmd_stage(args) -> int:
         print("error: --runtime-dir (or runtime_dir in the config) is required unless every stage has an "
               "`address` and server.output_address is set", file=sys.stderr)
         return 2
-    run_stage(cfg, args.stage, runtime_dir or "", parent_pid=args.parent_pid, replica=args.replica, hold=args.hold)
+    try:
+        run_stage(cfg, args.stage, runtime_dir or "", parent_pid=args.parent_pid, replica=args.replica,
+                  hold=args.hold)
+    except BaseException as e:
+        from omni_server.orchestrator.launcher import failure_note, failure_path
+
+        note = failure_note(e)
+        if note and runtime_dir:
+            try:
+                failure_path(runtime_dir, (args.stage, args.replica)).write_text(note + "\n", encoding="utf-8")
+            except OSError:
+                pass  # the traceback below still says it
+        raise
     return 0
 
 

@@ -74,11 +74,13 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
                 if unit in restart_at or unit in gave_up:
                     continue
                 name = cfg.unit_name(unit)
-                log.error("stage %d (%s) exited with code %s", unit[0], name, code)
+                why = launcher.failure(unit)
+                log.error("stage %d (%s) exited with code %s%s", unit[0], name, code, f": {why}" if why else "")
                 if orch is not None:
                     orch.mark_down(unit, f"process exited with code {code}")
                 if not announced:  # a stage that cannot start makes the whole server fail
-                    failed.append(f"stage {unit[0]} ({name}) failed to start (exit code {code})")
+                    failed.append(f"stage {unit[0]} ({name}) failed to start (exit code {code})"
+                                  + (f": {why}" if why else ""))
                     uv.should_exit = True
                     return
                 recent = [t for t in crashes.get(unit, []) if now - t < RESTART_WINDOW_S]

@@ -146,3 +146,33 @@ def test_stage_devices_index_the_gpus_serve_sees():
     assert visible_devices("GPU-abc", "2,3") == "GPU-abc"  # a UUID is taken as given
     with pytest.raises(SystemExit, match="GPU 2 is not among the 2 visible"):
         visible_devices("2", "4,5")
+
+
+def test_server_that_cannot_start_a_stage_says_why(tiny_models, tmp_path):
+    # A real `serve` whose token2wav checkpoint is an empty folder: it exits 1, and its last line
+    # names the stage and the stage's own exception (not only an exit code).
+    from tests.conftest import Server
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    server = Server(REPO / "configs" / "default.yaml", tmp_path / "serve.log",
+                    args=["--stage-arg", f"token2wav.model={empty}"])
+    try:
+        assert server.proc.wait(240) == 1
+    finally:
+        server.stop()
+    last = server.log_tail().splitlines()[-1]
+    assert "stage 2 (token2wav) failed to start (exit code 1): ValueError: Unrecognized model in " + str(empty) in last
+
+
+def test_failure_note_of_a_stage_process():
+    from omni_server.orchestrator.launcher import failure_note
+
+    assert failure_note(SystemExit(0)) is None and failure_note(SystemExit(None)) is None
+    assert failure_note(KeyboardInterrupt()) is None
+    assert failure_note(SystemExit("devices '2': GPU 2 is not among the 1 visible")) == \
+        "devices '2': GPU 2 is not among the 1 visible"
+    assert failure_note(SystemExit(3)) == "exit code 3"
+    assert failure_note(RuntimeError("CUDA out of memory.\n  Tried to allocate 2 GiB")) == \
+        "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB"
+    assert failure_note(MemoryError()) == "MemoryError"

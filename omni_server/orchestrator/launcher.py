@@ -31,6 +31,26 @@ def _overlap(a: set[str] | None, b: set[str] | None) -> bool:
 
 Unit = tuple[int, int]  # (stage id, replica): one engine process
 
+FAILURE_CHARS = 2000  # of a stage's failure note read back: one exception's message, not a log
+
+
+def failure_path(runtime_dir: str | Path, unit: Unit) -> Path:
+    """Where a stage process that dies of an exception leaves its one-line reason (cli `stage`), so
+    the server's own last line can say why instead of only an exit code."""
+    return Path(runtime_dir) / f"stage-{unit[0]}-{unit[1]}.failed"
+
+
+def failure_note(exc: BaseException) -> str | None:
+    """The one-line reason for a stage process ending with `exc`; None for a clean exit."""
+    if isinstance(exc, SystemExit):
+        if exc.code is None or exc.code == 0:
+            return None
+        return exc.code if isinstance(exc.code, str) else f"exit code {exc.code}"
+    if isinstance(exc, KeyboardInterrupt):
+        return None
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
 
 class Launcher:
     def __init__(self, cfg: PipelineConfig, config_path: str, runtime_dir: Path, overrides: Sequence[str] = ()):
@@ -79,6 +99,7 @@ class Launcher:
             cmd += ["--stage-arg", o]
         if hold:
             cmd.append("--hold")
+        failure_path(self.runtime_dir, unit).unlink(missing_ok=True)  # a restart's note is its own
         # Own session: a terminal Ctrl-C reaches only `serve`, which then stops stages in order.
         self.procs[unit] = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.PIPE if hold else None)
         log.info("stage %d (%s) starting, pid %d%s", stage_id, self.cfg.unit_name(unit), self.procs[unit].pid,
@@ -94,6 +115,16 @@ class Launcher:
             stdin.close()
         except OSError:  # it already exited; supervision reports that
             pass
+
+    def failure(self, unit: Unit) -> str | None:
+        """The reason a stage process left before it died (see `failure_path`), if any."""
+        try:
+            with open(failure_path(self.runtime_dir, unit), encoding="utf-8", errors="replace") as f:
+                text = f.read(FAILURE_CHARS + 1)
+        except OSError:
+            return None
+        text = text.strip()
+        return text[:FAILURE_CHARS] + " ..." if len(text) > FAILURE_CHARS else text or None
 
     def exited(self) -> dict[Unit, int]:
         """Exit codes of stage processes that are no longer running."""
