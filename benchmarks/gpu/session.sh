@@ -225,6 +225,8 @@ step_qwen3() {
   wait_ready qwen3 8021 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log
                              bench qwen3 8021 ${MODEL3:-qwen3-omni}; }
   stop qwen3
+  say "qwen3 warm-up: $(grep -a 'warm-up:' $R/serve_qwen3.log | cut -c1-240 | tr '\n' ' ')"
+  say "qwen3 slow loop turns: $(grep -ac 'between engine steps' $R/serve_qwen3.log)"
 }
 
 step_mps() {
