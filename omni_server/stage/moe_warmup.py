@@ -34,7 +34,12 @@ def warm_fused_moe(runner, max_tokens: int) -> int:
     layers; returns how many ran (0 for other models)."""
     if not uses_fused_moe(runner.get_model()):
         return 0
+    from vllm.config import CUDAGraphMode
+
     sizes = warm_sizes(max_tokens)
     for n in sorted(sizes, reverse=True):  # (the largest first, as vLLM's warm-up)
-        runner._dummy_run(n, skip_eplb=True, remove_lora=False)
+        # Without CUDA graphs: left to vLLM's dispatcher, a CUDA-graph size would be captured here,
+        # outside vLLM's capture phase (it refuses: "CUDA graph capturing detected at an
+        # inappropriate time", H200 2026-11-30f).
+        runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True, remove_lora=False)
     return len(sizes)
