@@ -11,10 +11,11 @@ from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
 from omni_server.models.tiny_checkpoints import TINY_OMNI
 
 
+@pytest.mark.parametrize("channels", [7, None])  # depthwise filters made for 7 channels; or channels as rows
 @pytest.mark.parametrize("length", [1, 2, 5, 64, 333])
-def test_equals_the_transposed_convolution(length):
+def test_equals_the_transposed_convolution(length, channels):
     up = Qwen2_5OmniUpSample1d(2, 12).double()
-    poly = PolyphaseUpsample2x(up)
+    poly = PolyphaseUpsample2x(up, channels)
     x = torch.randn(3, 7, length, dtype=torch.float64, generator=torch.Generator().manual_seed(length))
     want = up(x)
     got = poly(x)
@@ -36,9 +37,28 @@ def test_token2wav_with_polyphase_upsampling_matches(tiny_models):
     ups = [m for m in poly.vocoder.modules() if isinstance(m, PolyphaseUpsample2x)]
     activations = [m for m in plain.vocoder.modules() if hasattr(m, "upsample")]
     assert len(ups) == len(activations) > 0  # every anti-aliased activation's upsampler
+    assert all(u.weight is not None for u in ups)  # each knows its channels: one depthwise convolution
     assert use_polyphase_upsampling(poly.vocoder) == 0  # (nothing left to replace)
     codes = torch.randint(0, 8292, (40,), generator=torch.Generator().manual_seed(1))
     want = plain(codes, seed=3)
     got = poly(codes, seed=3)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("channels", [5, None])
+def test_compiled_once_for_repeated_calls(channels):
+    # The module keeps no state of its own calls: under torch.compile a second call of the same
+    # shape reuses the first's code (a recompile there happened inside a CUDA graph capture on the
+    # H200, where it cannot: the vocoder's graphs were lost, 2026-11-30f).
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    poly = PolyphaseUpsample2x(Qwen2_5OmniUpSample1d(2, 12), channels)
+    step = torch.compile(poly, dynamic=True)
+    x = torch.randn(2, 5, 50)
+    first = step(x)
+    compiled = counters["stats"]["unique_graphs"]
+    again = step(x)
+    assert counters["stats"]["unique_graphs"] == compiled
+    assert torch.equal(first, again) and (first - poly(x)).abs().max().item() < 1e-5
