@@ -26,6 +26,21 @@ def test_profiles_only_busy_steps_after_the_warm_up(tmp_path, monkeypatch):
     assert "aten::cos" not in text and "aten::exp" not in text
 
 
+def test_steps_that_computed_nothing_do_not_count(tmp_path):
+    # A streaming stage's requests all waiting for input: the loop steps, the engine computes nothing.
+    prof = StepProfiler(tmp_path / "p.txt", batch=1, skip=1, steps=2)
+    a = torch.randn(64, 64)
+    for op, served in [(a.abs, False), (a.sum, True), (a.cos, False), (a.exp, False), (lambda: a @ a, True),
+                       (a.cos, False), (a.tanh, True), (a.sin, True)]:
+        prof.before(1)
+        op()
+        prof.after(served)
+    text = (tmp_path / "p.txt").read_text()
+    assert text.startswith("2 steps with >= 1 requests running")  # the served mm and tanh steps
+    assert "aten::mm" in text and "aten::tanh" in text
+    assert "aten::sum" not in text and "aten::sin" not in text  # the warm-up step; after the window
+
+
 def test_unset_is_off_and_a_missing_dir_is_an_error(monkeypatch):
     monkeypatch.delenv("OMNI_PROFILE", raising=False)
     assert StepProfiler.from_env("x") is None

@@ -240,7 +240,7 @@ class Stage:
                         self.steps += 1
                         self.batch_sum += served
                     if prof is not None:
-                        prof.after()
+                        prof.after(bool(served))
         finally:
             if prof is not None:
                 prof.finish()
