@@ -432,18 +432,49 @@ def test_cuda_graphs_of_a_half_precision_dit(model_dir):
 
 def test_compile_needs_graphs_captured_at_start(model_dir):
     # (Compiled code runs only inside graphs captured at start: no serving step ever compiles.)
-    with pytest.raises(ValueError, match="compile needs CUDA graphs captured at start"):
-        Token2Wav(model_dir, compile=True)
+    for mode in (True, "blocks"):
+        with pytest.raises(ValueError, match="compile needs CUDA graphs captured at start"):
+            Token2Wav(model_dir, compile=mode)
+    with pytest.raises(ValueError, match="compile must be true, false or \"blocks\""):
+        Token2Wav(model_dir, compile="yes")
+
+
+def test_dit_compiled_block_by_block_equals_its_layers(model_dir):
+    # compile "blocks": one compiled `_run_block` for every layer (a module's parameters are inputs
+    # to compiled code), at most one compile per distinct layer, none on later calls.
+    from torch._dynamo.utils import counters
+
+    from omni_server.models.qwen2_5_omni.token2wav import _run_block
+
+    t = Token2Wav(model_dir)
+    seen = []
+    body = t._dit_body
+    t._dit_body = lambda *args: seen.append(args) or body(*args)  # (this instance only: its inputs)
+    with torch.inference_mode():
+        frames = t.frame_buckets[0]
+        t._sample_mels([torch.zeros(frames // t.dit.repeats, dtype=torch.long)] * 2, [t.voices[0]] * 2,
+                       [torch.randn(frames, t.dit.mel_dim)] * 2, t._time_grid(2, -1.0), 0.5)
+        args = seen[0]
+        block = torch.compile(_run_block, dynamic=True)
+        before = counters["stats"]["unique_graphs"]
+        got = body(*args, block=block)
+        compiled = counters["stats"]["unique_graphs"] - before
+        again = body(*args, block=block)
+        want = body(*args)
+    assert 1 <= compiled <= len(t.dit.transformer_blocks)
+    assert counters["stats"]["unique_graphs"] - before == compiled  # the second call compiled nothing
+    assert torch.equal(got, again) and (got - want).abs().max().item() < 1e-4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graphs_of_compiled_code(model_dir):
+@pytest.mark.parametrize("mode", [True, "blocks"])
+def test_cuda_graphs_of_compiled_code(model_dir, mode):
     """The graphs capture the compiled DiT and vocoder (warmed, so no compile inside a capture),
     with the polyphase upsampler too, and replay what the eager float32 modules compute."""
     from torch._dynamo.utils import counters
 
     before = counters["stats"]["unique_graphs"]
-    compiled = Token2Wav(model_dir, device="cuda", compile=True, polyphase_upsampling=True, warmup_graphs=True)
+    compiled = Token2Wav(model_dir, device="cuda", compile=mode, polyphase_upsampling=True, warmup_graphs=True)
     warmed = counters["stats"]["unique_graphs"]
     assert warmed > before  # compiled in the warm-up
     eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False)

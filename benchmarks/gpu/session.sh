@@ -149,11 +149,11 @@ step_t2w() {
   # token2wav_speed's modes; each compiled mode compiles at its first decode, tens of seconds).
   free_gpus
   # (2026-11-30f: polyphase alone 1-2% faster; compiled 1.8x at batch 1, 1.5x at 16; 420 s ran out
-  # in the fourth mode.)
-  timeout 600 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 \
-    --modes ${T2W_MODES:-graphs_bf16 graphs_bf16_compiled graphs_bf16_poly_compiled} > $R/t2w.txt 2>&1
+  # in the fourth mode.) Whole-DiT compile vs block by block: speed, and start_s (compile cost).
+  timeout 720 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 \
+    --modes ${T2W_MODES:-graphs_bf16 graphs_bf16_compiled graphs_bf16_compiled_blocks graphs_bf16_poly_compiled_blocks} > $R/t2w.txt 2>&1
   say "token2wav: $(grep RESULT $R/t2w.txt | python3 -c "import sys,json
-for l in sys.stdin: d=json.loads(l[7:]); print(d['mode'], 'b', d['batch'], d['step_ms_p50'], 'ms/step rtf', d['rtf'], end='; ')")"
+for l in sys.stdin: d=json.loads(l[7:]); print(d['mode'], 'b', d['batch'], d['step_ms_p50'], 'ms/step rtf', d['rtf'], 'start', d.get('start_s'), 's', end='; ')")"
 }
 
 step_prof() {
@@ -195,18 +195,19 @@ step_w144() {
 
 step_t2wfast() {
   # The 7B config with token2wav's opt-in speed-ups (polyphase upsampling, torch.compile of the
-  # DiT's layers and the vocoder; both compile while its graphs are captured at start): c=16 is
-  # token2wav-bound (busy 0.92 on 2026-11-30e). Its start time says what the compile costs.
+  # DiT's layers, block by block unless T2W_COMPILE=true, and the vocoder; both compile while its
+  # graphs are captured at start): c=16 is token2wav-bound (busy 0.92 on 2026-11-30e). Its start
+  # time says what the compile costs.
   free_gpus
   serve t2wfast 8024 $CFG --stage-arg token2wav.generator_args.polyphase_upsampling=true \
-    --stage-arg token2wav.generator_args.compile=true
+    --stage-arg token2wav.generator_args.compile=${T2W_COMPILE:-blocks}
   wait_ready t2wfast 8024 && bench t2wfast 8024
   stop t2wfast
   say "t2wfast: $(grep -a 'graphs captured\|capture failed' $R/serve_t2wfast.log | cut -c1-200 | tr '\n' ' ')"
   # Started again: what the compile costs from Inductor's cache (TORCHINDUCTOR_CACHE_DIR; docker
   # keeps it in the ~/.cache volume).
   serve t2wfast_warm 8024 $CFG --stage-arg token2wav.generator_args.polyphase_upsampling=true \
-    --stage-arg token2wav.generator_args.compile=true
+    --stage-arg token2wav.generator_args.compile=${T2W_COMPILE:-blocks}
   wait_ready t2wfast_warm 8024
   stop t2wfast_warm
   say "t2wfast warm: $(grep -a 'graphs captured\|all 3 stages ready' $R/serve_t2wfast_warm.log | cut -c1-200 | tr '\n' ' ')"
