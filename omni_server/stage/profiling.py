@@ -66,7 +66,7 @@ class StepProfiler:
 
     def after(self, served: bool = True) -> None:
         """Call after a step; `served`: whether it computed anything. A step that did not (a
-        streaming stage whose requests all wait for input) does not count: in the fifth H200 run
+        streaming stage whose requests all wait for input) does not count: in the sixth H200 run
         the talker's c=1 profile was 50 such steps of 0.23 ms."""
         if self.counted and not served:
             self.seen -= 1
