@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_server.stage.sampler_warmup import warm_rows, warm_top_k_top_p
+from omni_server.stage.sampler_warmup import pin_triton_cache, warm_rows, warm_top_k_top_p
 
 
 def test_rows_reach_both_row_count_variants_vllm_sends_to_triton():
@@ -13,6 +13,19 @@ def test_rows_reach_both_row_count_variants_vllm_sends_to_triton():
     assert warm_rows(8) == [8]
     assert warm_rows(12) == [9]
     assert warm_rows(32) == [9, 16]
+
+
+def test_triton_cache_is_pinned_where_inductor_would_put_it(tmp_path, monkeypatch):
+    # Every start of a stage reads and writes the same Triton cache, whether or not Inductor has
+    # compiled or loaded a kernel first (then Triton's own default, ~/.triton/cache, was used).
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert pin_triton_cache(1) == str(tmp_path / "inductor" / "triton" / "1")
+    assert triton_cache_dir(1) == str(tmp_path / "inductor" / "triton" / "1")  # what Inductor then uses
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert pin_triton_cache(0) == str(tmp_path / "mine")  # a user's setting stands
 
 
 def test_nothing_to_warm_on_cpu():

@@ -17,7 +17,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from omni_server.models import register_vllm_models
 from omni_server.stage.runner import GPUOmniModelRunner
 from omni_server.stage.moe_warmup import warm_fused_moe
-from omni_server.stage.sampler_warmup import warm_top_k_top_p
+from omni_server.stage.sampler_warmup import pin_triton_cache, warm_top_k_top_p
 
 # Worker processes are fresh interpreters: vLLM resolves our model classes here too.
 register_vllm_models()
@@ -33,6 +33,7 @@ class GPUOmniWorker(Worker):
     def init_device(self):
         require_v1(self)
         super().init_device()
+        pin_triton_cache(self.device.index or 0)
         self.model_runner = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -40,8 +41,8 @@ class GPUOmniWorker(Worker):
 
     def compile_or_warm_up_model(self):
         # Before vLLM's own warm-up, which ends by arming its JIT monitor (these are expected).
-        # Timed apart: ~20 s on the H200 when Triton compiles them, 0 s from the cache (vLLM has
-        # pointed TRITON_CACHE_DIR into its compile cache by now).
+        # Timed apart: ~20 s on the H200 when Triton compiles them, 0 s from the cache (the
+        # directory `pin_triton_cache` fixed at init_device).
         t0 = time.monotonic()
         if not self.model_runner.is_pooling_model:
             sched = self.scheduler_config

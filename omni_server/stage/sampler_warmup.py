@@ -10,6 +10,8 @@ went from ~2 s to 9.8 s and 13.1 s on the servers where it compiled longest.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # vLLM's dispatch (vllm/v1/sample/ops/topk_topp_sampler.py: apply_top_k_top_p): Triton from here up.
@@ -45,3 +47,18 @@ def warm_top_k_top_p(vocab_size: int, max_rows: int, device: torch.device) -> in
             calls += 1
     torch.cuda.synchronize(device)
     return calls
+
+
+def pin_triton_cache(device_index: int) -> str:
+    """Fix the process's Triton cache directory before any kernel compiles, to the one Inductor
+    picks (`$TORCHINDUCTOR_CACHE_DIR/triton/<device>`, unless TRITON_CACHE_DIR is set).
+
+    Inductor sets TRITON_CACHE_DIR for the whole process only once it compiles or loads a kernel
+    itself; until then Triton uses ~/.triton/cache. On a cold vLLM compile that happened before our
+    warm-ups, on a warm one not, so each start wrote these kernels where the next did not look: on
+    the H200 (2026-11-30f) the first two starts both spent ~20 s on them, the third none. Pinned,
+    every start reads where the last wrote (docker: the `~/.cache` volume, see its Dockerfile)."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device_index)  # (the variable itself when set)
+    return os.environ["TRITON_CACHE_DIR"]
