@@ -204,6 +204,9 @@ step_t2wfast() {
   wait_ready t2wfast 8024 && bench t2wfast 8024
   stop t2wfast
   say "t2wfast: $(grep -a 'graphs captured\|capture failed' $R/serve_t2wfast.log | cut -c1-200 | tr '\n' ' ')"
+  # (The 7B thinker's and talker's second start: their top-k/top-p warm-up should read 0.0 s from
+  # the Triton cache pinned since 2026-11-30f; it took ~20 s at every second start before.)
+  say "t2wfast warm-ups: $(grep -a 'warm-up: top-k' $R/serve_t2wfast.log | sed 's/.*warm-up: //' | cut -c1-60 | tr '\n' ' ')"
   # Started again: what the compile costs from Inductor's cache (TORCHINDUCTOR_CACHE_DIR; docker
   # keeps it in the ~/.cache volume).
   serve t2wfast_warm 8024 $CFG --stage-arg token2wav.generator_args.polyphase_upsampling=true \
