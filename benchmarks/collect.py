@@ -65,12 +65,29 @@ def _ready_s(log: Path) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def _token2wav_speed(out: Path) -> dict:
+    """benchmarks/token2wav_speed.py RESULT lines (t2w.txt): per mode and batch, ms per window step
+    and RTF, and per mode its start (construction, warm-up and any compile) in seconds."""
+    keys: dict = {}
+    f = out / "t2w.txt"
+    for line in f.read_text().splitlines() if f.exists() else ():
+        if line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            name = f"t2w_{r['mode']}"
+            keys[f"{name}_b{r['batch']}_step_ms"] = r.get("step_ms_p50")
+            keys[f"{name}_b{r['batch']}_rtf"] = r.get("rtf")
+            if r.get("start_s") is not None:
+                keys[f"{name}_start_s"] = r["start_s"]
+    return keys
+
+
 def collect(out: Path) -> dict:
     c1, c16 = _level(out / "bench7b_c1.json"), _level(out / "bench7b_c16.json")
     full_c1, full_c16 = _level(out / "bench7b_full_c1.json"), _level(out / "bench7b_full_c16.json")
     ref = _level(out / "bench7b_c16_ref.json")
     sp1, sp16 = _level(out / "speech7b_c1.json"), _level(out / "speech7b_c16.json")
     q1, q16 = _level(out / "qwen3_c1.json"), _level(out / "qwen3_c16.json")
+    f1, f16 = _level(out / "t2wfast_c1.json"), _level(out / "t2wfast_c16.json")
     return {
         "p1_runner_vs_vllm_bs1": _runner_ratio(out, 1),
         "p1_runner_vs_vllm_bs32": _runner_ratio(out, 32),
@@ -103,6 +120,16 @@ def collect(out: Path) -> dict:
         "qwen3_rtf_c1": _get(q1, "rtf", "p50"),
         "qwen3_rtf_c16": _get(q16, "rtf", "p50"),
         "qwen3_ready_s": _ready_s(out / "serve_qwen3.log"),
+        # the 7B config with token2wav's polyphase upsampling and compile (session step `t2wfast`),
+        # then the same started again (compile from Inductor's cache)
+        "t2wfast_ttfp_ms_c1": _get(f1, "ttfp_ms", "p50"),
+        "t2wfast_ttfp_ms_c16": _get(f16, "ttfp_ms", "p50"),
+        "t2wfast_rtf_c1": _get(f1, "rtf", "p50"),
+        "t2wfast_rtf_c16": _get(f16, "rtf", "p50"),
+        "t2wfast_ready_s": _ready_s(out / "serve_t2wfast.log"),
+        "t2wfast_ready_s_warm": _ready_s(out / "serve_t2wfast_warm.log"),
+        # token2wav alone (session step `t2w`): keys t2w_<mode>_b<batch>_{step_ms,rtf}, t2w_<mode>_start_s
+        **_token2wav_speed(out),
     }
 
 

@@ -30,6 +30,11 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
         'RESULT {"model": "/w/var/models/tiny-qwen2_5-omni", "mode": "omni-emit", "batch": 1, "tok_s": 880.0}\n')
     (tmp_path / "serve_bench7b.log").write_text("... all 3 stages ready in 142.5 s; serving on http://x\n")
     (tmp_path / "serve_sized.log").write_text("... all 3 stages ready in 51.0 s; serving on http://x\n")
+    _bench(tmp_path / "t2wfast_c16.json", ttfp_ms={"p50": 900.0}, rtf={"p50": 0.5})
+    (tmp_path / "serve_t2wfast_warm.log").write_text("... all 3 stages ready in 58.0 s; serving on http://x\n")
+    (tmp_path / "t2w.txt").write_text(
+        'RESULT {"mode": "graphs_bf16", "batch": 16, "step_ms_p50": 436.9, "rtf": 0.61}\n'
+        'RESULT {"mode": "graphs_bf16_compiled", "batch": 1, "step_ms_p50": 67.9, "rtf": 0.1, "start_s": 190.5}\n')
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "benchmarks/collect.py", str(tmp_path), "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True)
@@ -43,3 +48,8 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert r["p6_ready_s_warm_fixed_kv"] == 51.0
     assert r["tiny_runner_vs_vllm_bs1"] == round(880 / 900, 3) and r["tiny_runner_vs_vllm_bs32"] is None
     assert (r["speech_ttfp_ms_c1"], r["speech_rtf_c1"], r["speech_ttfp_ms_c16"]) == (150.0, 0.07, None)
+    assert (r["t2wfast_ttfp_ms_c16"], r["t2wfast_rtf_c16"], r["t2wfast_ttfp_ms_c1"]) == (900.0, 0.5, None)
+    assert r["t2wfast_ready_s_warm"] == 58.0 and r["t2wfast_ready_s"] is None
+    assert (r["t2w_graphs_bf16_b16_step_ms"], r["t2w_graphs_bf16_b16_rtf"]) == (436.9, 0.61)
+    assert r["t2w_graphs_bf16_compiled_b1_step_ms"] == 67.9 and r["t2w_graphs_bf16_compiled_start_s"] == 190.5
+    assert "t2w_graphs_bf16_start_s" not in r  # (no start time in that line)
