@@ -23,9 +23,8 @@ from torch import nn
 class PolyphaseUpsample2x(nn.Module):
     """Drop-in for an `UpSample1d` module with ratio 2 and an even kernel size ([B, C, L] -> [B, C, 2L])."""
 
-    def __init__(self, upsample: nn.Module, channels: int | None = None):
-        """`channels`: the channel count it will see, if known: its filters are then made here, for
-        one depthwise convolution; other counts run as a convolution over channels as batch rows."""
+    def __init__(self, upsample: nn.Module, channels: int):
+        """`channels`: the channel count of its input (its filters are made here, per channel)."""
         super().__init__()
         ratio, taps, crop = int(upsample.ratio), int(upsample.kernel_size), int(upsample.pad_left)
         # (transformers' layout: K = 12, crop 15; an even crop would need no tap shift, not handled)
@@ -40,33 +39,31 @@ class PolyphaseUpsample2x(nn.Module):
         odd[1:] = f.flip(0)[1::2]  # f[K-2], f[K-4], ...
         self.pad = int(upsample.pad)
         self.offset = (crop - 1) // 2 - half + 1
-        self.register_buffer("phases", torch.stack([even, odd])[:, None, :].to(upsample.filter.dtype),
-                             persistent=False)  # [2, 1, K/2 + 1]
+        phases = torch.stack([even, odd])[:, None, :].to(upsample.filter.dtype)  # [2, 1, K/2 + 1]
         # [2C, 1, taps]: channel k's two phases. Made here, never in forward: under torch.compile
         # state set by a first call fails the second call's guards, which then compiles again
         # (inside a CUDA graph capture on the H200: the vocoder's graphs were lost, 2026-11-30f).
-        self.register_buffer("weight", None if channels is None else self.phases.repeat(channels, 1, 1),
-                             persistent=False)
+        self.register_buffer("weight", phases.repeat(channels, 1, 1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, n = x.shape
         xp = F.pad(x, (self.pad, self.pad), mode="replicate")
-        if self.weight is not None and self.weight.shape[0] == 2 * c:
-            y = F.conv1d(xp, self.weight.to(x.dtype), groups=c)  # [B, 2C, L + 2*pad - taps + 1]
-        else:  # every channel as its own batch row: one filter pair serves any channel count
-            y = F.conv1d(xp.reshape(b * c, 1, -1), self.phases.to(x.dtype))
+        y = F.conv1d(xp, self.weight.to(x.dtype), groups=c)  # [B, 2C, L + 2*pad - taps + 1]
         y = y[..., self.offset:self.offset + n]
         return y.reshape(b, c, 2, n).transpose(2, 3).reshape(b, c, 2 * n)
 
 
 def use_polyphase_upsampling(model: nn.Module) -> int:
-    """Replace every anti-aliased activation's 2x upsampler in `model` by PolyphaseUpsample2x;
-    returns how many were replaced."""
+    """Replace every anti-aliased activation's 2x upsampler in `model` whose channel count its
+    activation gives (BigVGAN's Snake: `in_features`) by PolyphaseUpsample2x; returns how many were
+    replaced."""
     count = 0
     for module in list(model.modules()):
         up = getattr(module, "upsample", None)
         if up is not None and hasattr(up, "filter") and getattr(up, "ratio", None) == 2:
-            channels = getattr(getattr(module, "act", None), "in_features", None)  # (BigVGAN's Snake)
-            module.upsample = PolyphaseUpsample2x(up, channels).to(up.filter.device)
+            channels = getattr(getattr(module, "act", None), "in_features", None)
+            if channels is None:
+                continue
+            module.upsample = PolyphaseUpsample2x(up, int(channels)).to(up.filter.device)
             count += 1
     return count
