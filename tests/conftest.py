@@ -147,10 +147,10 @@ def servers(request, tiny_models, record_dir, tmp_path_factory):
     specs = {
         "text": (REPO / "tests" / "configs" / "text.yaml", {}, []),
         # The embedded default (speech) pipeline, greedy talker with its codec ids in `omni_outputs`;
-        # the thinker may run only 16 tokens ahead of the talker (tight backpressure: results must
-        # not change).
+        # the thinker may run only 4 tokens ahead of what the talker used (tight backpressure, below
+        # the talker's credit chunk of 8: results must not change and nothing may stall).
         "speech": (REPO / "configs" / "default.yaml", {}, [
-            "--stage-arg", "talker.output=tokens", "--stage-arg", "talker.stream_window=16",
+            "--stage-arg", "talker.output=tokens", "--stage-arg", "talker.stream_window=4",
             "--stage-arg", "talker.default_sampling.temperature=0",
             "--stage-arg", "talker.default_sampling.repetition_penalty=1.0"]),
         "two_stage": (REPO / "tests" / "configs" / "two_stage.yaml", {"OMNI_TEST_RECORD_DIR": str(record_dir)}, []),

@@ -305,11 +305,14 @@ def test_talker_starts_while_the_thinker_still_talks(client, speech_server):
 
 
 def test_thinker_waits_for_a_slow_talker(client, speech_server):
-    """Backpressure: the speech server's talker has `stream_window: 16`, so the thinker pauses
-    whenever it is 16 tokens ahead of what the talker reported used (the talker starts a few steps
-    behind and reports every 8 steps, so that happens at least at its start), and runs free to its
-    1500 tokens once the talker is done (64 codes: it says it needs no more). Every other speech
-    test runs under the same tight window with results unchanged."""
+    """Backpressure: the speech server's talker has `stream_window: 4`, so the thinker pauses
+    whenever it is 4 tokens ahead of what the talker reported used. That happens at the latest at
+    its 4th token: the talker reports only after it has run on the rows that token's chunk brings
+    (the talker's reply rows lag the thinker's tokens by two), and the thinker schedules its next
+    step before that can come. The talker's window is below its credit chunk (8 steps) and barely
+    above that lag: it asks for more whenever it waits for input, so nothing stalls. The thinker runs
+    free to its 1500 tokens once the talker is done (64 codes: it says it needs no more). Every
+    other speech test runs under the same tight window with results unchanged."""
     before = speech_server.stats(0)["backpressure_pauses"]
     resp = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Talk for a while."}], max_tokens=1500,

@@ -168,6 +168,7 @@ def make_messages() -> list:
         FinishRequest("chatcmpl-1f2e"),
         StreamCredit("chatcmpl-1f2e", stage_id=1, consumed=40),
         StreamCredit("chatcmpl-1f2e", stage_id=2, consumed=-1),
+        StreamCredit("chatcmpl-1f2e", stage_id=1, consumed=6, waiting=True),
         StageReady(stage_id=1, pid=4242, startup_s=12.375, info={"model": "Qwen/Qwen2.5-Omni-7B", "device": "cuda:1"}),
         RequestOutputs(
             stage_id=0,

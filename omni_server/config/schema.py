@@ -58,7 +58,8 @@ class StageConfig(_Strict):
     stream_chunk: int = Field(8, ge=1)
     # Backpressure on a streamed input: upstream runs at most this many output tokens ahead of what
     # this stage has used (it pauses that request meanwhile), so a slow stage never makes a fast one
-    # buffer a whole reply for it.
+    # buffer a whole reply for it. Any size works: a request of this stage that waits for input
+    # always gets upstream's next chunk.
     stream_window: int = Field(256, ge=1)
     # What this stage returns to the client: "text" (detokenized message content),
     # "tokens" (token ids in the response's `omni_outputs`), "audio" (a generation stage's
@@ -112,9 +113,6 @@ class StageConfig(_Strict):
             raise ValueError("`input_processor` is set but the stage has no `inputs`")
         if self.input_mode == "stream" and not self.inputs:
             raise ValueError("`input_mode: stream` needs `inputs`")
-        if self.stream_window < self.stream_chunk:
-            raise ValueError(f"`stream_window` ({self.stream_window}) must be at least `stream_chunk` "
-                             f"({self.stream_chunk})")
         if self.id in self.inputs:
             raise ValueError("a stage cannot take its own output as input")
         if self.kind == "generation":

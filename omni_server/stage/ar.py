@@ -47,9 +47,11 @@ class _Tracked:
     sent_tokens: int = 0
     sent_units: int = 0  # (see chunk_ready)
     # Backpressure: output tokens each streaming consumer reported used, the consumers that need
-    # no more, and how far ahead of the slowest the request may run (0: no limit).
+    # no more, those that said they wait for input since the last chunk went out, and how far ahead
+    # of the slowest the request may run (0: no limit).
     acked: dict[int, int] = field(default_factory=dict)
     done_to: set[int] = field(default_factory=set)
+    starved: set[int] = field(default_factory=set)
     window: int = 0
     paused: bool = False  # held for backpressure right now
     output_token_ids: list[int] = field(default_factory=list)
@@ -89,9 +91,13 @@ class _Tracked:
         whatever the model: it counts none.)"""
         self.sent_units = self.units() if self.sent_tokens else len(self.frames)
         self.sent_tokens = len(self.output_token_ids)
+        self.starved.clear()
 
     def too_far_ahead(self) -> bool:
-        live = [c for c in self.stream_to if c not in self.done_to]
+        """Whether the slowest consumer is `window` tokens behind what went out. A consumer waiting
+        for input is never behind: it runs as soon as the next chunk comes (it uses fewer positions
+        than it was sent, so it can wait for input while `window` tokens behind)."""
+        live = [c for c in self.stream_to if c not in self.done_to and c not in self.starved]
         if not live or not self.window:
             return False
         return self.sent_tokens - min(self.acked.get(c, 0) for c in live) >= self.window
@@ -188,10 +194,11 @@ class ARStage(Stage):
         self._in_flight: list = []
         self._compact_next: list[tuple[str, _Tracked]] = []
         # Requests whose input is still streaming in -> per-step rows handed to the runner so far,
-        # their sources, and the consumption last reported to them.
+        # their sources, the consumption last reported to them, and those that told them they wait.
         self.stream_in: dict[str, int] = {}
         self.stream_src: dict[str, list[int]] = {}
         self.credited: dict[str, int] = {}
+        self.starved: set[str] = set()
         self.core.scheduler.held = self._held
         # Load what the input processor needs now, not on the first request (seconds on a big model).
         prepare = getattr(self.processor, "prepare", None)
@@ -234,6 +241,8 @@ class ARStage(Stage):
             tracked.done_to.add(msg.stage_id)
         else:
             tracked.acked[msg.stage_id] = max(tracked.acked.get(msg.stage_id, 0), msg.consumed)
+            if msg.waiting:
+                tracked.starved.add(msg.stage_id)
 
     def close(self) -> None:
         self.core.shutdown()
@@ -290,10 +299,16 @@ class ARStage(Stage):
             # Reach the runner with the next step, before its forward.
             self.core.scheduler.queue_step_embeds(request_id, more, stage_input.step_ready)
             self.stream_in[request_id] += len(more)
+            self.starved.discard(request_id)
         if final:
-            del self.stream_in[request_id]
-            self.stream_src.pop(request_id, None)
-            self.credited.pop(request_id, None)
+            self._end_stream(request_id)
+
+    def _end_stream(self, request_id: str) -> list[int] | None:
+        """Forget a streamed input's state; its sources (None: it was not streaming in)."""
+        self.credited.pop(request_id, None)
+        self.starved.discard(request_id)
+        sources = self.stream_src.pop(request_id, None)
+        return sources if self.stream_in.pop(request_id, None) is not None else None
 
     def _add(self, request_id: str, prompt: dict, spec: SamplingSpec, forward_to: list[int],
              step_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
@@ -356,9 +371,7 @@ class ARStage(Stage):
         for rid in request_ids:
             self.in_engine.discard(rid)
             self.tracked.pop(rid, None)
-            self.stream_in.pop(rid, None)
-            self.stream_src.pop(rid, None)
-            self.credited.pop(rid, None)
+            self._end_stream(rid)
             self.core.scheduler.step_embeds_out.pop(rid, None)
 
     # ---- engine step ------------------------------------------------------------------------
@@ -406,13 +419,13 @@ class ARStage(Stage):
                     ))
                 if finished:
                     self.in_engine.discard(rid)
-                    if self.stream_in.pop(rid, None) is not None or rid in self.waiting:
+                    streamed = self._end_stream(rid)
+                    if streamed is not None or rid in self.waiting:
                         # Done before its streamed input was: drop the rest of that input, and tell
                         # the sources to send no more.
                         w = self.waiting.pop(rid, None)
                         self.aborted[rid] = None
-                        sources = self.stream_src.pop(rid, None) or (w.expect.sources if w and w.expect else [])
-                        self.credited.pop(rid, None)
+                        sources = streamed or (w.expect.sources if w and w.expect else [])
                         self.send_credit(rid, sources, -1)
                     if tracked is not None:
                         del self.tracked[rid]
@@ -429,16 +442,21 @@ class ARStage(Stage):
         return max(scheduled, sum(len(eco.outputs) for eco in outputs.values()))
 
     def _report_use(self) -> None:
-        """Credits to the sources of streamed inputs: step k used their output token k."""
+        """Credits to the sources of streamed inputs: step k used their output token k. Every
+        `stream_chunk` used, and once whenever a request used every row it was given (it waits:
+        its source must send more whatever its window)."""
         requests = self.core.scheduler.requests
         for rid, sources in self.stream_src.items():
             req = requests.get(rid)
             if req is None:
                 continue
             used = req.num_computed_tokens - req.num_prompt_tokens
-            if used - self.credited.get(rid, 0) >= self.stage.stream_chunk:
+            starved = used >= self.stream_in.get(rid, 0) and rid not in self.starved
+            if starved or used - self.credited.get(rid, 0) >= self.stage.stream_chunk:
                 self.credited[rid] = used
-                self.send_credit(rid, sources, used)
+                if starved:
+                    self.starved.add(rid)
+                self.send_credit(rid, sources, used, waiting=starved)
 
     def _settle(self) -> None:
         """Wait for the last step's copies; join the pieces of requests with many loose ones."""

@@ -155,9 +155,10 @@ class Stage:
     def credit(self, msg: StreamCredit) -> None:
         """A streaming consumer used more of a request's output (producers only)."""
 
-    def send_credit(self, request_id: str, sources: list[int], consumed: int) -> None:
-        """Tell this request's streaming sources how much of their output was used (-1: no more needed)."""
-        msg = StreamCredit(request_id=request_id, stage_id=self.stage_id, consumed=consumed)
+    def send_credit(self, request_id: str, sources: list[int], consumed: int, waiting: bool = False) -> None:
+        """Tell this request's streaming sources how much of their output was used (-1: no more
+        needed), and whether the request waits for more (see StreamCredit)."""
+        msg = StreamCredit(request_id=request_id, stage_id=self.stage_id, consumed=consumed, waiting=waiting)
         for src in sources:
             self.send_stage(src, request_id, msg)
 

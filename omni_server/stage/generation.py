@@ -49,9 +49,11 @@ class GenerationStage(Stage):
                              f"{lead} input tokens the generator reads ahead; raise it")
         self.ready: OrderedDict[str, tuple[ExpectRequest, StageInput]] = OrderedDict()
         self.streams: OrderedDict[str, Any] = OrderedDict()
-        # Streamed requests' sources and the consumption last reported to them (backpressure).
+        # Streamed requests' sources, the consumption last reported to them and those told that
+        # the request waits for input (backpressure).
         self.sources: dict[str, list[int]] = {}
         self.credited: dict[str, int] = {}
+        self.starved: set[str] = set()
         self.startup_s = time.monotonic() - t0
 
     def info(self) -> dict[str, str]:
@@ -81,11 +83,24 @@ class GenerationStage(Stage):
         self.streams[rid] = stream
         self.sources[rid] = list(expect.sources)
         stream.feed(final=final, **(stage_input.data or {}))
+        self._report_use(rid, stream)
 
     def extend(self, request_id: str, stage_input: StageInput, final: bool) -> None:
         stream = self.streams.get(request_id)
         if stream is not None:
             stream.feed(final=final, **(stage_input.data or {}))
+            self.starved.discard(request_id)
+            self._report_use(request_id, stream)
+
+    def _report_use(self, rid: str, stream) -> None:
+        """Credit the sources every `stream_chunk` input tokens consumed, and once whenever the
+        stream cannot step without more input (its source must send more whatever its window)."""
+        starved = not stream.done and not self.generator.stream_ready(stream) and rid not in self.starved
+        if starved or stream.consumed - self.credited.get(rid, 0) >= self.stage.stream_chunk:
+            self.credited[rid] = stream.consumed
+            if starved:
+                self.starved.add(rid)
+            self.send_credit(rid, self.sources.get(rid, []), stream.consumed, waiting=starved)
 
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -93,6 +108,7 @@ class GenerationStage(Stage):
             self.streams.pop(rid, None)
             self.sources.pop(rid, None)
             self.credited.pop(rid, None)
+            self.starved.discard(rid)
 
     def step(self) -> int:
         served = 0
@@ -130,12 +146,9 @@ class GenerationStage(Stage):
             return len(rids)
         for rid, stream in zip(rids, streams):
             if stream.done:
-                del self.streams[rid]
-                self.sources.pop(rid, None)
-                self.credited.pop(rid, None)
-            elif stream.consumed - self.credited.get(rid, 0) >= self.stage.stream_chunk:
-                self.credited[rid] = stream.consumed
-                self.send_credit(rid, self.sources.get(rid, []), stream.consumed)
+                self.drop([rid])
+            else:
+                self._report_use(rid, stream)
         self._send(rids, pieces, [s.done for s in streams], [_num_codes(vars(s)) for s in streams])
         return len(rids)
 

@@ -110,11 +110,15 @@ class StagePayload(_Msg):
 class StreamCredit(_Msg):
     """Consumer -> producer of a streamed input: how many of the request's output tokens the
     consumer has used (`consumed`), or -1 when it needs no more (it finished first). The producer
-    runs at most the consumer's `stream_window` tokens ahead of it."""
+    runs at most the consumer's `stream_window` tokens ahead of it, except that a consumer which
+    has used all it was sent and cannot step without more (`waiting`) always gets the next chunk:
+    a consumer reads fewer positions than the producer sent (the talker's reply rows lag the
+    thinker's tokens), so without it a window near the chunk size would stall both."""
 
     request_id: str
     stage_id: int  # the consumer
     consumed: int
+    waiting: bool = False
 
 
 # ---- stage -> api ------------------------------------------------------------------------------
