@@ -175,3 +175,23 @@ def test_unknown_voice_names_the_valid_ones(tiny_models):
     payload = StagePayload(request_id="r", source_stage=0, prompt_token_ids=[1, 2], output_token_ids=[3])
     with pytest.raises(ValueError, match="aiden.*chelsie.*ethan"):
         _ours(model_dir, payload, "Nobody")
+
+
+def test_frameless_first_chunks_read_the_config_once(tiny_models, monkeypatch):
+    """Every talker request's first chunk to code2wav carries no frame yet; the processor gives an
+    empty [16, 0] input without parsing the checkpoint's config per request (16 parses held the
+    code2wav loop 2.95 s at c=16 on the H200)."""
+    from omni_server.models.qwen3_omni_moe import processors as qwen3
+
+    model_dir = str(tiny_models["tiny-qwen3-omni-moe"])
+    reads = []
+    real = qwen3.read_config
+    monkeypatch.setattr(qwen3, "read_config", lambda d: reads.append(d) or real(d))
+    qwen3._code_groups.cache_clear()
+    ctx = SimpleNamespace(stage=SimpleNamespace(model=model_dir), dtype=torch.float32)
+    to_code2wav = processors.get("qwen3_omni_moe.talker_to_code2wav")
+    for i in range(3):
+        payload = StagePayload(request_id=f"r{i}", source_stage=1, prompt_token_ids=[1], output_token_ids=[5])
+        data = to_code2wav({1: payload}, ctx, {}).data
+        assert data["codes"].shape == (real(model_dir).talker_config.num_code_groups, 0)
+    assert reads == [model_dir]

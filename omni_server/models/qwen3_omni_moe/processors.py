@@ -220,13 +220,20 @@ thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model))
 thinker_to_talker.incremental = True
 
 
+@functools.lru_cache(maxsize=4)
+def _code_groups(model_dir: str) -> int:
+    # (Read once: transformers parses the config in ~0.2 s, and every request's first chunk has no
+    # frame yet; per request, 16 of them held code2wav's loop 2.95 s on the H200, 2026-11-30g.)
+    return read_config(model_dir).talker_config.num_code_groups
+
+
 @processors.register("qwen3_omni_moe.talker_to_code2wav")
 def talker_to_code2wav(payloads: dict[int, StagePayload], ctx, options: dict[str, str]) -> StageInput:
     """The talker's frames ([frames, 16], one per fed code: the reference's n - 1 for n sampled codes)
     as code2wav's [16, frames]."""
     codes = _single(payloads).tensors.get("codes")
     if codes is None:  # no frame yet (or the talker stopped at once)
-        codes = torch.zeros(0, read_config(str(ctx.stage.model)).talker_config.num_code_groups, dtype=torch.long)
+        codes = torch.zeros(0, _code_groups(str(ctx.stage.model)), dtype=torch.long)
     return StageInput(data={"codes": codes.to(torch.long).T.contiguous()})
 
 
