@@ -11,11 +11,21 @@ from omni_server.stage.moe_warmup import uses_fused_moe, warm_fused_moe, warm_si
 
 def test_sizes_reach_every_bucket_in_both_forms():
     assert warm_sizes(1) == [1]
-    assert warm_sizes(20) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 20]
+    assert warm_sizes(20) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 20]
     sizes = warm_sizes(2048)
     assert sizes[-1] == 2048 and all(n <= 2048 for n in sizes)
-    for p in (16, 32, 64, 128, 256, 512, 1024):  # a multiple of 16 and a count that is not, per bucket
-        assert p in sizes and p + 1 in sizes
+    # Every key of vLLM's tuned config for the Qwen3-30B-A3B experts on an H200: a multiple of 16
+    # and a count that is not, per bucket.
+    import json
+    from pathlib import Path
+
+    import vllm.model_executor.layers.fused_moe as fused_moe
+
+    table = Path(fused_moe.__file__).parent / "configs" / "E=128,N=768,device_name=NVIDIA_H200.json"
+    keys = [int(k) for k in json.loads(table.read_text())]
+    for key in (k for k in keys if 16 <= k < 2048):
+        assert key in sizes and key + 1 in sizes
+    assert {1536, 1537, 3072, 3073} <= set(warm_sizes(4096))
 
 
 def _runner(model):

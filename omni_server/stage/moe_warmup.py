@@ -14,11 +14,13 @@ import torch
 
 
 def warm_sizes(max_tokens: int) -> list[int]:
-    """Token counts up to `max_tokens`: every power of two and the count after it (a multiple of 16
-    from 16 up, and not), so each of vLLM's token-count buckets runs in both forms."""
+    """Token counts up to `max_tokens`: each of vLLM's token-count buckets in both forms (a multiple
+    of 16 from 16 up, and not). Its tuned configs are keyed by powers of two and by 1.5 times them
+    (24, 48, 96, 1536, 3072: E=128 H200 files), a batch taking the nearest key; warming powers of two
+    only left the 1536 bucket to a live step (a c=16 Qwen3 talker prefill, H200 2026-11-30g)."""
     sizes, p = {max_tokens}, 1
     while p <= max_tokens:
-        sizes.update(n for n in (p, p + 1) if n <= max_tokens)
+        sizes.update(n for q in (p, p * 3 // 2) for n in (q, q + 1) if n <= max_tokens)
         p *= 2
     return sorted(sizes)
 
