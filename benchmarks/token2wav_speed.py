@@ -38,7 +38,10 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
          "graphs_bf16_compiled_blocks": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks",
                                              warmup_graphs=True),
          "graphs_bf16_poly_compiled_blocks": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16",
-                                                  polyphase_upsampling=True, compile="blocks", warmup_graphs=True)}
+                                                  polyphase_upsampling=True, compile="blocks", warmup_graphs=True),
+         # ... the DiT only (block by block), the vocoder's graphs of the plain modules: the shortest compile
+         "graphs_bf16_compiled_dit_blocks": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks",
+                                                 compile_vocoder=False, warmup_graphs=True)}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

@@ -282,3 +282,25 @@ def test_a_loop_slow_between_steps_says_where_the_time_went(caplog):
     (record,) = [r for r in caplog.records if "between engine steps" in r.getMessage()]
     assert "stage 0 (a)" in record.getMessage() and "0 messages" in record.getMessage()
     assert "inputs built in 0.2" in record.getMessage()
+
+
+def test_a_consumer_waiting_for_input_is_never_too_far_behind():
+    """Backpressure's bookkeeping on the producer (`ar._Tracked`): the request pauses once it is
+    `window` tokens ahead of a live consumer's reported use, except while that consumer said it
+    waits for input (it cannot use tokens it has not been sent, nor the last ones of a chunk it
+    reads a step behind); the next chunk sent ends that, and a finished consumer never holds it."""
+    from omni_server.stage.ar import _Tracked
+
+    t = _Tracked(prompt_token_ids=[1, 2], forward_to=[1], stream_to=[1], window=1, with_hidden=False)
+    t.output_token_ids = [5, 6]
+    t.mark_sent()  # 2 tokens out, none reported used
+    assert t.too_far_ahead()
+    t.acked[1] = 1
+    assert t.too_far_ahead()  # 1 ahead of the window of 1
+    t.starved.add(1)  # the consumer used all it could and waits (StreamCredit.waiting)
+    assert not t.too_far_ahead()
+    t.output_token_ids.append(7)
+    t.mark_sent()  # the next chunk went out: the consumer has input again
+    assert t.too_far_ahead()
+    t.done_to.add(1)  # it finished first (consumed -1)
+    assert not t.too_far_ahead()

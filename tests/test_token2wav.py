@@ -467,14 +467,17 @@ def test_dit_compiled_block_by_block_equals_its_layers(model_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("mode", [True, "blocks"])
-def test_cuda_graphs_of_compiled_code(model_dir, mode):
-    """The graphs capture the compiled DiT and vocoder (warmed, so no compile inside a capture),
-    with the polyphase upsampler too, and replay what the eager float32 modules compute."""
+@pytest.mark.parametrize("mode, vocoder", [(True, True), ("blocks", True), ("blocks", False)])
+def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder):
+    """The graphs capture the compiled DiT and vocoder (or the DiT only: `compile_vocoder` false)
+    (warmed, so no compile inside a capture), with the polyphase upsampler too, and replay what the
+    eager float32 modules compute."""
     from torch._dynamo.utils import counters
 
     before = counters["stats"]["unique_graphs"]
-    compiled = Token2Wav(model_dir, device="cuda", compile=mode, polyphase_upsampling=True, warmup_graphs=True)
+    compiled = Token2Wav(model_dir, device="cuda", compile=mode, compile_vocoder=vocoder, polyphase_upsampling=True,
+                         warmup_graphs=True)
+    assert (compiled.vocoder_graphs.fn != compiled._vocoder_body) == vocoder  # (a bound method equals its twin)
     warmed = counters["stats"]["unique_graphs"]
     assert warmed > before  # compiled in the warm-up
     eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False)

@@ -148,10 +148,14 @@ step_t2w() {
   # with and without the vocoder's polyphase upsampling and torch.compile (T2W_MODES: any of
   # token2wav_speed's modes; each compiled mode compiles at its first decode, tens of seconds).
   free_gpus
-  # (2026-11-30f: polyphase alone 1-2% faster; compiled 1.8x at batch 1, 1.5x at 16; 420 s ran out
-  # in the fourth mode.) Whole-DiT compile vs block by block: speed, and start_s (compile cost).
-  timeout 720 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 \
-    --modes ${T2W_MODES:-graphs_bf16 graphs_bf16_compiled graphs_bf16_compiled_blocks graphs_bf16_poly_compiled_blocks} > $R/t2w.txt 2>&1
+  # (2026-11-30g: whole-DiT compile 68 / 298 ms per window at batch 1 / 16, by blocks 74 / 317,
+  # none 124 / 439.) Each mode in its own process, so start_s is its own compile: the DiT alone by
+  # blocks first (cold), then DiT and vocoder (the DiT from Inductor's cache: the difference is the
+  # vocoder's compile).
+  : > $R/t2w.txt
+  for mode in ${T2W_MODES:-graphs_bf16 graphs_bf16_compiled_dit_blocks graphs_bf16_compiled_blocks}; do
+    timeout 400 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes $mode >> $R/t2w.txt 2>&1
+  done
   say "token2wav: $(grep RESULT $R/t2w.txt | python3 -c "import sys,json
 for l in sys.stdin: d=json.loads(l[7:]); print(d['mode'], 'b', d['batch'], d['step_ms_p50'], 'ms/step rtf', d['rtf'], 'start', d.get('start_s'), 's', end='; ')")"
 }
@@ -199,8 +203,11 @@ step_t2wfast() {
   # graphs are captured at start): c=16 is token2wav-bound (busy 0.92 on 2026-11-30e). Its start
   # time says what the compile costs.
   free_gpus
+  # (2026-11-30g, DiT by blocks and vocoder compiled: token2wav ready in 311 s cold, 65 s warm;
+  # now the DiT only unless T2W_VOCODER=true.)
   serve t2wfast 8024 $CFG --stage-arg token2wav.generator_args.polyphase_upsampling=true \
-    --stage-arg token2wav.generator_args.compile=${T2W_COMPILE:-blocks}
+    --stage-arg token2wav.generator_args.compile=${T2W_COMPILE:-blocks} \
+    --stage-arg token2wav.generator_args.compile_vocoder=${T2W_VOCODER:-false}
   wait_ready t2wfast 8024 && bench t2wfast 8024
   stop t2wfast
   say "t2wfast: $(grep -a 'graphs captured\|capture failed' $R/serve_t2wfast.log | cut -c1-200 | tr '\n' ' ')"
@@ -210,7 +217,8 @@ step_t2wfast() {
   # Started again: what the compile costs from Inductor's cache (TORCHINDUCTOR_CACHE_DIR; docker
   # keeps it in the ~/.cache volume).
   serve t2wfast_warm 8024 $CFG --stage-arg token2wav.generator_args.polyphase_upsampling=true \
-    --stage-arg token2wav.generator_args.compile=${T2W_COMPILE:-blocks}
+    --stage-arg token2wav.generator_args.compile=${T2W_COMPILE:-blocks} \
+    --stage-arg token2wav.generator_args.compile_vocoder=${T2W_VOCODER:-false}
   wait_ready t2wfast_warm 8024
   stop t2wfast_warm
   say "t2wfast warm: $(grep -a 'graphs captured\|all 3 stages ready' $R/serve_t2wfast_warm.log | cut -c1-200 | tr '\n' ' ')"
@@ -228,7 +236,7 @@ step_tc4() {
 step_qwen3() {
   # Qwen3-Omni-30B-A3B shapes (benchmarks/qwen3_omni_shape.py: real sizes, dummy weights, the tiny
   # tokenizer's ids) in configs/qwen3_omni.yaml on one GPU, benched as the 7B; the talker capped
-  # at 125 frames (10 s of audio at 12.5 Hz). It has never run on a GPU: its first run is a test.
+  # at 125 frames (10 s of audio at 12.5 Hz). (2026-11-30g: c=16 first audio 5.65 s.)
   free_gpus
   local m3=${M3:-/tmp/omni3}
   if [ ! -f $m3/config.json ]; then
@@ -240,7 +248,7 @@ step_qwen3() {
                              bench qwen3 8021 ${MODEL3:-qwen3-omni}; }
   stop qwen3
   say "qwen3 warm-up: $(grep -a 'warm-up:' $R/serve_qwen3.log | cut -c1-240 | tr '\n' ' ')"
-  say "qwen3 slow loop turns: $(grep -ac 'between engine steps' $R/serve_qwen3.log)"
+  say "qwen3 slow loop turns: $(grep -ac 'between engine steps' $R/serve_qwen3.log), kernels compiled while serving: $(grep -ac 'JIT compilation during inference' $R/serve_qwen3.log)"
 }
 
 step_mps() {

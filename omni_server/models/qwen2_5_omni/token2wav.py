@@ -78,7 +78,8 @@ class Token2Wav:
                  past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20,
                  first_chunk_frames: int | list[int] | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
-                 dit_dtype: str = "float32", polyphase_upsampling: bool = False, compile: bool | str = False):
+                 dit_dtype: str = "float32", polyphase_upsampling: bool = False, compile: bool | str = False,
+                 compile_vocoder: bool = True):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
@@ -156,7 +157,8 @@ class Token2Wav:
         # compile "blocks": the DiT's layers compiled one block at a time, so its 22 layers share
         # the code of their few distinct blocks (3 for the 7B: they differ in attention reach);
         # the CPU host compiled the 7B shape's DiT in 25.6 s instead of 79.3 s, and ran it at 0.49
-        # instead of 0.41 s per call (no fusion across blocks).
+        # instead of 0.41 s per call (no fusion across blocks). compile_vocoder false: the DiT only
+        # (the vocoder took most of the compile on the CPU host: 111 s cold, 36 s from the cache).
         if compile not in (False, True, "blocks"):
             raise ValueError(f"compile must be true, false or \"blocks\", got {compile!r}")
         if compile and not (graphs and warmup_graphs):
@@ -165,7 +167,7 @@ class Token2Wav:
             dit_layers = functools.partial(self._dit_body, block=torch.compile(_run_block, dynamic=True))
         else:
             dit_layers = torch.compile(self._dit_body, dynamic=True) if compile else self._dit_body
-        vocoder = torch.compile(self._vocoder_body, dynamic=True) if compile else self._vocoder_body
+        vocoder = torch.compile(self._vocoder_body, dynamic=True) if compile and compile_vocoder else self._vocoder_body
         self.graphs = DiTGraphs(functools.partial(self._rk4, layers=dit_layers), max_graphs, max_graph_batch,
                                 self.frame_buckets, warm_each=compile, eager=self._rk4) if graphs else None
         # The vocoder's ~2,600 ops per call, likewise: one graph per (batch bucket, mel length).
