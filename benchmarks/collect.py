@@ -81,13 +81,17 @@ def _token2wav_speed(out: Path) -> dict:
     return keys
 
 
+def _served(out: Path, bench: str, key: str) -> dict:
+    """TTFP and RTF (p50) at c=1 and c=16 of one benched server."""
+    levels = {c: _level(out / f"{bench}_c{c}.json") for c in (1, 16)}
+    return {f"{key}_{what}_c{c}": _get(levels[c], field, "p50")
+            for what, field in (("ttfp_ms", "ttfp_ms"), ("rtf", "rtf")) for c in (1, 16)}
+
+
 def collect(out: Path) -> dict:
     c1, c16 = _level(out / "bench7b_c1.json"), _level(out / "bench7b_c16.json")
     full_c1, full_c16 = _level(out / "bench7b_full_c1.json"), _level(out / "bench7b_full_c16.json")
     ref = _level(out / "bench7b_c16_ref.json")
-    sp1, sp16 = _level(out / "speech7b_c1.json"), _level(out / "speech7b_c16.json")
-    q1, q16 = _level(out / "qwen3_c1.json"), _level(out / "qwen3_c16.json")
-    f1, f16 = _level(out / "t2wfast_c1.json"), _level(out / "t2wfast_c16.json")
     return {
         "p1_runner_vs_vllm_bs1": _runner_ratio(out, 1),
         "p1_runner_vs_vllm_bs32": _runner_ratio(out, 32),
@@ -110,22 +114,16 @@ def collect(out: Path) -> dict:
         # warm, thinker and talker given kv_cache_memory_bytes: their engines build side by side
         "p6_ready_s_warm_fixed_kv": _ready_s(out / "serve_sized.log"),
         # /v1/audio/speech on the same server (omni-server bench --speech)
-        "speech_ttfp_ms_c1": _get(sp1, "ttfp_ms", "p50"),
-        "speech_ttfp_ms_c16": _get(sp16, "ttfp_ms", "p50"),
-        "speech_rtf_c1": _get(sp1, "rtf", "p50"),
-        "speech_rtf_c16": _get(sp16, "rtf", "p50"),
+        **_served(out, "speech7b", "speech"),
         # Qwen3-Omni-30B-A3B shapes, configs/qwen3_omni.yaml (session step `qwen3`)
-        "qwen3_ttfp_ms_c1": _get(q1, "ttfp_ms", "p50"),
-        "qwen3_ttfp_ms_c16": _get(q16, "ttfp_ms", "p50"),
-        "qwen3_rtf_c1": _get(q1, "rtf", "p50"),
-        "qwen3_rtf_c16": _get(q16, "rtf", "p50"),
+        **_served(out, "qwen3", "qwen3"),
         "qwen3_ready_s": _ready_s(out / "serve_qwen3.log"),
+        # the 7B config under CUDA MPS (step `mps`), and with token2wav's compile too (MPS_FAST=1)
+        **_served(out, "mps", "mps"),
+        **_served(out, "mpsfast", "mpsfast"),
         # the 7B config with token2wav's polyphase upsampling and compile (session step `t2wfast`),
         # then the same started again (compile from Inductor's cache)
-        "t2wfast_ttfp_ms_c1": _get(f1, "ttfp_ms", "p50"),
-        "t2wfast_ttfp_ms_c16": _get(f16, "ttfp_ms", "p50"),
-        "t2wfast_rtf_c1": _get(f1, "rtf", "p50"),
-        "t2wfast_rtf_c16": _get(f16, "rtf", "p50"),
+        **_served(out, "t2wfast", "t2wfast"),
         "t2wfast_ready_s": _ready_s(out / "serve_t2wfast.log"),
         "t2wfast_ready_s_warm": _ready_s(out / "serve_t2wfast_warm.log"),
         # token2wav alone (session step `t2w`): keys t2w_<mode>_b<batch>_{step_ms,rtf}, t2w_<mode>_start_s

@@ -268,6 +268,15 @@ step_mps() {
     wait_ready mpsprio 8023 && bench mpsprio 8023
     stop mpsprio
   fi
+  # MPS_FAST=1: under MPS with t2wfast's token2wav (run `t2wfast` first: its compile cache). MPS
+  # and compile each brought c=16 first audio near p2's 1000 ms goal (1023 and 1037 ms).
+  if [ -n "${MPS_FAST:-}" ]; then
+    serve mpsfast 8025 $CFG --stage-arg token2wav.generator_args.polyphase_upsampling=true \
+      --stage-arg token2wav.generator_args.compile=${T2W_COMPILE:-blocks} \
+      --stage-arg token2wav.generator_args.compile_vocoder=${T2W_VOCODER:-false}
+    wait_ready mpsfast 8025 && bench mpsfast 8025
+    stop mpsfast
+  fi
   echo quit | nvidia-cuda-mps-control
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
