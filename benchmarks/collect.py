@@ -60,6 +60,18 @@ def _hbm_fraction(out: Path) -> float | None:
     return round(tb_s / H200_HBM_TB_S, 3) if tb_s else None
 
 
+def _talker(out: Path) -> dict:
+    """Session step `talker` (talker_*.txt): decode tok/s of the 7B talker's shape per engine (plain
+    vLLM, our stage loop), sampling (greedy, the talker's) and batch."""
+    keys = {}
+    for f in sorted(out.glob("talker_*.txt")):
+        for line in f.read_text().splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[7:])
+                keys[f"talker_{r['mode']}_{r['sampling']}_bs{r['batch']}_tok_s"] = round(r["tok_s"], 1)
+    return keys
+
+
 def _ready_s(log: Path) -> float | None:
     m = re.search(r"all \d+ stages ready in ([\d.]+) s", log.read_text(errors="replace")) if log.exists() else None
     return float(m.group(1)) if m else None
@@ -128,6 +140,8 @@ def collect(out: Path) -> dict:
         "t2wfast_ready_s_warm": _ready_s(out / "serve_t2wfast_warm.log"),
         # token2wav alone (session step `t2w`): keys t2w_<mode>_b<batch>_{step_ms,rtf}, t2w_<mode>_start_s
         **_token2wav_speed(out),
+        # the talker's decoder alone (session step `talker`): talker_<engine>_<sampling>_bs<batch>_tok_s
+        **_talker(out),
     }
 
 

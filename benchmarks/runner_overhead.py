@@ -4,7 +4,10 @@
     python benchmarks/runner_overhead.py --model qwen2-7b --mode omni --batch 1 32
 
 `--model qwen2-7b` writes a Qwen2-7B-shaped config (dummy weights, no tokenizer) to a temp dir;
-any checkpoint dir works too. `omni` runs our stage loop (ARStage: EngineCore + OmniScheduler +
+`--model talker-7b` one of the Qwen2.5-Omni-7B talker's decoder sizes (as a Qwen3, whose config
+takes its head_dim of 128 at 896 hidden; Qwen2's derives head_dim from them); any checkpoint dir works too. `--sampling talker`
+samples as the talker does (temperature, top-k, top-p, repetition penalty) instead of greedily:
+with a small model the sampler's per-step host work is a large share of a decode step. `omni` runs our stage loop (ARStage: EngineCore + OmniScheduler +
 hidden-emitting runner) with every request forwarding its hidden states to a consumer, whose
 payloads are encoded as for the wire and dropped; `vllm` runs vllm.LLM.generate. Prints one JSON
 line per batch size: decode tokens/s = batch * output_len / median wall time of `--repeats` whole
@@ -30,6 +33,22 @@ def qwen2_7b_dir() -> str:
                 rope_theta=1e6, tie_word_embeddings=False, torch_dtype="bfloat16",
                 architectures=["Qwen2ForCausalLM"]).save_pretrained(d)
     return d
+
+
+def talker_7b_dir() -> str:
+    from transformers import Qwen3Config
+
+    d = tempfile.mkdtemp(prefix="talker-7b-shape-")
+    Qwen3Config(vocab_size=8448, hidden_size=896, intermediate_size=18944, num_hidden_layers=24,
+                num_attention_heads=12, num_key_value_heads=4, head_dim=128, max_position_embeddings=32768,
+                rope_theta=1e6, tie_word_embeddings=False, torch_dtype="bfloat16",
+                architectures=["Qwen3ForCausalLM"]).save_pretrained(d)
+    return d
+
+
+# The Qwen2.5-Omni talker's sampling (configs/qwen2_5_omni.yaml), or greedy.
+SAMPLING = {"greedy": dict(temperature=0.0),
+            "talker": dict(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05)}
 
 
 def decode_bytes_per_step(model_dir: str, batch: int, context: int, dtype_bytes: int = 2) -> int:
@@ -58,12 +77,13 @@ def _rate(mode: str, bs: int, out_len: int, walls: list[float]) -> dict:
             "tok_s_min": bs * out_len / max(walls), "tok_s_max": bs * out_len / min(walls)}
 
 
-def run_vllm(engine_args: dict, batches: list[int], in_len: int, out_len: int, repeats: int) -> list[dict]:
+def run_vllm(engine_args: dict, batches: list[int], in_len: int, out_len: int, repeats: int,
+             sampling: str = "greedy") -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(**engine_args)
-    sp = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    sp = SamplingParams(max_tokens=out_len, ignore_eos=True, detokenize=False, **SAMPLING[sampling])
     results = []
     for bs in batches:
         ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(bs, in_len)]
@@ -100,7 +120,7 @@ class _NullSockets:
 
 
 def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, emit: bool,
-             repeats: int) -> list[dict]:
+             repeats: int, sampling: str = "greedy") -> list[dict]:
     from omni_server.config.schema import PipelineConfig
     from omni_server.stage.ar import ARStage
     from omni_server.stage.profiling import StepProfiler
@@ -114,7 +134,7 @@ def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, e
     cfg = PipelineConfig(model="bench", stages=stages)
     sockets = _NullSockets()
     stage = ARStage(cfg, 0, sockets)
-    spec = SamplingSpec(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    spec = SamplingSpec(max_tokens=out_len, ignore_eos=True, **SAMPLING[sampling])
     fwd = [1] if emit else []
     prof = StepProfiler.from_env("runner")  # OMNI_PROFILE, as in a stage's loop
     results = []
@@ -146,6 +166,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen2-7b")
     p.add_argument("--mode", choices=["vllm", "omni", "omni-plain"], required=True)
+    p.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
@@ -155,20 +176,22 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="measured runs per batch size (median), after a warm-up")
     a = p.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    model = qwen2_7b_dir() if a.model == "qwen2-7b" else a.model
-    engine_args = dict(model=model, dtype=a.dtype, load_format="dummy", skip_tokenizer_init=a.model == "qwen2-7b",
+    shapes = {"qwen2-7b": qwen2_7b_dir, "talker-7b": talker_7b_dir}
+    model = shapes[a.model]() if a.model in shapes else a.model
+    engine_args = dict(model=model, dtype=a.dtype, load_format="dummy", skip_tokenizer_init=a.model in shapes,
                        max_model_len=a.input_len + a.output_len + 64, max_num_seqs=max(a.batch),
                        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
                        enable_prefix_caching=False)
     if a.mode == "vllm":
-        res = run_vllm(engine_args, a.batch, a.input_len, a.output_len, a.repeats)
+        res = run_vllm(engine_args, a.batch, a.input_len, a.output_len, a.repeats, a.sampling)
     else:
-        res = run_omni(engine_args, a.batch, a.input_len, a.output_len, emit=a.mode == "omni", repeats=a.repeats)
+        res = run_omni(engine_args, a.batch, a.input_len, a.output_len, emit=a.mode == "omni", repeats=a.repeats,
+                       sampling=a.sampling)
     for r in res:
         # Achieved HBM read bandwidth of the decode steps (prefill's share of the wall time ignored).
         step = decode_bytes_per_step(model, r["batch"], a.input_len + a.output_len // 2)
         r["hbm_tb_s"] = round(r["tok_s"] / r["batch"] * step / 1e12, 3)
-        print("RESULT " + json.dumps({"model": a.model, **r}), flush=True)
+        print("RESULT " + json.dumps({"model": a.model, "sampling": a.sampling, **r}), flush=True)
 
 
 if __name__ == "__main__":

@@ -642,5 +642,5 @@ def test_check_rejects_generator_args_the_generator_does_not_take(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()[1:]
     assert line.startswith(f"{path}: stage 1 (t2w): generator_args: 'tf_32' not taken by generator "
-                           "'qwen2_5_omni.token2wav' (it takes: chunk_frames, compile, cuda_graphs,")
+                           "'qwen2_5_omni.token2wav' (it takes: chunk_frames, compile, compile_vocoder, cuda_graphs,")
     assert "tf32" in line and "vocoder_context_frames" in line

@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main tests qwen3 t2wfast t2w full", ~1,500 s
-# estimated; also: runner mps prof ref w144 layouts fc24 fc72 tc4).
+# estimated; also: runner talker mps prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -293,6 +293,20 @@ step_tests() {
   OMNI_TEST_LOG_DIR=$R/testlogs OMP_NUM_THREADS=${TESTS_THREADS:-4} \
     timeout -s INT -k 30 ${TESTS_TIMEOUT:-1200} python3 -m pytest -p no:cacheprovider -q -rf --durations=15 $TESTS > $R/tests.log 2>&1
   say "CUDA e2e tests: $(tail -1 $R/tests.log)"
+}
+
+step_talker() {
+  # The 7B talker's decoder shape alone, batch 1 and 16: plain vLLM greedy vs with the talker's
+  # sampling (temperature, top-k, top-p, repetition penalty), and our stage loop with it. At c=1
+  # the served talker is host-bound (2026-11-30g: 4.7 ms per step, 1.8 ms of GPU work): how much
+  # of a step is vLLM's sampler?
+  free_gpus
+  for run in "vllm greedy" "vllm talker" "omni-plain talker"; do
+    set -- $run
+    timeout 300 python3 benchmarks/runner_overhead.py --model talker-7b --mode $1 --sampling $2 --batch 1 16 \
+      > $R/talker_$1_$2.txt 2>&1
+    say "talker $1 $2: $(grep RESULT $R/talker_$1_$2.txt | cut -c1-200 | tr '\n' ' ')"
+  done
 }
 
 step_runner() {
