@@ -194,11 +194,9 @@ class ARStage(Stage):
         self._in_flight: list = []
         self._compact_next: list[tuple[str, _Tracked]] = []
         # Requests whose input is still streaming in -> per-step rows handed to the runner so far,
-        # their sources, the consumption last reported to them, and those that told them they wait.
+        # and their sources.
         self.stream_in: dict[str, int] = {}
         self.stream_src: dict[str, list[int]] = {}
-        self.credited: dict[str, int] = {}
-        self.starved: set[str] = set()
         self.core.scheduler.held = self._held
         # Load what the input processor needs now, not on the first request (seconds on a big model).
         prepare = getattr(self.processor, "prepare", None)
@@ -299,14 +297,13 @@ class ARStage(Stage):
             # Reach the runner with the next step, before its forward.
             self.core.scheduler.queue_step_embeds(request_id, more, stage_input.step_ready)
             self.stream_in[request_id] += len(more)
-            self.starved.discard(request_id)
+            self.input_arrived(request_id)
         if final:
             self._end_stream(request_id)
 
     def _end_stream(self, request_id: str) -> list[int] | None:
         """Forget a streamed input's state; its sources (None: it was not streaming in)."""
-        self.credited.pop(request_id, None)
-        self.starved.discard(request_id)
+        self.forget_use(request_id)
         sources = self.stream_src.pop(request_id, None)
         return sources if self.stream_in.pop(request_id, None) is not None else None
 
@@ -451,12 +448,7 @@ class ARStage(Stage):
             if req is None:
                 continue
             used = req.num_computed_tokens - req.num_prompt_tokens
-            starved = used >= self.stream_in.get(rid, 0) and rid not in self.starved
-            if starved or used - self.credited.get(rid, 0) >= self.stage.stream_chunk:
-                self.credited[rid] = used
-                if starved:
-                    self.starved.add(rid)
-                self.send_credit(rid, sources, used, waiting=starved)
+            self.report_use(rid, sources, used, waiting=used >= self.stream_in.get(rid, 0))
 
     def _settle(self) -> None:
         """Wait for the last step's copies; join the pieces of requests with many loose ones."""

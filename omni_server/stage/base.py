@@ -123,6 +123,10 @@ class Stage:
         self.first_output_s = 0.0
         self.running = True
         self.startup_s = 0.0
+        # Streamed inputs (consumer side of backpressure): the use last reported to each request's
+        # sources, and the requests that told them they wait for input (until more arrives).
+        self.credited: dict[str, int] = {}
+        self.starved: set[str] = set()
 
     # ---- engine side (subclasses) ----------------------------------------------------------
 
@@ -154,6 +158,24 @@ class Stage:
 
     def credit(self, msg: StreamCredit) -> None:
         """A streaming consumer used more of a request's output (producers only)."""
+
+    def report_use(self, request_id: str, sources: list[int], used: int, waiting: bool) -> None:
+        """Credit a streamed input's sources every `stream_chunk` input tokens used, and once each
+        time the request cannot step without more input (`waiting`: its sources must then send
+        more whatever their window; `input_arrived` re-arms it)."""
+        waiting = waiting and request_id not in self.starved
+        if waiting or used - self.credited.get(request_id, 0) >= self.stage.stream_chunk:
+            self.credited[request_id] = used
+            if waiting:
+                self.starved.add(request_id)
+            self.send_credit(request_id, sources, used, waiting=waiting)
+
+    def input_arrived(self, request_id: str) -> None:
+        self.starved.discard(request_id)
+
+    def forget_use(self, request_id: str) -> None:
+        self.credited.pop(request_id, None)
+        self.starved.discard(request_id)
 
     def send_credit(self, request_id: str, sources: list[int], consumed: int, waiting: bool = False) -> None:
         """Tell this request's streaming sources how much of their output was used (-1: no more

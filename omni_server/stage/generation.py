@@ -49,11 +49,8 @@ class GenerationStage(Stage):
                              f"{lead} input tokens the generator reads ahead; raise it")
         self.ready: OrderedDict[str, tuple[ExpectRequest, StageInput]] = OrderedDict()
         self.streams: OrderedDict[str, Any] = OrderedDict()
-        # Streamed requests' sources, the consumption last reported to them and those told that
-        # the request waits for input (backpressure).
+        # Streamed requests' sources (backpressure credits).
         self.sources: dict[str, list[int]] = {}
-        self.credited: dict[str, int] = {}
-        self.starved: set[str] = set()
         self.startup_s = time.monotonic() - t0
 
     def info(self) -> dict[str, str]:
@@ -89,26 +86,19 @@ class GenerationStage(Stage):
         stream = self.streams.get(request_id)
         if stream is not None:
             stream.feed(final=final, **(stage_input.data or {}))
-            self.starved.discard(request_id)
+            self.input_arrived(request_id)
             self._report_use(request_id, stream)
 
     def _report_use(self, rid: str, stream) -> None:
-        """Credit the sources every `stream_chunk` input tokens consumed, and once whenever the
-        stream cannot step without more input (its source must send more whatever its window)."""
-        starved = not stream.done and not self.generator.stream_ready(stream) and rid not in self.starved
-        if starved or stream.consumed - self.credited.get(rid, 0) >= self.stage.stream_chunk:
-            self.credited[rid] = stream.consumed
-            if starved:
-                self.starved.add(rid)
-            self.send_credit(rid, self.sources.get(rid, []), stream.consumed, waiting=starved)
+        waiting = not stream.done and not self.generator.stream_ready(stream)
+        self.report_use(rid, self.sources.get(rid, []), stream.consumed, waiting)
 
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.ready.pop(rid, None)
             self.streams.pop(rid, None)
             self.sources.pop(rid, None)
-            self.credited.pop(rid, None)
-            self.starved.discard(rid)
+            self.forget_use(rid)
 
     def step(self) -> int:
         served = 0
