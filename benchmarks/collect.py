@@ -33,18 +33,18 @@ H200_HBM_TB_S = 4.3
 TINY = "tiny-qwen2_5-omni"
 
 
+def _results(files) -> list[dict]:
+    """The `RESULT {json}` lines the benchmark scripts print, from these files in order."""
+    return [json.loads(line[7:]) for f in files if f.exists()
+            for line in f.read_text().splitlines() if line.startswith("RESULT ")]
+
+
 def _runner(out: Path, batch: int, model: str = "qwen2-7b") -> dict[str, dict]:
     """runner_overhead RESULT lines at this batch for this model (its name or its dir's), by mode."""
-    rows: dict[str, dict] = {}
-    for f in sorted(out.glob("runner_*.txt")):
-        if f.name.startswith("runner_prof"):  # the profiled run: its steps are slowed by the profiler
-            continue
-        for line in f.read_text().splitlines():
-            if line.startswith("RESULT "):
-                r = json.loads(line[7:])
-                if r.get("batch") == batch and Path(str(r.get("model", ""))).name == model:
-                    rows[r.get("mode", "")] = r
-    return rows
+    # (Not runner_prof*: the profiled run's steps are slowed by the profiler.)
+    files = [f for f in sorted(out.glob("runner_*.txt")) if not f.name.startswith("runner_prof")]
+    return {r.get("mode", ""): r for r in _results(files)
+            if r.get("batch") == batch and Path(str(r.get("model", ""))).name == model}
 
 
 def _runner_ratio(out: Path, batch: int, model: str = "qwen2-7b", mode: str = "omni-emit") -> float | None:
@@ -63,13 +63,8 @@ def _hbm_fraction(out: Path) -> float | None:
 def _talker(out: Path) -> dict:
     """Session step `talker` (talker_*.txt): decode tok/s of the 7B talker's shape per engine (plain
     vLLM, our stage loop), sampling (greedy, the talker's) and batch."""
-    keys = {}
-    for f in sorted(out.glob("talker_*.txt")):
-        for line in f.read_text().splitlines():
-            if line.startswith("RESULT "):
-                r = json.loads(line[7:])
-                keys[f"talker_{r['mode']}_{r['sampling']}_bs{r['batch']}_tok_s"] = round(r["tok_s"], 1)
-    return keys
+    return {f"talker_{r['mode']}_{r['sampling']}_bs{r['batch']}_tok_s": round(r["tok_s"], 1)
+            for r in _results(sorted(out.glob("talker_*.txt")))}
 
 
 def _ready_s(log: Path) -> float | None:
@@ -81,15 +76,12 @@ def _token2wav_speed(out: Path) -> dict:
     """benchmarks/token2wav_speed.py RESULT lines (t2w.txt): per mode and batch, ms per window step
     and RTF, and per mode its start (construction, warm-up and any compile) in seconds."""
     keys: dict = {}
-    f = out / "t2w.txt"
-    for line in f.read_text().splitlines() if f.exists() else ():
-        if line.startswith("RESULT "):
-            r = json.loads(line[7:])
-            name = f"t2w_{r['mode']}"
-            keys[f"{name}_b{r['batch']}_step_ms"] = r.get("step_ms_p50")
-            keys[f"{name}_b{r['batch']}_rtf"] = r.get("rtf")
-            if r.get("start_s") is not None:
-                keys[f"{name}_start_s"] = r["start_s"]
+    for r in _results([out / "t2w.txt"]):
+        name = f"t2w_{r['mode']}"
+        keys[f"{name}_b{r['batch']}_step_ms"] = r.get("step_ms_p50")
+        keys[f"{name}_b{r['batch']}_rtf"] = r.get("rtf")
+        if r.get("start_s") is not None:
+            keys[f"{name}_start_s"] = r["start_s"]
     return keys
 
 
