@@ -20,3 +20,15 @@ def test_a_fixed_kv_size_stops_vllm_demanding_most_of_the_gpu_free():
     assert build_engine_args(cfg, 0).gpu_memory_utilization == 0.6
     cfg = load_config_text("model: m\nstages: [{id: 0, name: lm, model: x, output: text}]\n")
     assert build_engine_args(cfg, 0).gpu_memory_utilization == 0.92  # vLLM's default
+
+
+def test_top_k_stages_register_our_sampler():
+    """A talker (default top-k) gets omni-server's sampler as a vLLM logits processor, beside any
+    the YAML names; the thinker (vLLM's sampler) gets none; `sampler: vllm` opts out."""
+    from omni_server.stage.sampling import LOGITS_PROCESSOR
+
+    cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml", ["talker.logits_processors=[pkg.mod:Other]"])
+    assert build_engine_args(cfg, 1).logits_processors == ["pkg.mod:Other", LOGITS_PROCESSOR]
+    assert not build_engine_args(cfg, 0).logits_processors
+    cfg = load_config(REPO / "configs" / "qwen3_omni.yaml", ["talker.sampler=vllm"])
+    assert not build_engine_args(cfg, 1).logits_processors

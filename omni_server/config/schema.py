@@ -66,6 +66,11 @@ class StageConfig(_Strict):
     # waveform), or nothing.
     output: Literal["text", "tokens", "audio"] | None = None
     default_sampling: SamplingDefaults = SamplingDefaults()
+    # AR stages: who draws tokens with top-k 1..1024 and a temperature (a talker's codec sampling).
+    # "omni": omni-server's sampler (top-k before top-p, no sort of the vocabulary, the repetition
+    # penalty from a seen-token mask on the device: less host work per step than vLLM's); "vllm":
+    # vLLM's sampler; "auto": "omni" when `default_sampling.top_k` is set. Other requests: vLLM.
+    sampler: Literal["auto", "omni", "vllm"] = "auto"
     # Engine processes behind this stage id; each request goes to the least-loaded ready one.
     replicas: int = Field(1, ge=1)
     # Per replica, CUDA_VISIBLE_DEVICES (overrides `devices`), e.g. ["0", "1"] for one GPU each.
@@ -122,6 +127,8 @@ class StageConfig(_Strict):
                 raise ValueError("a `generation` stage needs `inputs` (it runs on upstream outputs)")
             if self.model_class or self.engine_args:
                 raise ValueError("`model_class` / `engine_args` are for `ar` stages")
+            if self.sampler == "omni":
+                raise ValueError("`sampler` is for `ar` stages")
         elif self.generator or self.generator_args:
             raise ValueError("`generator` / `generator_args` are only for `kind: generation` stages")
         if self.output == "audio" and self.kind != "generation":
@@ -140,6 +147,13 @@ class StageConfig(_Strict):
 
     def devices_of(self, replica: int) -> str | None:
         return self.replica_devices[replica] if self.replica_devices is not None else self.devices
+
+    @property
+    def omni_sampler(self) -> bool:
+        """Whether omni-server's sampler draws this AR stage's top-k requests (see `sampler`)."""
+        if self.kind != "ar" or self.sampler == "vllm":
+            return False
+        return self.sampler == "omni" or bool(self.default_sampling.top_k)
 
 
 class ServerConfig(_Strict):

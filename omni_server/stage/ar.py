@@ -167,6 +167,10 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
     if cfg.consumers(stage_id):
         # Consumers need hidden states for every prompt position; cached prefixes would skip them.
         args["enable_prefix_caching"] = False
+    if stage.omni_sampler:
+        from omni_server.stage.sampling import LOGITS_PROCESSOR
+
+        args["logits_processors"] = [*(args.get("logits_processors") or ()), LOGITS_PROCESSOR]
     return EngineArgs(**args)
 
 
@@ -334,6 +338,8 @@ class ARStage(Stage):
                          positions: torch.Tensor | None = None):
         from vllm import SamplingParams
 
+        from omni_server.stage import sampling
+
         extra: dict[str, Any] = {}
         if emit_hidden:
             extra[EMIT_HIDDEN] = True
@@ -341,11 +347,13 @@ class ARStage(Stage):
             extra[STEP_EMBEDS] = step_embeds
         if positions is not None:
             extra[MROPE_POSITIONS] = positions
+        drawn = {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
+                 "repetition_penalty": spec.repetition_penalty, "seed": spec.seed}
+        if self.stage.omni_sampler and sampling.takes(spec.temperature, spec.top_k):
+            drawn, extra[sampling.SPEC] = sampling.vllm_params(**drawn)
         return SamplingParams(
-            max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-            top_k=spec.top_k, min_tokens=spec.min_tokens, seed=spec.seed,
-            repetition_penalty=spec.repetition_penalty, stop_token_ids=list(spec.stop_token_ids),
-            ignore_eos=spec.ignore_eos, detokenize=False,
+            max_tokens=spec.max_tokens, min_tokens=spec.min_tokens, **drawn,
+            stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, detokenize=False,
             # Suppressed tokens can never be sampled (a -inf bias; vLLM clamps only OpenAI-API biases).
             logit_bias={t: float("-inf") for t in spec.suppress_token_ids} or None,
             extra_args=extra or None,

@@ -17,6 +17,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS, HiddenCapture
+from omni_server.stage.sampling import requested
 from omni_server.stage.transfer import host_index, receive, to_device
 
 
@@ -221,13 +222,14 @@ class StepPredictor:
     def _predict_generator(self, rid: str):
         st = self._predict_state()["gen"]
         if rid not in st:
-            params = self.requests[rid].sampling_params
-            if params is None or params.temperature == 0:
+            # As the request asked, also when our sampler draws its tokens (vLLM then sees greedy).
+            temperature, seed = requested(self.requests[rid].sampling_params)
+            if temperature == 0:
                 st[rid] = None
             else:
                 g = torch.Generator(device=self.device)
                 # Unseeded requests draw a fresh seed without touching the global RNG.
-                g.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
+                g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(7), "little"))
                 st[rid] = g
         return st[rid]
 

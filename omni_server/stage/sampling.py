@@ -1,0 +1,202 @@
+"""Top-k sampling inside vLLM's logits pass, for requests vLLM then samples greedily.
+
+A talker samples every codec token with temperature, top-k, top-p and a repetition penalty, one
+token per step at a few ms per step, so the sampler's host work counts. vLLM's sampler rebuilds the
+penalty's token counts from every request's Python token list each step (a [batch, longest output]
+tensor, then vocab-sized bins) and sorts the whole vocabulary for top-k / top-p. Here, per step:
+the repetition penalty reads a seen-token mask kept on the device (each step adds only the new
+tokens), top-k comes first (torch.topk), top-p works on those k, and the token is drawn by the same
+exponential race as vLLM's. The row leaves as one-hot logits (0 at the token, -inf elsewhere), and
+the request, given to vLLM as greedy (temperature 0, no penalty), takes that token.
+
+The order and the distribution are transformers' (repetition penalty over prompt and output
+tokens, temperature, top-k, top-p): tests/test_sampling.py compares them.
+
+Registered as a vLLM logits processor (its extension point), on stages that use it only: vLLM
+hands logits processors the requests' output token lists, which costs a little per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+# SamplingParams.extra_args key: [temperature, top_k, top_p, repetition_penalty, seed or None].
+SPEC = "omni_sampling"
+# Above this many candidates a full sort is no worse than top-k; vLLM samples such requests.
+MAX_TOP_K = 1024
+LOGITS_PROCESSOR = "omni_server.stage.sampling:OmniSampler"
+_EPS = 1e-5  # vLLM's: a lower temperature is greedy
+
+
+def takes(temperature: float, top_k: int) -> bool:
+    """Whether this sampler draws a request's tokens (otherwise vLLM does)."""
+    return temperature >= _EPS and 0 < top_k <= MAX_TOP_K
+
+
+def vllm_params(temperature: float, top_k: int, top_p: float, repetition_penalty: float,
+                seed: int | None) -> tuple[dict[str, Any], list]:
+    """SamplingParams fields for a request this sampler takes (vLLM: greedy, no penalty) and its
+    extra_args entry."""
+    given = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, "seed": None}
+    return given, [float(temperature), int(top_k), float(top_p), float(repetition_penalty), seed]
+
+
+def requested(params) -> tuple[float, int | None]:
+    """(temperature, seed) a request asked for, whichever sampler draws its tokens."""
+    spec = params.extra_args.get(SPEC) if params is not None and params.extra_args else None
+    if spec is not None:
+        return spec[0], spec[4]
+    if params is None:
+        return 0.0, None
+    return params.temperature, params.seed
+
+
+def candidates(logits: torch.Tensor, seen: torch.Tensor | None, penalty: torch.Tensor | None,
+               temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution each row samples from: (probs [n, k] unnormalised, token ids [n, k]).
+
+    logits [n, V] float32; seen [n, V] bool (prompt and output tokens so far) with penalty [n];
+    temperature [n]; top_k [n] int (None: every row k); top_p [n] (None: 1); k = max top_k."""
+    x = logits
+    if penalty is not None:
+        p = penalty[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
+    x = x / temperature[:, None]
+    vals, ids = x.topk(k, dim=-1)  # sorted, largest first
+    if top_k is not None:
+        col = torch.arange(k, device=x.device)
+        vals = vals.masked_fill(col[None, :] >= top_k[:, None], float("-inf"))
+    probs = vals.softmax(dim=-1)
+    if top_p is not None:
+        # Keep the smallest prefix reaching top_p: a token stays if the mass before it is short of it.
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], 0.0)
+    return probs, ids
+
+
+class _Req:
+    __slots__ = ("temperature", "top_k", "top_p", "penalty", "generator", "outputs", "counted")
+
+    def __init__(self, spec: list, outputs: list[int], device: torch.device):
+        self.temperature, self.top_k, self.top_p, self.penalty, seed = spec
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(int(seed))
+        self.outputs = outputs  # vLLM's live list of the request's output tokens
+        self.counted = 0  # of those, how many are in the seen mask
+
+
+class OmniSampler(LogitsProcessor):
+    """Samples the requests whose SamplingParams.extra_args carry SPEC; leaves other rows alone."""
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+        self.device = torch.device(device)
+        self.pin = is_pin_memory
+        self.vocab = vllm_config.model_config.get_vocab_size()
+        self.max_rows = vllm_config.scheduler_config.max_num_seqs
+        self.reqs: dict[int, _Req] = {}  # batch row -> request
+        self.seen: torch.Tensor | None = None  # [max_rows, vocab] bool, allocated on first use
+        self._layout: tuple | None = None  # per-step tensors, rebuilt when the batch changes
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it chooses the token
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for row in batch_update.removed:
+            self.reqs.pop(row, None)
+        for row, params, prompt, outputs in batch_update.added:
+            spec = params.extra_args.get(SPEC) if params is not None and params.extra_args else None
+            if spec is None:
+                self.reqs.pop(row, None)
+                continue
+            req = self.reqs[row] = _Req(spec, outputs, self.device)
+            if req.penalty != 1.0:
+                self._reset_seen(row, list(prompt or ()))
+        for a, b, how in batch_update.moved:
+            ra, rb = self.reqs.pop(a, None), self.reqs.pop(b, None)
+            if ra is not None:
+                self.reqs[b] = ra
+            if how == MoveDirectionality.SWAP and rb is not None:
+                self.reqs[a] = rb
+            if self.seen is not None:
+                if how == MoveDirectionality.SWAP:
+                    self.seen[[a, b]] = self.seen[[b, a]]
+                else:
+                    self.seen[b] = self.seen[a]
+        self._layout = None
+
+    def _reset_seen(self, row: int, tokens: list[int]) -> None:
+        if self.seen is None:
+            self.seen = torch.zeros(self.max_rows, self.vocab, dtype=torch.bool, device=self.device)
+        self.seen[row] = False
+        ids = [t for t in tokens if 0 <= t < self.vocab]
+        if ids:
+            self.seen[row, self._to_device(ids)] = True
+
+    def _to_device(self, values: list, dtype=torch.long) -> torch.Tensor:
+        # From pinned memory without blocking: the step's kernels queue behind the copy.
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda" and self.pin:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def _build_layout(self, n_rows: int) -> tuple:
+        rows = sorted(self.reqs)
+        reqs = [self.reqs[r] for r in rows]
+        whole = rows == list(range(n_rows))
+        index = None if whole else self._to_device(rows)
+        k = max(r.top_k for r in reqs)
+        top_k = None if all(r.top_k == k for r in reqs) else self._to_device([r.top_k for r in reqs])
+        top_p = None if all(r.top_p >= 1.0 for r in reqs) else self._to_device([r.top_p for r in reqs], torch.float32)
+        penalized = any(r.penalty != 1.0 for r in reqs)
+        penalty = self._to_device([r.penalty for r in reqs], torch.float32) if penalized else None
+        temperature = self._to_device([r.temperature for r in reqs], torch.float32)
+        seeded = [(i, r.generator) for i, r in enumerate(reqs) if r.generator is not None]
+        return rows, reqs, index, k, top_k, top_p, penalty, temperature, seeded
+
+    def _see_outputs(self, rows: list[int], reqs: list[_Req]) -> None:
+        """Add the output tokens vLLM appended since the last step to the seen mask."""
+        pairs: list[int] = []
+        for row, req in zip(rows, reqs):
+            if req.penalty == 1.0:
+                continue
+            out = req.outputs
+            while req.counted < len(out):
+                t = out[req.counted]
+                if t < 0:  # an async-scheduling placeholder: read it once vLLM fills it in
+                    break
+                if t < self.vocab:
+                    pairs += (row, t)
+                req.counted += 1
+        if pairs:
+            both = self._to_device(pairs).view(-1, 2)
+            self.seen[both[:, 0], both[:, 1]] = True
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.reqs:
+            return logits
+        if self._layout is None:
+            self._layout = self._build_layout(logits.shape[0])
+        rows, reqs, index, k, top_k, top_p, penalty, temperature, seeded = self._layout
+        seen = None
+        if penalty is not None:
+            self._see_outputs(rows, reqs)
+            v = logits.shape[1]
+            seen = self.seen[: len(rows), :v] if index is None else self.seen[index, :v]
+        x = logits if index is None else logits[index]
+        probs, ids = candidates(x, seen, penalty, temperature, top_k, top_p, k)
+        q = torch.empty_like(probs)
+        q.exponential_()
+        for i, g in seeded:
+            q[i].exponential_(generator=g)
+        token = ids.gather(1, probs.div_(q).argmax(dim=-1, keepdim=True))
+        chosen = torch.full_like(x, float("-inf")).scatter_(1, token, 0.0)
+        if index is None:
+            return chosen
+        return logits.index_copy_(0, index, chosen)
