@@ -6,7 +6,8 @@
 `--model qwen2-7b` writes a Qwen2-7B-shaped config (dummy weights, no tokenizer) to a temp dir;
 `--model talker-7b` one of the Qwen2.5-Omni-7B talker's decoder sizes (as a Qwen3, whose config
 takes its head_dim of 128 at 896 hidden; Qwen2's derives head_dim from them); any checkpoint dir works too. `--sampling talker`
-samples as the talker does (temperature, top-k, top-p, repetition penalty) instead of greedily:
+samples as the talker does (temperature, top-k, top-p, repetition penalty) instead of greedily
+(`talker-omni`: drawn by omni-server's sampler, as a served talker does):
 with a small model the sampler's per-step host work is a large share of a decode step. `omni` runs our stage loop (ARStage: EngineCore + OmniScheduler +
 hidden-emitting runner) with every request forwarding its hidden states to a consumer, whose
 payloads are encoded as for the wire and dropped; `vllm` runs vllm.LLM.generate. Prints one JSON
@@ -46,9 +47,10 @@ def talker_7b_dir() -> str:
     return d
 
 
-# The Qwen2.5-Omni talker's sampling (configs/qwen2_5_omni.yaml), or greedy.
-SAMPLING = {"greedy": dict(temperature=0.0),
-            "talker": dict(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05)}
+# The Qwen2.5-Omni talker's sampling (configs/qwen2_5_omni.yaml), or greedy. "talker": drawn by
+# vLLM's sampler; "talker-omni": by omni-server's (omni_server/stage/sampling.py), as served.
+TALKER = dict(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05)
+SAMPLING = {"greedy": dict(temperature=0.0), "talker": TALKER, "talker-omni": TALKER}
 
 
 def decode_bytes_per_step(model_dir: str, batch: int, context: int, dtype_bytes: int = 2) -> int:
@@ -82,8 +84,15 @@ def run_vllm(engine_args: dict, batches: list[int], in_len: int, out_len: int, r
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from omni_server.stage import sampling as omni_sampling
+
+    params = SAMPLING[sampling]
+    if sampling == "talker-omni":
+        engine_args = {**engine_args, "logits_processors": [omni_sampling.LOGITS_PROCESSOR]}
+        params, spec = omni_sampling.vllm_params(**params, seed=None)
+        params = {**params, "extra_args": {omni_sampling.SPEC: spec}}
     llm = LLM(**engine_args)
-    sp = SamplingParams(max_tokens=out_len, ignore_eos=True, detokenize=False, **SAMPLING[sampling])
+    sp = SamplingParams(max_tokens=out_len, ignore_eos=True, detokenize=False, **params)
     results = []
     for bs in batches:
         ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(bs, in_len)]
@@ -127,7 +136,8 @@ def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, e
     from omni_server.wire.messages import AddRequest, SamplingSpec
 
     args = {k: v for k, v in engine_args.items() if k != "model"}
-    stages = [{"id": 0, "name": "s0", "model": engine_args["model"], "engine_args": args, "output": "tokens"}]
+    stages = [{"id": 0, "name": "s0", "model": engine_args["model"], "engine_args": args, "output": "tokens",
+               "sampler": "omni" if sampling == "talker-omni" else "vllm"}]
     if emit:
         stages.append({"id": 1, "name": "sink", "model": "unused", "inputs": [0],
                        "input_processor": "hidden_to_embeds"})

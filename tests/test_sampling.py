@@ -132,18 +132,33 @@ def test_rows_of_other_requests_are_left_alone_and_state_moves_with_the_request(
 
 
 def test_seeded_requests_repeat_and_differ_by_seed():
-    vocab, rows = 64, 3
+    """A seeded request's draws depend on its seed and output position only: the same on any row,
+    and the same when vLLM takes the request out of the batch for a while (not scheduled) and adds it
+    back; another seed draws otherwise."""
+    vocab, rows, steps = 64, 3, 8
     logits = torch.zeros(rows, vocab)  # uniform over the top 40: seeds decide
 
-    def run(seeds):
+    def run(seeds, hold_at=None):
         lp = OmniSampler(_config(rows, vocab), torch.device("cpu"), False)
-        _add(lp, rows, [(i, _params(top_p=1.0, repetition_penalty=1.0, seed=s), [], []) for i, s in enumerate(seeds)])
-        return [tuple(_chosen(lp.apply(logits.clone()))) for _ in range(8)]
+        outputs = [[] for _ in seeds]
+        params = [_params(top_p=1.0, repetition_penalty=1.0, seed=s) for s in seeds]
+        _add(lp, rows, [(i, params[i], [], outputs[i]) for i in range(rows)])
+        for step in range(steps):
+            if step == hold_at:  # row 0 sits out a step (the others' draws go on), then comes back
+                _add(lp, rows - 1, [], removed=[0], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)])
+                for i, t in zip((2, 1), _chosen(lp.apply(logits[:2].clone()))):
+                    outputs[i].append(t)
+                _add(lp, rows, [(2, params[0], [], outputs[0])], moved=[(0, 2, MoveDirectionality.SWAP)])
+            for i, t in enumerate(_chosen(lp.apply(logits.clone()))):
+                outputs[i].append(t)
+        return outputs
 
-    a, b = run([11, 12, 11]), run([11, 12, 11])
-    assert a == b
-    assert [r[0] for r in a] == [r[2] for r in a]  # same seed, same stream, whatever the row
-    assert [r[0] for r in a] != [r[1] for r in a]
+    a = run([11, 12, 11])
+    assert a == run([11, 12, 11])
+    assert a[0] == a[2] != a[1]  # same seed, same draws, whatever the row
+    held = run([11, 12, 11], hold_at=3)
+    assert held[0] == a[0]  # as if it had never left
+    assert len(held[2]) == steps + 1 and held[2][:steps] == a[2]  # a step more meanwhile, same stream
 
 
 def test_who_samples_and_what_vllm_sees():

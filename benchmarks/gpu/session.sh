@@ -299,9 +299,9 @@ step_talker() {
   # The 7B talker's decoder shape alone, batch 1 and 16: plain vLLM greedy vs with the talker's
   # sampling (temperature, top-k, top-p, repetition penalty), and our stage loop with it. At c=1
   # the served talker is host-bound (2026-11-30g: 4.7 ms per step, 1.8 ms of GPU work): how much
-  # of a step is vLLM's sampler?
+  # of a step is vLLM's sampler, and how much does omni-server's (talker-omni, as served) save?
   free_gpus
-  for run in "vllm greedy" "vllm talker" "omni-plain talker"; do
+  for run in "vllm greedy" "vllm talker" "vllm talker-omni" "omni-plain talker" "omni-plain talker-omni"; do
     set -- $run
     timeout 300 python3 benchmarks/runner_overhead.py --model talker-7b --mode $1 --sampling $2 --batch 1 16 \
       > $R/talker_$1_$2.txt 2>&1

@@ -23,12 +23,15 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
+from omni_server.stage.transfer import to_device
+
 # SamplingParams.extra_args key: [temperature, top_k, top_p, repetition_penalty, seed or None].
 SPEC = "omni_sampling"
 # Above this many candidates a full sort is no worse than top-k; vLLM samples such requests.
 MAX_TOP_K = 1024
 LOGITS_PROCESSOR = "omni_server.stage.sampling:OmniSampler"
 _EPS = 1e-5  # vLLM's: a lower temperature is greedy
+_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over generator seeds
 
 
 def takes(temperature: float, top_k: int) -> bool:
@@ -78,14 +81,10 @@ def candidates(logits: torch.Tensor, seen: torch.Tensor | None, penalty: torch.T
 
 
 class _Req:
-    __slots__ = ("temperature", "top_k", "top_p", "penalty", "generator", "outputs", "counted")
+    __slots__ = ("temperature", "top_k", "top_p", "penalty", "seed", "outputs", "counted")
 
-    def __init__(self, spec: list, outputs: list[int], device: torch.device):
-        self.temperature, self.top_k, self.top_p, self.penalty, seed = spec
-        self.generator = None
-        if seed is not None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(int(seed))
+    def __init__(self, spec: list, outputs: list[int]):
+        self.temperature, self.top_k, self.top_p, self.penalty, self.seed = spec
         self.outputs = outputs  # vLLM's live list of the request's output tokens
         self.counted = 0  # of those, how many are in the seen mask
 
@@ -95,12 +94,12 @@ class OmniSampler(LogitsProcessor):
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
         self.device = torch.device(device)
-        self.pin = is_pin_memory
         self.vocab = vllm_config.model_config.get_vocab_size()
         self.max_rows = vllm_config.scheduler_config.max_num_seqs
         self.reqs: dict[int, _Req] = {}  # batch row -> request
         self.seen: torch.Tensor | None = None  # [max_rows, vocab] bool, allocated on first use
         self._layout: tuple | None = None  # per-step tensors, rebuilt when the batch changes
+        self._gen = torch.Generator(device=self.device)  # seeded requests' draws
 
     def is_argmax_invariant(self) -> bool:
         return False  # it chooses the token
@@ -115,7 +114,7 @@ class OmniSampler(LogitsProcessor):
             if spec is None:
                 self.reqs.pop(row, None)
                 continue
-            req = self.reqs[row] = _Req(spec, outputs, self.device)
+            req = self.reqs[row] = _Req(spec, outputs)
             if req.penalty != 1.0:
                 self._reset_seen(row, list(prompt or ()))
         for a, b, how in batch_update.moved:
@@ -140,11 +139,7 @@ class OmniSampler(LogitsProcessor):
             self.seen[row, self._to_device(ids)] = True
 
     def _to_device(self, values: list, dtype=torch.long) -> torch.Tensor:
-        # From pinned memory without blocking: the step's kernels queue behind the copy.
-        host = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda" and self.pin:
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=dtype), self.device)  # (behind the queued steps)
 
     def _build_layout(self, n_rows: int) -> tuple:
         rows = sorted(self.reqs)
@@ -157,7 +152,7 @@ class OmniSampler(LogitsProcessor):
         penalized = any(r.penalty != 1.0 for r in reqs)
         penalty = self._to_device([r.penalty for r in reqs], torch.float32) if penalized else None
         temperature = self._to_device([r.temperature for r in reqs], torch.float32)
-        seeded = [(i, r.generator) for i, r in enumerate(reqs) if r.generator is not None]
+        seeded = [(i, r) for i, r in enumerate(reqs) if r.seed is not None]
         return rows, reqs, index, k, top_k, top_p, penalty, temperature, seeded
 
     def _see_outputs(self, rows: list[int], reqs: list[_Req]) -> None:
@@ -193,8 +188,12 @@ class OmniSampler(LogitsProcessor):
         probs, ids = candidates(x, seen, penalty, temperature, top_k, top_p, k)
         q = torch.empty_like(probs)
         q.exponential_()
-        for i, g in seeded:
-            q[i].exponential_(generator=g)
+        for i, req in seeded:
+            # A seeded draw depends on (seed, output position) only: vLLM drops a request from the
+            # batch while it is not scheduled (a talker waiting for input) and adds it back, and a
+            # recomputed one draws the same again.
+            self._gen.manual_seed((req.seed * _MIX + len(req.outputs)) % 2**63)
+            q[i].exponential_(generator=self._gen)
         token = ids.gather(1, probs.div_(q).argmax(dim=-1, keepdim=True))
         chosen = torch.full_like(x, float("-inf")).scatter_(1, token, 0.0)
         if index is None:
