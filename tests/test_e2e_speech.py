@@ -82,9 +82,10 @@ def test_chat_audio_matches_transformers(client, tiny_models, voice, seed):
 
 
 def test_talker_repetition_penalty_counts_what_transformers_counts(replicas_server, tiny_models):
-    """The replicas server's talker is greedy with the reference's repetition penalty (1.05): codes
-    equal transformers' under the same penalty. (The prompt ids the penalty also counts are checked
-    in tests/test_qwen2_5_omni_processors.py; on these prompts they do not change the argmax.)"""
+    """The replicas server's talker draws top-1 with the reference's repetition penalty (1.05)
+    through omni-server's sampler (stage/sampling.py): codes equal transformers' greedy ones under
+    the same penalty. (The prompt ids the penalty also counts are checked in
+    tests/test_qwen2_5_omni_processors.py; on these prompts they do not change the argmax.)"""
     client = openai.OpenAI(base_url=f"{replicas_server.base_url}/v1", api_key="x", max_retries=0)
     for text, voice in [("Say something about the sea.", "Chelsie"), ("Count to three.", "Ethan")]:
         resp = client.chat.completions.create(
