@@ -110,6 +110,15 @@ def test_penalty_reads_prompt_and_outputs_as_they_come():
     assert _chosen(lp.apply(logits.clone())) == [7]  # all three seen: 0.75 leads again
 
 
+def test_top_k_above_the_vocabulary_takes_all_of_it():
+    lp = OmniSampler(_config(2, 6), torch.device("cpu"), False)
+    _add(lp, 2, [(0, _params(top_k=40, top_p=1.0, repetition_penalty=1.0), [], []),
+                 (1, _params(top_k=3, top_p=1.0, repetition_penalty=1.0), [], [])])
+    logits = torch.tensor([[0.0, 0.1, 0.2, 0.3, 0.4, 0.5]]).expand(2, 6).clone()  # near uniform
+    drawn = [_chosen(lp.apply(logits.clone())) for _ in range(200)]
+    assert {d[0] for d in drawn} == set(range(6)) and {d[1] for d in drawn} == {3, 4, 5}
+
+
 def test_rows_of_other_requests_are_left_alone_and_state_moves_with_the_request():
     vocab = 12
     lp = OmniSampler(_config(4, vocab), torch.device("cpu"), False)

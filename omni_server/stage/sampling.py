@@ -185,7 +185,7 @@ class OmniSampler(LogitsProcessor):
             v = logits.shape[1]
             seen = self.seen[: len(rows), :v] if index is None else self.seen[index, :v]
         x = logits if index is None else logits[index]
-        probs, ids = candidates(x, seen, penalty, temperature, top_k, top_p, k)
+        probs, ids = candidates(x, seen, penalty, temperature, top_k, top_p, min(k, x.shape[1]))
         q = torch.empty_like(probs)
         q.exponential_()
         for i, req in seeded:
