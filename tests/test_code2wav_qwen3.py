@@ -150,6 +150,35 @@ def test_stream_arrival_patterns_equal_full(gen, cuts, final_alone):
     assert torch.equal(streamed, _stream(gen, codes, []))
 
 
+def test_small_first_windows_start_audio_early_and_equal_full(model_dir):
+    """`first_chunk_frames` [2, 3]: the first audio after 2 frames, windows ending at 2, 5, then
+    every 8; the stream is still the full decode, whatever the arrival pattern, and beyond the
+    receptive field too."""
+    g = generators.load("qwen3_omni_moe.code2wav")(model_dir, "cpu", chunk_frames=8, first_chunk_frames=[2, 3])
+    g.model.double()
+    codes = _codes(180, 11)
+    st = g.open_stream(None, None)
+    st.feed(codes=codes[:, :1], final=False)
+    assert not g.stream_ready(st)
+    st.feed(codes=codes[:, :2], final=False)
+    (piece,) = g.stream_step([st])
+    assert st.frames == 2 and piece.numel() == 1920 * 2 - 555
+    ends = []
+    st.feed(codes=codes[:, :29], final=False)
+    while g.stream_ready(st):
+        g.stream_step([st])
+        ends.append(st.frames)
+    assert ends == [5, 13, 21, 29]
+    full = _full(g, codes)
+    for cuts in ([], list(range(1, 180, 7)), [2, 4, 5, 100]):
+        streamed = _stream(g, codes, cuts)
+        assert streamed.shape == full.shape
+        assert (streamed - full).abs().max() <= EXACT
+    assert g.stream_lead == g.left_context_frames + 8
+    assert generators.load("qwen3_omni_moe.code2wav")(model_dir, "cpu", chunk_frames=4, first_chunk_frames=6).stream_lead \
+        == g.left_context_frames + 6
+
+
 def test_stream_one_frame_windows_and_consumed(model_dir):
     g = generators.load("qwen3_omni_moe.code2wav")(model_dir, chunk_frames=1)
     g.model.double()
@@ -226,6 +255,9 @@ def test_shrinking_stream_is_an_error(gen):
     ({"chunk_frames": -3}, "chunk_frames"),
     ({"chunk_frames": 2.5}, "chunk_frames"),
     ({"chunk_frames": True}, "chunk_frames"),
+    ({"first_chunk_frames": [4, 0]}, "first_chunk_frames"),
+    ({"first_chunk_frames": 2.0}, "first_chunk_frames"),
+    ({"first_chunk_frames": "4"}, "first_chunk_frames"),
     ({"left_context_frames": 25}, "receptive field"),  # transformers' chunked_decode default: not exact
     ({"left_context_frames": 100.0}, "receptive field"),
 ])

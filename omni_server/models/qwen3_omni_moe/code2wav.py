@@ -11,8 +11,9 @@ its own. Decoding T frames gives 1920*T - 555 samples, and decoding a prefix giv
 prefix of the longer decode: once frames [0, e) are here, samples [0, 1920*e - 555) are final and
 no right context is ever needed. A streaming window therefore re-decodes the new frames with
 `left_context_frames` (>= the receptive field) of old ones and emits the samples from where the last
-window stopped. Windows cover fixed runs of `chunk_frames` new frames (the last one shorter), so
-which windows run depends only on the codes, never on when they arrived. A window and the full
+window stopped. Windows cover fixed runs of `chunk_frames` new frames (`first_chunk_frames`: the
+first windows' sizes, e.g. small ones for early first audio; the last window shorter), so which
+windows run depends only on the codes, never on when they arrived. A window and the full
 decode then differ by float32 rounding only (oneDNN's ConvTranspose1d rounds differently for
 different lengths: ~1.5e-5 on the tiny random model, whose activations reach ~20; float64 ~3e-8).
 
@@ -70,7 +71,7 @@ class Code2Wav:
     the checkpoint's talker speakers only so the api has voices to offer and check."""
 
     def __init__(self, model_dir: str, device: str | torch.device = "cpu", chunk_frames: int = 25,
-                 left_context_frames: int | None = None):
+                 left_context_frames: int | None = None, first_chunk_frames: int | list[int] | None = None):
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
         full_config = read_config(model_dir)
@@ -97,8 +98,13 @@ class Code2Wav:
             self.receptive_field: int | None = attention + self.conv_context_frames
         else:  # a full-attention layer sees the whole prefix: every window starts at frame 0
             self.receptive_field = None
-        if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
-            raise ValueError(f"chunk_frames must be a positive integer, got {chunk_frames!r}")
+        starts = [] if first_chunk_frames is None else first_chunk_frames
+        starts = [starts] if isinstance(starts, int) and not isinstance(starts, bool) else starts
+        if not isinstance(starts, (list, tuple)):
+            raise ValueError(f"first_chunk_frames must be a window size or a list of them, got {first_chunk_frames!r}")
+        for name, value in (("chunk_frames", chunk_frames), *(("first_chunk_frames", v) for v in starts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if left_context_frames is None:
             left_context_frames = self.receptive_field
         elif self.receptive_field is None:
@@ -109,10 +115,14 @@ class Code2Wav:
             raise ValueError(f"left_context_frames must be an integer >= the receptive field "
                              f"({self.receptive_field} frames), got {left_context_frames!r}")
         self.chunk_frames = chunk_frames
+        # New frames of a stream's first windows, in order (small ones: audio starts after fewer
+        # frames); `chunk_frames` each after them.
+        self.start_windows: tuple[int, ...] = tuple(starts)
         self.left_context_frames: int | None = left_context_frames  # None: unbounded
-        # Frames beyond `consumed` the next window reads: the left context plus one chunk (the real
-        # model: 579 + 25, so its stage needs `stream_window` >= 604). Unbounded context: everything.
-        self.stream_lead = self.max_frames if left_context_frames is None else left_context_frames + chunk_frames
+        # Frames beyond `consumed` the next window reads: the left context plus the widest window
+        # (the real model: 579 + 25, so its stage needs `stream_window` >= 604). Unbounded context: everything.
+        widest = max([chunk_frames, *starts])
+        self.stream_lead = self.max_frames if left_context_frames is None else left_context_frames + widest
 
     def num_samples(self, frames: int) -> int:
         """Waveform length for `frames` code frames (1920*T - 555 for the real model)."""
@@ -168,7 +178,16 @@ class Code2Wav:
             return False
         if stream.final:
             return True
-        return _num_frames(stream.codes) - stream.frames >= self.chunk_frames
+        return _num_frames(stream.codes) - stream.frames >= self._chunk(stream.frames)
+
+    def _chunk(self, frames: int) -> int:
+        """New frames of the window that starts at frame `frames` (a sum of the windows before)."""
+        done = 0
+        for size in self.start_windows:
+            if frames == done:
+                return size
+            done += size
+        return self.chunk_frames
 
     @torch.inference_mode()
     def stream_step(self, streams: list[CodeStream]) -> list[torch.Tensor | ValueError]:
@@ -190,7 +209,7 @@ class Code2Wav:
                 continue
             st.checked = codes
             total = codes.shape[1]
-            end = min(st.frames + self.chunk_frames, total)
+            end = min(st.frames + self._chunk(st.frames), total)
             if end == st.frames:  # final and every frame decoded
                 st.done, st.checked, st.codes = True, None, None
                 continue

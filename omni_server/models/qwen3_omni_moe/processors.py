@@ -197,6 +197,9 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         # after building all of a loop's inputs, StageInput.wait).
         (prompt, reply), copied = to_host(prompt, reply, dtype=ctx.dtype)
     n = prompt.shape[0]  # (known before its copy is done)
+    # The ids are what a repetition penalty counts from the prompt: codec_pad is among the ids the
+    # talker never samples (talker.SUPPRESSED_TOP), so the penalty counts the output codes only, as
+    # transformers' (its talker.generate gets no input ids).
     return StageInput(
         prompt={"type": "embeds", "prompt_embeds": prompt,
                 "prompt_token_ids": [t.codec_pad] * n, "is_token_ids": [False] * n},
