@@ -32,6 +32,33 @@ def thinker_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) 
     return out[0, len(prompt_ids):].tolist()
 
 
+class OpenAIPenalties:
+    """OpenAI's presence / frequency penalties as a transformers logits processor (transformers has
+    none): every token generated so far loses `presence` once and `frequency` per occurrence."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores)
+        out = input_ids[:, self.prompt_len:]
+        counts.scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
+
+
+@torch.inference_mode()
+def thinker_greedy_penalised(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, presence: float,
+                             frequency: float) -> list[int]:
+    from transformers import LogitsProcessorList
+
+    model = thinker(model_dir)
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=None,
+                         logits_processor=LogitsProcessorList([OpenAIPenalties(len(prompt_ids), presence, frequency)]))
+    return out[0, len(prompt_ids):].tolist()
+
+
 @torch.inference_mode()
 def thinker_hidden(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     """Final-layer (post-norm) hidden states of the thinker for every position of `token_ids`."""

@@ -73,6 +73,21 @@ def test_seeded_sampling_is_reproducible(client):
     assert a == b and len(a) > 0
 
 
+@pytest.mark.parametrize("presence,frequency", [(1.5, 0.0), (0.0, 2.0), (0.4, 0.4)])
+def test_presence_and_frequency_penalties_equal_transformers(client, presence, frequency):
+    """OpenAI's penalties reach the engine: greedy tokens equal transformers' greedy ones under the
+    same penalties (and differ from plain greedy, which repeats itself within 56 tokens here)."""
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=56, temperature=0,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    resp = client.chat.completions.create(**kwargs, presence_penalty=presence, frequency_penalty=frequency)
+    tokens = resp.choices[0].model_extra["token_ids"]
+    expected = reference.thinker_greedy_penalised(_thinker_dir(), resp.model_extra["prompt_token_ids"], 56,
+                                                  presence, frequency)
+    assert tokens == expected
+    plain = client.chat.completions.create(**kwargs).choices[0].model_extra["token_ids"]
+    assert plain != tokens
+
+
 def _wait_until_dropped(server, request_id: str, stages: list[int], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -114,6 +129,8 @@ def test_disconnect_non_stream_aborts(text_server):
     ({"model": MODEL, "messages": MESSAGES, "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ({"model": MODEL, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": MODEL, "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs"),
 ])
 def test_bad_requests_get_openai_errors(text_server, body, status, param):
     r = httpx.post(f"{text_server.base_url}/v1/chat/completions", json=body, timeout=30)

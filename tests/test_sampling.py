@@ -175,6 +175,7 @@ def test_seeded_requests_repeat_and_differ_by_seed():
 def test_who_samples_and_what_vllm_sees():
     assert takes(0.9, 40) and takes(1e-3, 1)
     assert not takes(0.0, 40) and not takes(0.9, 0) and not takes(0.9, 5000)
+    assert not takes(0.9, 40, presence_penalty=0.5) and not takes(0.9, 40, frequency_penalty=-0.1)
     given, spec = vllm_params(0.9, 40, 0.8, 1.05, 7)
     params = SamplingParams(**given, extra_args={SPEC: spec})
     assert (params.temperature, params.top_k, params.repetition_penalty, params.seed) == (0.0, 0, 1.0, None)

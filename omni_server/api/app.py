@@ -174,6 +174,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
+        if body.logprobs or body.top_logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs" if body.logprobs else "top_logprobs")
         media = await _decode_media(state, body)
         prompt_ids = state.text.render_chat([_template_message(m) for m in body.messages])
         _check_prompt(state, prompt_ids)
@@ -395,6 +397,8 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None,
                 spec.top_k = max(body.top_k, 0)
             if body.repetition_penalty is not None:
                 spec.repetition_penalty = body.repetition_penalty
+            spec.presence_penalty = body.presence_penalty or 0.0
+            spec.frequency_penalty = body.frequency_penalty or 0.0
             spec.ignore_eos = body.ignore_eos
         spec.max_tokens = min(spec.max_tokens, cap)
         out[s.id] = spec

@@ -87,6 +87,9 @@ class ChatCompletionRequest(_Lenient):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     user: str | None = None
+    # Not supported: a request asking for them gets a 400 rather than a reply without them.
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     # Output kinds; None = every output the pipeline has (text and audio for a speech pipeline).
     modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)
     audio: AudioOutputParam | None = None

@@ -349,10 +349,12 @@ class ARStage(Stage):
             extra[MROPE_POSITIONS] = positions
         drawn = {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
                  "repetition_penalty": spec.repetition_penalty, "seed": spec.seed}
-        if self.stage.omni_sampler and sampling.takes(spec.temperature, spec.top_k):
+        if self.stage.omni_sampler and sampling.takes(spec.temperature, spec.top_k, spec.presence_penalty,
+                                                      spec.frequency_penalty):
             drawn, extra[sampling.SPEC] = sampling.vllm_params(**drawn)
         return SamplingParams(
             max_tokens=spec.max_tokens, min_tokens=spec.min_tokens, **drawn,
+            presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
             stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, detokenize=False,
             # Suppressed tokens can never be sampled (a -inf bias; vLLM clamps only OpenAI-API biases).
             logit_bias={t: float("-inf") for t in spec.suppress_token_ids} or None,

@@ -34,6 +34,9 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     min_tokens: int = 0
     seed: int | None = None
     repetition_penalty: float = 1.0
+    # OpenAI's: subtracted from the logit of every token in the output so far (presence) / times its count (frequency).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     # Token ids that must never be sampled.
