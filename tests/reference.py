@@ -60,6 +60,24 @@ def thinker_greedy_penalised(model_dir: Path, prompt_ids: list[int], max_new_tok
 
 
 @torch.inference_mode()
+def thinker_greedy_logprobs(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
+                            top: int) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]]]]:
+    """Greedy tokens and, per token, its log-probability under the model and the `top` best ids
+    with theirs (log-softmax of the raw logits)."""
+    model = thinker(model_dir)
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    steps = []
+    for t, logits in zip(tokens, out.logits):
+        lp = logits[0].float().log_softmax(-1)
+        values, best = lp.topk(top)
+        steps.append((float(lp[t]), list(zip(best.tolist(), values.tolist()))))
+    return tokens, steps
+
+
+@torch.inference_mode()
 def thinker_hidden(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     """Final-layer (post-norm) hidden states of the thinker for every position of `token_ids`."""
     model = thinker(model_dir)

@@ -88,6 +88,32 @@ def test_presence_and_frequency_penalties_equal_transformers(client, presence, f
     assert plain != tokens
 
 
+def test_logprobs_equal_transformers(client):
+    """logprobs / top_logprobs: per text token, the model's log-probability and its best
+    alternatives, as transformers computes them; a stream carries the same entries."""
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    resp = client.chat.completions.create(**kwargs)
+    choice = resp.choices[0]
+    tokens = choice.model_extra["token_ids"]
+    ref_tokens, ref = reference.thinker_greedy_logprobs(_thinker_dir(), resp.model_extra["prompt_token_ids"], 10, 3)
+    assert tokens == ref_tokens
+    tok = reference.tokenizer(_thinker_dir())
+    content = choice.logprobs.content
+    assert len(content) == len(tokens) == 10
+    for entry, t, (lp, tops) in zip(content, tokens, ref):
+        assert entry.token == tok.decode([t]) and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(lp, abs=1e-4) and entry.logprob < 0
+        assert [x.token for x in entry.top_logprobs] == [tok.decode([i]) for i, _ in tops]
+        assert [x.logprob for x in entry.top_logprobs] == pytest.approx([v for _, v in tops], abs=1e-4)
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the best token
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def _wait_until_dropped(server, request_id: str, stages: list[int], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -129,8 +155,8 @@ def test_disconnect_non_stream_aborts(text_server):
     ({"model": MODEL, "messages": MESSAGES, "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ({"model": MODEL, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"model": MODEL, "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
-    ({"model": MODEL, "messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs
+    ({"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
 ])
 def test_bad_requests_get_openai_errors(text_server, body, status, param):
     r = httpx.post(f"{text_server.base_url}/v1/chat/completions", json=body, timeout=30)

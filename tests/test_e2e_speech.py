@@ -449,3 +449,20 @@ def test_bad_audio_requests_are_400(client, speech_server):
         client.audio.speech.create(model="nope", input="x", voice="Ethan")
     r = httpx.get(f"{speech_server.base_url}/v1/audio/voices")
     assert r.json() == {"voices": ["Chelsie", "Ethan"], "default": "Chelsie"}
+
+
+def test_logprobs_of_a_spoken_reply(client, tiny_models):
+    """With audio out, logprobs cover the transcript's tokens (and a stream carries them on its
+    transcript chunks); the talker's codes never enter them."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, temperature=0,
+                  modalities=["text", "audio"], audio={"voice": "Ethan", "format": "pcm16"}, logprobs=True,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    resp = client.chat.completions.create(**kwargs)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == len(resp.choices[0].model_extra["token_ids"]) == 6
+    assert all(e.top_logprobs == [] and e.logprob <= 0 for e in content)
+    tok = reference.tokenizer(tiny_models["tiny-qwen2_5-omni"])
+    assert [e.token for e in content] == [tok.decode([t]) for t in resp.choices[0].model_extra["token_ids"]]
+    streamed = [e for c in client.chat.completions.create(**kwargs, stream=True)
+                for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]

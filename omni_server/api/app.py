@@ -25,12 +25,15 @@ from omni_server.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     DeltaMessage,
     ModelCard,
     ModelList,
     ResponseMessage,
     SpeechRequest,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     VoiceList,
 )
@@ -174,8 +177,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
-        if body.logprobs or body.top_logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs" if body.logprobs else "top_logprobs")
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.logprobs and state.text_stage is None:
+            raise APIError(400, f"model `{state.cfg.model}` has no text output for logprobs", param="logprobs")
         media = await _decode_media(state, body)
         prompt_ids = state.text.render_chat([_template_message(m) for m in body.messages])
         _check_prompt(state, prompt_ids)
@@ -399,6 +404,8 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None,
                 spec.repetition_penalty = body.repetition_penalty
             spec.presence_penalty = body.presence_penalty or 0.0
             spec.frequency_penalty = body.frequency_penalty or 0.0
+            if body.logprobs:
+                spec.logprobs = body.top_logprobs or 0
             spec.ignore_eos = body.ignore_eos
         spec.max_tokens = min(spec.max_tokens, cap)
         out[s.id] = spec
@@ -512,6 +519,9 @@ class _Run:
         self.finish_reason: str | None = None
         self.tokens: dict[int, list[int]] = {s.id: [] for s in state.cfg.stages if s.output == "tokens"}
         self.created = int(time.time())
+        # The text tokens' log-probabilities (body.logprobs), and how many a stream has sent.
+        self.logprobs: list[TokenLogprob] | None = [] if body.logprobs else None
+        self.logprobs_sent = 0
 
     async def _events(self) -> AsyncIterator[tuple[str, Any]]:
         """("text", piece) as text becomes available and ("audio", (waveform, rate)) per audio
@@ -525,6 +535,8 @@ class _Run:
                     continue  # tokens the stage made before it heard of the stop string
                 self.completion_tokens += len(delta.new_token_ids)
                 self.token_ids.extend(delta.new_token_ids)
+                if self.logprobs is not None:
+                    self._add_logprobs(delta)
                 piece = self.detok.push(delta.new_token_ids)
                 if self.detok.stopped:
                     self.finish_reason = "stop"
@@ -546,6 +558,20 @@ class _Run:
                     self.finish_reason = _FINISH.get(delta.finish_reason or "", "stop")
             elif stage_id == self.state.audio_stage and "audio" in delta.tensors:
                 yield "audio", (delta.tensors["audio"], delta.sample_rate)
+
+    def _add_logprobs(self, delta) -> None:
+        top, text = self.body.top_logprobs or 0, self.state.text
+        for ids, lps in zip(delta.logprob_token_ids, delta.logprobs):
+            entries = [TopLogprob(token=(t := text.token_text(i)), logprob=lp, bytes=list(t.encode()))
+                       for i, lp in zip(ids[:top + 1], lps[:top + 1])]
+            self.logprobs.append(TokenLogprob(**entries[0].model_dump(), top_logprobs=entries[1:]))
+
+    def _new_logprobs(self) -> ChoiceLogprobs | None:
+        """A stream's logprobs of the tokens since its last chunk with text."""
+        if self.logprobs is None:
+            return None
+        new, self.logprobs_sent = self.logprobs[self.logprobs_sent:], len(self.logprobs)
+        return ChoiceLogprobs(content=new)
 
     async def _audio(self, transcript: str, pieces: list[tuple[Any, int]]) -> AudioResponse:
         import torch
@@ -579,13 +605,16 @@ class _Run:
             id=self.req.request_id, model=self.state.cfg.model,
             choices=[Choice(message=message,
                             finish_reason=self.finish_reason or "stop",
+                            logprobs=None if self.logprobs is None else ChoiceLogprobs(content=self.logprobs),
                             token_ids=self.token_ids if self.body.return_token_ids else None)],
             usage=self._usage(), omni_outputs=self._omni_outputs(),
             prompt_token_ids=self.prompt_ids if self.body.return_token_ids else None)
 
-    def _chunk(self, delta: DeltaMessage, finish: str | None = None, **extra) -> str:
+    def _chunk(self, delta: DeltaMessage, finish: str | None = None, logprobs: ChoiceLogprobs | None = None,
+               **extra) -> str:
         chunk = ChatCompletionChunk(id=self.req.request_id, created=self.created, model=self.state.cfg.model,
-                                    choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
+                                    choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
+                                    **extra)
         return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
     def _audio_chunk(self, audio_id: str, data: bytes, expires_at: int) -> str:
@@ -602,9 +631,10 @@ class _Run:
             expires_at = int(time.time()) + AUDIO_TTL_S
             async for kind, value in self._events():
                 if kind == "text" and self.audio_format is None:
-                    yield self._chunk(DeltaMessage(content=value))
+                    yield self._chunk(DeltaMessage(content=value), logprobs=self._new_logprobs())
                 elif kind == "text":
-                    yield self._chunk(DeltaMessage(audio=AudioDelta(id=audio_id, transcript=value)))
+                    yield self._chunk(DeltaMessage(audio=AudioDelta(id=audio_id, transcript=value)),
+                                      logprobs=self._new_logprobs())
                 else:
                     wave, rate = value
                     if encoder is None:
@@ -618,7 +648,10 @@ class _Run:
                 data = await asyncio.to_thread(encoder.close)
                 if data:
                     yield self._audio_chunk(audio_id, data, expires_at)
-            yield self._chunk(DeltaMessage(), finish=self.finish_reason or "stop", omni_outputs=self._omni_outputs())
+            rest = self._new_logprobs()  # (tokens whose text was held back or empty)
+            yield self._chunk(DeltaMessage(), finish=self.finish_reason or "stop",
+                              logprobs=rest if rest is not None and rest.content else None,
+                              omni_outputs=self._omni_outputs())
             opts = self.body.stream_options
             if opts is not None and opts.include_usage:
                 usage = ChatCompletionChunk(id=self.req.request_id, created=self.created,

@@ -87,9 +87,10 @@ class ChatCompletionRequest(_Lenient):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     user: str | None = None
-    # Not supported: a request asking for them gets a 400 rather than a reply without them.
+    # Log-probabilities of the text's tokens (the model's, before temperature and penalties), with
+    # up to 20 alternatives per token.
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # Output kinds; None = every output the pipeline has (text and audio for a speech pipeline).
     modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)
     audio: AudioOutputParam | None = None
@@ -127,11 +128,25 @@ class ResponseMessage(BaseModel):
     audio: AudioResponse | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -164,7 +179,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

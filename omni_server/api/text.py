@@ -28,6 +28,10 @@ class TextCodec:
             ids = ids["input_ids"]
         return list(ids)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text (a byte-level piece of a longer character reads as U+FFFD)."""
+        return self.tokenizer.decode([token_id])
+
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text (no special tokens added)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -350,11 +350,11 @@ class ARStage(Stage):
         drawn = {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
                  "repetition_penalty": spec.repetition_penalty, "seed": spec.seed}
         if self.stage.omni_sampler and sampling.takes(spec.temperature, spec.top_k, spec.presence_penalty,
-                                                      spec.frequency_penalty):
+                                                      spec.frequency_penalty, spec.logprobs):
             drawn, extra[sampling.SPEC] = sampling.vllm_params(**drawn)
         return SamplingParams(
             max_tokens=spec.max_tokens, min_tokens=spec.min_tokens, **drawn,
-            presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
+            presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty, logprobs=spec.logprobs,
             stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, detokenize=False,
             # Suppressed tokens can never be sampled (a -inf bias; vLLM clamps only OpenAI-API biases).
             logit_bias={t: float("-inf") for t in spec.suppress_token_ids} or None,
@@ -417,12 +417,16 @@ class ARStage(Stage):
                     chunk_due |= bool(tracked.stream_to) and not finished and tracked.chunk_ready(rows_chunk)
                 if self.send_tokens or finished:
                     reason = str(out.finish_reason) if finished else None
+                    lp = out.new_logprobs if self.send_tokens else None
                     deltas.append(RequestDelta(
                         request_id=rid,
                         new_token_ids=list(out.new_token_ids) if self.send_tokens else [],
                         finished=finished,
                         finish_reason=reason,
                         error=f"stage {self.stage.name}: engine error" if reason == "error" else None,
+                        # (columns past the request's own top-k pad the batch: the api drops them)
+                        logprob_token_ids=lp.logprob_token_ids.tolist() if lp is not None else [],
+                        logprobs=lp.logprobs.tolist() if lp is not None else [],
                     ))
                 if finished:
                     self.in_engine.discard(rid)

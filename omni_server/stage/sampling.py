@@ -34,10 +34,12 @@ _EPS = 1e-5  # vLLM's: a lower temperature is greedy
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over generator seeds
 
 
-def takes(temperature: float, top_k: int, presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> bool:
-    """Whether this sampler draws a request's tokens (otherwise vLLM does, e.g. with OpenAI's
-    presence / frequency penalties, which this one does not apply)."""
-    return temperature >= _EPS and 0 < top_k <= MAX_TOP_K and not presence_penalty and not frequency_penalty
+def takes(temperature: float, top_k: int, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+          logprobs: int | None = None) -> bool:
+    """Whether this sampler draws a request's tokens (otherwise vLLM does: also for OpenAI's
+    presence / frequency penalties, which this one does not apply, and for logprobs)."""
+    return (temperature >= _EPS and 0 < top_k <= MAX_TOP_K and not presence_penalty and not frequency_penalty
+            and logprobs is None)
 
 
 def vllm_params(temperature: float, top_k: int, top_p: float, repetition_penalty: float,

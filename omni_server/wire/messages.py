@@ -37,6 +37,8 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     # OpenAI's: subtracted from the logit of every token in the output so far (presence) / times its count (frequency).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Log-probabilities to return per output token: None = none, k = the sampled token's and the top k.
+    logprobs: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     # Token ids that must never be sampled.
@@ -147,6 +149,10 @@ class RequestDelta(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     error: str | None = None
     # HTTP-like class of the error: 400 the request was invalid, 503 a stage is unavailable, 500 other.
     error_code: int = 500
+    # Per new token (requests asking for logprobs): [sampled, top 1, ..., top k] ids and their
+    # log-probabilities under the model (before temperature and penalties).
+    logprob_token_ids: list[list[int]] = []
+    logprobs: list[list[float]] = []
     # Generation stages: e.g. "audio": float32 [samples] at `sample_rate`.
     tensors: dict[str, Any] = {}
     sample_rate: int = 0
