@@ -34,6 +34,7 @@ import torch
 from omni_server.models.checkpoint import load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
 from omni_server.models.polyphase import use_polyphase_upsampling
+from omni_server.models.windows import window_at
 from .speakers import load_speakers
 
 log = logging.getLogger(__name__)
@@ -341,12 +342,7 @@ class Token2Wav:
 
     def _chunk(self, settled: int) -> int:
         """New frames of the window that starts at frame `settled` (a sum of the windows before)."""
-        done = 0
-        for size in self.start_windows:
-            if settled == done:
-                return size
-            done += size
-        return self.chunk_frames
+        return window_at(settled, self.start_windows, self.chunk_frames)
 
     def _vocode_plan(self, st: CodeStream, new_mel: torch.Tensor | None) -> tuple[torch.Tensor, int, int] | None:
         """Append newly settled mel frames; the vocoder input that yields the audio whose context

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from omni_server.models.checkpoint import load_module, read_config
+from omni_server.models.windows import window_at
 
 SAMPLE_RATE = 24000  # 12.5 Hz frames x 1920 samples; not stored in the config
 WEIGHTS_PREFIX = "code2wav."
@@ -178,16 +179,8 @@ class Code2Wav:
             return False
         if stream.final:
             return True
-        return _num_frames(stream.codes) - stream.frames >= self._chunk(stream.frames)
-
-    def _chunk(self, frames: int) -> int:
-        """New frames of the window that starts at frame `frames` (a sum of the windows before)."""
-        done = 0
-        for size in self.start_windows:
-            if frames == done:
-                return size
-            done += size
-        return self.chunk_frames
+        return _num_frames(stream.codes) - stream.frames >= window_at(stream.frames, self.start_windows,
+                                                                      self.chunk_frames)
 
     @torch.inference_mode()
     def stream_step(self, streams: list[CodeStream]) -> list[torch.Tensor | ValueError]:
@@ -209,7 +202,7 @@ class Code2Wav:
                 continue
             st.checked = codes
             total = codes.shape[1]
-            end = min(st.frames + self._chunk(st.frames), total)
+            end = min(st.frames + window_at(st.frames, self.start_windows, self.chunk_frames), total)
             if end == st.frames:  # final and every frame decoded
                 st.done, st.checked, st.codes = True, None, None
                 continue
