@@ -127,8 +127,8 @@ class OmniSampler(LogitsProcessor):
             if how == MoveDirectionality.SWAP and rb is not None:
                 self.reqs[a] = rb
             if self.seen is not None:
-                if how == MoveDirectionality.SWAP:
-                    self.seen[[a, b]] = self.seen[[b, a]]
+                if how == MoveDirectionality.SWAP:  # (indices via pinned memory: no stall of the GPU queue)
+                    self.seen.index_copy_(0, self._to_device([a, b]), self.seen[self._to_device([b, a])])
                 else:
                     self.seen[b] = self.seen[a]
         self._layout = None
