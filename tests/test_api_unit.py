@@ -110,3 +110,15 @@ def test_a_request_seed_seeds_every_stage(tiny_models, tmp_path):
     assert seeded[1].temperature == 0.9  # (the talker's own sampling, seeded)
     unseeded = _sampling(state, ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]))
     assert {spec.seed for spec in unseeded.values()} == {None}
+
+
+def test_logprobs_need_a_text_output_and_logprobs_true(tiny_models, tmp_path):
+    """Checked before the pipeline is asked: top_logprobs alone, or logprobs from a pipeline whose
+    output has no text tokens, is a 400 naming the field."""
+    cfg = load_config_text(CONFIG.replace("output: text", "output: tokens") % (MODELS / "tiny-qwen2_5-omni", tmp_path))
+    state = ServerState(cfg, lambda: Orchestrator(cfg, tmp_path))
+    with TestClient(create_app(state)) as c:
+        for body, param in (({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs")):
+            r = c.post("/v1/chat/completions", json={**CHAT, **body}, headers=AUTH)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert c.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 503  # (no stages up)

@@ -193,6 +193,13 @@ BROKEN = [
         "stage 1 (b): a `generation` stage needs a `generator`",
     ),
     (
+        "omni-sampler-on-generation",
+        "model: m\nstages:\n  - {id: 0, name: a, model: m, output: text}\n"
+        "  - {id: 1, name: b, kind: generation, model: m, generator: g, inputs: [0], input_processor: p,"
+        " output: audio, sampler: omni}\n",
+        "stage 1 (b): `sampler` is for `ar` stages",
+    ),
+    (
         "generator-on-ar",
         "model: m\nstages:\n  - {id: 0, name: a, model: m, output: text, generator: g}\n",
         "stage 0 (a): `generator` / `generator_args` are only for `kind: generation` stages",
@@ -644,3 +651,20 @@ def test_check_rejects_generator_args_the_generator_does_not_take(tmp_path):
     assert line.startswith(f"{path}: stage 1 (t2w): generator_args: 'tf_32' not taken by generator "
                            "'qwen2_5_omni.token2wav' (it takes: chunk_frames, compile, compile_vocoder, cuda_graphs,")
     assert "tf32" in line and "vocoder_context_frames" in line
+
+
+def test_shipped_code2wav_windows_end_where_the_talker_sends():
+    """configs/qwen3_omni.yaml: every code2wav window ends on a multiple of `stream_chunk`, so the
+    talker sends a window's last frame in the step that made it (else the small first windows,
+    there for early first audio, would wait for a later chunk)."""
+    from omni_server.models.windows import window_at
+
+    stage = load_config(REPO / "configs" / "qwen3_omni.yaml").stage(2)
+    args = stage.generator_args
+    first, chunk = tuple(args["first_chunk_frames"]), args["chunk_frames"]
+    ends, end = [], 0
+    for _ in range(8):
+        end += window_at(end, first, chunk)
+        ends.append(end)
+    assert ends[:3] == [5, 20, 45]
+    assert all(e % stage.stream_chunk == 0 for e in ends)
