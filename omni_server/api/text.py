@@ -20,6 +20,8 @@ class TextCodec:
 
             self.tokenizer.chat_template = AutoProcessor.from_pretrained(path).chat_template
         self._backend = self.tokenizer.backend_tokenizer  # a `tokenizers.Tokenizer`
+        # Token id -> text, for logprobs (up to 21 per output token); at most the vocabulary.
+        self._token_texts: dict[int, str] = {}
 
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -30,7 +32,10 @@ class TextCodec:
 
     def token_text(self, token_id: int) -> str:
         """One token's text (a byte-level piece of a longer character reads as U+FFFD)."""
-        return self.tokenizer.decode([token_id])
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text (no special tokens added)."""

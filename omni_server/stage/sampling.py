@@ -18,7 +18,7 @@ hands logits processors the requests' output token lists, which costs a little p
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -92,6 +92,20 @@ class _Req:
         self.counted = 0  # of those, how many are in the seen mask
 
 
+class _Layout(NamedTuple):
+    """The batch's sampled rows and their settings as device tensors (rebuilt when the batch changes)."""
+
+    rows: list[int]  # batch rows drawn here, ascending
+    reqs: list[_Req]
+    index: torch.Tensor | None  # those rows on the device; None: every row of the batch
+    k: int  # the largest top-k
+    top_k: torch.Tensor | None  # per row; None: all k
+    top_p: torch.Tensor | None  # None: all 1
+    penalty: torch.Tensor | None  # None: no row penalised
+    temperature: torch.Tensor
+    seeded: list[tuple[int, _Req]]  # (position in rows, request) of seeded requests
+
+
 class OmniSampler(LogitsProcessor):
     """Samples the requests whose SamplingParams.extra_args carry SPEC; leaves other rows alone."""
 
@@ -101,7 +115,7 @@ class OmniSampler(LogitsProcessor):
         self.max_rows = vllm_config.scheduler_config.max_num_seqs
         self.reqs: dict[int, _Req] = {}  # batch row -> request
         self.seen: torch.Tensor | None = None  # [max_rows, vocab] bool, allocated on first use
-        self._layout: tuple | None = None  # per-step tensors, rebuilt when the batch changes
+        self._layout: _Layout | None = None
         self._gen = torch.Generator(device=self.device)  # seeded requests' draws
 
     def is_argmax_invariant(self) -> bool:
@@ -144,7 +158,7 @@ class OmniSampler(LogitsProcessor):
     def _to_device(self, values: list, dtype=torch.long) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=dtype), self.device)  # (behind the queued steps)
 
-    def _build_layout(self, n_rows: int) -> tuple:
+    def _build_layout(self, n_rows: int) -> _Layout:
         rows = sorted(self.reqs)
         reqs = [self.reqs[r] for r in rows]
         whole = rows == list(range(n_rows))
@@ -156,7 +170,7 @@ class OmniSampler(LogitsProcessor):
         penalty = self._to_device([r.penalty for r in reqs], torch.float32) if penalized else None
         temperature = self._to_device([r.temperature for r in reqs], torch.float32)
         seeded = [(i, r) for i, r in enumerate(reqs) if r.seed is not None]
-        return rows, reqs, index, k, top_k, top_p, penalty, temperature, seeded
+        return _Layout(rows, reqs, index, k, top_k, top_p, penalty, temperature, seeded)
 
     def _see_outputs(self, rows: list[int], reqs: list[_Req]) -> None:
         """Add the output tokens vLLM appended since the last step to the seen mask."""
@@ -181,17 +195,17 @@ class OmniSampler(LogitsProcessor):
             return logits
         if self._layout is None:
             self._layout = self._build_layout(logits.shape[0])
-        rows, reqs, index, k, top_k, top_p, penalty, temperature, seeded = self._layout
+        lay = self._layout
         seen = None
-        if penalty is not None:
-            self._see_outputs(rows, reqs)
+        if lay.penalty is not None:
+            self._see_outputs(lay.rows, lay.reqs)
             v = logits.shape[1]
-            seen = self.seen[: len(rows), :v] if index is None else self.seen[index, :v]
-        x = logits if index is None else logits[index]
-        probs, ids = candidates(x, seen, penalty, temperature, top_k, top_p, min(k, x.shape[1]))
+            seen = self.seen[: len(lay.rows), :v] if lay.index is None else self.seen[lay.index, :v]
+        x = logits if lay.index is None else logits[lay.index]
+        probs, ids = candidates(x, seen, lay.penalty, lay.temperature, lay.top_k, lay.top_p, min(lay.k, x.shape[1]))
         q = torch.empty_like(probs)
         q.exponential_()
-        for i, req in seeded:
+        for i, req in lay.seeded:
             # A seeded draw depends on (seed, output position) only: vLLM drops a request from the
             # batch while it is not scheduled (a talker waiting for input) and adds it back, and a
             # recomputed one draws the same again.
@@ -199,6 +213,6 @@ class OmniSampler(LogitsProcessor):
             q[i].exponential_(generator=self._gen)
         token = ids.gather(1, probs.div_(q).argmax(dim=-1, keepdim=True))
         chosen = torch.full_like(x, float("-inf")).scatter_(1, token, 0.0)
-        if index is None:
+        if lay.index is None:
             return chosen
-        return logits.index_copy_(0, index, chosen)
+        return logits.index_copy_(0, lay.index, chosen)
