@@ -286,7 +286,7 @@ step_tests() {
   mkdir -p $R/testlogs
   # TESTS: other pytest arguments, split on spaces (e.g. tests/test_token2wav.py -k graph).
   TESTS=${TESTS:-tests/test_transfer.py tests/test_sampler_warmup.py tests/test_token2wav.py tests/test_e2e_speech.py \
-    tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py tests/test_qwen3_thinker_tap.py tests/test_code_predictor_qwen3.py tests/test_stage_stream.py}
+    tests/test_e2e_two_stage.py tests/test_e2e_qwen3_omni.py tests/test_qwen3_thinker_tap.py tests/test_code_predictor_qwen3.py tests/test_stage_stream.py tests/test_sampling.py}
   # SIGINT at the limit: pytest still prints its summary and durations. Few torch threads: beside a
   # starting 7B server (inductor's compile workers) the CPU-side tests took 8.5 min of 32 threads
   # instead of 20 s (2026-11-30c).
