@@ -474,6 +474,7 @@ def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder):
     eager float32 modules compute."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # (an earlier case compiled the same DiT blocks: without this it reuses them)
     before = counters["stats"]["unique_graphs"]
     compiled = Token2Wav(model_dir, device="cuda", compile=mode, compile_vocoder=vocoder, polyphase_upsampling=True,
                          warmup_graphs=True)

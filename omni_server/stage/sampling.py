@@ -151,9 +151,14 @@ class OmniSampler(LogitsProcessor):
         if self.seen is None:
             self.seen = torch.zeros(self.max_rows, self.vocab, dtype=torch.bool, device=self.device)
         self.seen[row] = False
-        ids = [t for t in tokens if 0 <= t < self.vocab]
-        if ids:
-            self.seen[row, self._to_device(ids)] = True
+        self._mark([row * self.vocab + t for t in tokens if 0 <= t < self.vocab])
+
+    def _mark(self, flat: list[int]) -> None:
+        """Set seen[i // vocab, i % vocab] for each i. (Not `seen[rows, cols] = True`: an advanced
+        index assignment copies its Python value from pageable memory, which waits for the queued
+        steps: 1.2 ms per step on an H200, more than this sampler saves.)"""
+        if flat:
+            self.seen.view(-1).index_fill_(0, self._to_device(flat), True)
 
     def _to_device(self, values: list, dtype=torch.long) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=dtype), self.device)  # (behind the queued steps)
@@ -174,7 +179,7 @@ class OmniSampler(LogitsProcessor):
 
     def _see_outputs(self, rows: list[int], reqs: list[_Req]) -> None:
         """Add the output tokens vLLM appended since the last step to the seen mask."""
-        pairs: list[int] = []
+        flat: list[int] = []
         for row, req in zip(rows, reqs):
             if req.penalty == 1.0:
                 continue
@@ -184,11 +189,9 @@ class OmniSampler(LogitsProcessor):
                 if t < 0:  # an async-scheduling placeholder: read it once vLLM fills it in
                     break
                 if t < self.vocab:
-                    pairs += (row, t)
+                    flat.append(row * self.vocab + t)
                 req.counted += 1
-        if pairs:
-            both = self._to_device(pairs).view(-1, 2)
-            self.seen[both[:, 0], both[:, 1]] = True
+        self._mark(flat)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.reqs:
