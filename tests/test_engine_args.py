@@ -15,7 +15,8 @@ def test_a_fixed_kv_size_stops_vllm_demanding_most_of_the_gpu_free():
     thinker, talker = build_engine_args(cfg, 0), build_engine_args(cfg, 1)
     assert thinker.kv_cache_memory_bytes == 16 << 30 and thinker.gpu_memory_utilization == FIXED_KV_UTILIZATION
     assert talker.kv_cache_memory_bytes == 12 << 30 and talker.gpu_memory_utilization == 0.3
-    cfg = load_config(REPO / "configs" / "qwen3_omni.yaml")
+    cfg = load_config_text("model: m\nstages: [{id: 0, name: lm, model: x, output: text, "
+                           "engine_args: {gpu_memory_utilization: 0.6}}]\n")
     assert build_engine_args(cfg, 0).kv_cache_memory_bytes is None
     assert build_engine_args(cfg, 0).gpu_memory_utilization == 0.6
     cfg = load_config_text("model: m\nstages: [{id: 0, name: lm, model: x, output: text}]\n")
