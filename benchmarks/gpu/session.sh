@@ -3,8 +3,8 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main tests qwen3 t2wfast talker t2w full", ~1,500 s
-# estimated; also: runner mps prof ref w144 layouts fc24 fc72 tc4).
+# Steps run in the order STEPS names them (default "main tests qwen3 talker full t2wfast", ~1,300 s
+# estimated; also: t2w runner mps prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -25,7 +25,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main tests qwen3 t2wfast talker t2w full}
+STEPS=${STEPS:-main tests qwen3 talker full t2wfast}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -306,6 +306,13 @@ step_talker() {
     timeout 300 python3 benchmarks/runner_overhead.py --model talker-7b --mode $1 --sampling $2 --batch 1 16 \
       > $R/talker_$1_$2.txt 2>&1
     say "talker $1 $2: $(grep RESULT $R/talker_$1_$2.txt | cut -c1-200 | tr '\n' ' ')"
+  done
+  # Where a batch-1 step goes with each sampler: torch-profiler tables of 20 steps (2026-12-01 they
+  # showed our sampler's host sync: 1.2 ms per step in cudaStreamSynchronize).
+  for s in talker talker-omni; do
+    OMNI_PROFILE=dir=$R/prof_talker_$s,batch=1,skip=40,steps=20 timeout 200 python3 benchmarks/runner_overhead.py \
+      --model talker-7b --mode omni-plain --sampling $s --batch 1 --repeats 1 > $R/talker_prof_$s.txt 2>&1
+    say "talker $s profiled: $(head -1 $R/prof_talker_$s/runner.txt 2>/dev/null)"
   done
 }
 
