@@ -243,12 +243,16 @@ step_qwen3() {
     python3 benchmarks/qwen3_omni_shape.py --out $m3 > $R/shape3.log 2>&1
     say "Qwen3 shape checkpoint written (rc $?): $(tail -1 $R/shape3.log | cut -c1-200)"
   fi
-  CKPT=$m3 VOCODER=code2wav TALKER_MAX=${QWEN3_FRAMES:-125} serve qwen3 8021 ${CFG3:-configs/qwen3_omni.yaml}
+  # (jit_monitor_verbose: vLLM logs each live kernel compile with its specialisation; 2026-12-01 one
+  # fused-MoE kernel compiled during the c=16 burst, and the talker's first output came 1.15 s in.)
+  CKPT=$m3 VOCODER=code2wav TALKER_MAX=${QWEN3_FRAMES:-125} serve qwen3 8021 ${CFG3:-configs/qwen3_omni.yaml} \
+    --stage-arg thinker.jit_monitor_verbose=true --stage-arg talker.jit_monitor_verbose=true
   wait_ready qwen3 8021 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log
                              bench qwen3 8021 ${MODEL3:-qwen3-omni}; }
   stop qwen3
   say "qwen3 warm-up: $(grep -a 'warm-up:' $R/serve_qwen3.log | cut -c1-240 | tr '\n' ' ')"
   say "qwen3 slow loop turns: $(grep -ac 'between engine steps' $R/serve_qwen3.log), kernels compiled while serving: $(grep -ac 'JIT compilation during inference' $R/serve_qwen3.log)"
+  grep -a 'JIT compilation during inference' $R/serve_qwen3.log | cut -c1-600 | head -4 >> $R/progress.log
 }
 
 step_mps() {
