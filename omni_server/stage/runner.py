@@ -309,7 +309,9 @@ class StepEmbedsAdder:
                         ks = torch.arange(k, k + len(dst), device=rows.device).clamp_(max=len(rows) - 1)
                         dst += rows[ks]
             offset += n
-        if dst_rows:
+        if len(dst_rows) == 1:  # (one request: one add, no index to send to the device)
+            inputs_embeds[dst_rows[0]].add_(src_rows[0])
+        elif dst_rows:
             inputs_embeds.index_add_(0, host_index(dst_rows, inputs_embeds.device), torch.stack(src_rows))
         return result
 

@@ -113,8 +113,18 @@ class Qwen2_5OmniTalker(nn.Module, SupportsMRoPE):
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.register_buffer("banned_ids", banned_ids(vllm_config.model_config.model, config), persistent=False)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        self.codec_rows: torch.Tensor | None = None  # [vocab, hidden] (embed_input_ids), once weights are in
 
     def embed_input_ids(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.codec_rows is None and get_tensor_model_parallel_world_size() == 1 \
+                and not (input_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # proj(codec_embed(id)) of every id, once: each decode step then looks its row up
+            # instead of running the embedding and a matmul outside the CUDA graph (the talker's
+            # step is host-bound at low batch).
+            with torch.no_grad():
+                self.codec_rows = self.thinker_to_talker_proj(self.codec_embed.weight)[0]
+        if self.codec_rows is not None:
+            return nn.functional.embedding(input_ids, self.codec_rows)
         out, _ = self.thinker_to_talker_proj(self.codec_embed(input_ids))
         return out
 
@@ -134,6 +144,7 @@ class Qwen2_5OmniTalker(nn.Module, SupportsMRoPE):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Take the talker's tensors out of a full checkpoint (thinker/token2wav ones are skipped)."""
+        self.codec_rows = None  # (from the new weights on the next call)
         own = dict(self.named_parameters())
         renames = {"model.embed_tokens.weight": "codec_embed.weight"}
         loaded: set[str] = set()
