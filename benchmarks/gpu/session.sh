@@ -245,8 +245,11 @@ step_qwen3() {
   fi
   # (jit_monitor_verbose: vLLM logs each live kernel compile with its specialisation; 2026-12-01 one
   # fused-MoE kernel compiled during the c=16 burst, and the talker's first output came 1.15 s in.)
+  # OMNI_PROFILE: tables of 30 talker steps inside the second c=1 request (frames 140-170 of 3 x 126;
+  # the median of three requests is one the profiler did not slow): where a ~18 ms frame goes.
   CKPT=$m3 VOCODER=code2wav TALKER_MAX=${QWEN3_FRAMES:-125} serve qwen3 8021 ${CFG3:-configs/qwen3_omni.yaml} \
-    --stage-arg thinker.jit_monitor_verbose=true --stage-arg talker.jit_monitor_verbose=true
+    --stage-arg thinker.jit_monitor_verbose=true --stage-arg talker.jit_monitor_verbose=true \
+    --stage-arg talker.env.OMNI_PROFILE=dir=$R/prof_qwen3,batch=1,skip=140,steps=30
   wait_ready qwen3 8021 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log
                              bench qwen3 8021 ${MODEL3:-qwen3-omni}; }
   stop qwen3
