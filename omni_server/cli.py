@@ -36,6 +36,12 @@ def cmd_check(args) -> int:
     cfg = _load(args.config, args.stage_arg, check_names=True)
     print(f"{args.config}: ok — model {cfg.model!r}, {len(cfg.stages)} stage(s): "
           + ", ".join(f"{s.id}:{s.name}({s.kind})" for s in cfg.stages))
+    from pathlib import Path
+
+    from omni_server.orchestrator.launcher import Launcher
+
+    for note in Launcher(cfg, args.config, Path(".")).gpu_start_notes():
+        print(f"note: {note}")
     return 0
 
 

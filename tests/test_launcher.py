@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -186,3 +188,27 @@ def test_failure_note_of_a_stage_process():
     assert failure_note(RuntimeError("CUDA out of memory.\n  Tried to allocate 2 GiB")) == \
         "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB"
     assert failure_note(MemoryError()) == "MemoryError"
+
+
+def test_check_explains_which_stages_build_one_after_another():
+    """`omni-server check` notes the stages that wait for others on a GPU host, and why (on any
+    host: the note is about the deployment, not this machine)."""
+    launcher = Launcher(load_config_text(SIZED), "unused.yaml", Path("/tmp"))
+    launcher.sequential = False
+    (note,) = launcher.gpu_start_notes()
+    assert note.startswith("stage 3 (late) builds after thinker, talker, voc on a GPU host: its engine measures")
+    assert "kv_cache_memory_bytes" in note and launcher.sequential is False
+    notes = Launcher(load_config_text(ONE_GPU), "unused.yaml", Path("/tmp")).gpu_start_notes()
+    assert notes == ["stage 0 (thinker) builds after voc on a GPU host: its engine measures free GPU memory while "
+                     "it starts; `kv_cache_memory_bytes` in its engine_args lets it build beside them",
+                     "stage 1 (talker) builds after voc, thinker on a GPU host: its engine measures free GPU memory "
+                     "while it starts; `kv_cache_memory_bytes` in its engine_args lets it build beside them"]
+    def check(name: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "check", str(REPO / "configs" / name)],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()[1:]
+
+    (note,) = check("qwen2_5_omni_2gpu.yaml")  # the talker on GPU 1 sizes its KV cache from what token2wav left
+    assert note.startswith("note: stage 1 (talker) builds after token2wav on a GPU host")
+    assert check("qwen3_omni.yaml") == []

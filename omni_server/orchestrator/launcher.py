@@ -88,6 +88,21 @@ class Launcher:
                 if _overlap(mine, _device_set(self.cfg.stage(u[0]).devices_of(u[1])))
                 and (self._profiles(u[0]) or self._profiles(unit[0]))]
 
+    def gpu_start_notes(self) -> list[str]:
+        """On a GPU host, which stages wait for others before they build, and why (`check` prints
+        them: a pipeline whose engines profile memory on a shared GPU starts slower)."""
+        was, self.sequential = self.sequential, True
+        try:
+            waits = {u: self.start_after(u) for u in self.cfg.units()}
+        finally:
+            self.sequential = was
+        return [f"stage {u[0]} ({self.cfg.unit_name(u)}) builds after "
+                f"{', '.join(self.cfg.unit_name(b) for b in before)} on a GPU host: "
+                + ("its engine measures free GPU memory while it starts; `kv_cache_memory_bytes` in its "
+                   "engine_args lets it build beside them" if self._profiles(u[0]) else
+                   "an engine sharing its GPU measures free GPU memory while it starts")
+                for u, before in waits.items() if before]
+
     def start(self, unit: Unit, hold: bool = False) -> None:
         """Start a stage process. `hold`: it imports everything, then waits for `release` before it
         builds its engine (the imports take ~15 s a process on the H200 host; they need not wait)."""
