@@ -31,3 +31,24 @@ def png(width: int, height: int, seed: int | None = 0) -> tuple[str, np.ndarray]
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), rgb
+
+
+def mp4(frames: int, fps: float = 4.0, width: int = 64, height: int = 48, seed: int = 0) -> tuple[str, np.ndarray]:
+    """An MP4 data URL of random frames, and the frames the server keeps of it (2 a second, as
+    decoded: the codec is lossy)."""
+    import tempfile
+
+    import cv2
+
+    from omni_server.api.video import decode_video_url
+
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/v.mp4"
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        for _ in range(frames):
+            writer.write(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        writer.release()
+        with open(path, "rb") as f:
+            url = "data:video/mp4;base64," + base64.b64encode(f.read()).decode()
+    return url, decode_video_url(url, max_bytes=1 << 30, max_pixels=1 << 30, max_frames=1 << 20)

@@ -20,7 +20,7 @@ import pytest
 import soundfile as sf
 
 from tests import reference
-from tests.media import png, tone_wav
+from tests.media import mp4, png, tone_wav
 
 MODEL = "omni-tiny"
 TALKER_MAX_TOKENS = 64  # configs/default.yaml: talker default_sampling.max_tokens
@@ -134,6 +134,45 @@ def test_chat_with_image_matches_transformers(client, tiny_models):
     ref_tokens, ref_codes, ref_wave = reference.omni_speech(model_dir, None, 10, TALKER_MAX_TOKENS, "Ethan", 5,
                                                             inputs=inputs)
     _assert_equals_reference(ours, ref_tokens, ref_codes, ref_wave)
+
+
+def test_chat_with_video_matches_transformers(client, tiny_models):
+    """A `video_url` part (vLLM's extension of OpenAI's parts): frames kept at 2 a second (10 frames
+    at 4 fps -> 5), prompt, reply, the talker's codes (it reads the video prompt's 3-D positions)
+    and the waveform equal transformers' pipeline on the same frames."""
+    url, frames = mp4(10, fps=4.0)
+    assert frames.shape == (5, 48, 64, 3)
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]
+    model_dir = tiny_models["tiny-qwen2_5-omni"]
+    inputs = reference.omni_inputs(model_dir, [{"role": "user", "content": [
+        {"type": "video"}, {"type": "text", "text": "What happens?"}]}], videos=[frames])
+    spoken = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=10, temperature=0, seed=5,
+        modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"},
+        extra_body={"return_token_ids": True})
+    ref_tokens, ref_codes, ref_wave = reference.omni_speech(model_dir, None, 10, TALKER_MAX_TOKENS, "Chelsie", 5,
+                                                            inputs=inputs)
+    _assert_equals_reference(_outputs(spoken), ref_tokens, ref_codes, ref_wave)
+
+
+def test_bad_video_input_is_400(client):
+    def ask(url: str):
+        content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "Hi"}]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=2)
+        return e.value.message
+
+    assert "not fetched" in ask("https://example.com/v.mp4")
+    assert "data:video/" in ask("data:image/png;base64,AAAA")
+    assert "not valid base64" in ask("data:video/mp4;base64,%%%")
+    assert "could not be decoded" in ask("data:video/mp4;base64," + base64.b64encode(b"not a video" * 50).decode())
+    long_url, _ = mp4(260, fps=2.0)  # 130 s at 2 frames a second: server.max_video_frames is 128
+    assert "longer than the limit of 128 frames" in ask(long_url)
+    url, _ = mp4(2)
+    content = [{"type": "video_url", "video_url": {"url": url}}] * 2  # configs/default.yaml: one video per prompt
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert "at most 1 video input(s) per request" in e.value.message
 
 
 def test_bad_image_input_is_400(client):

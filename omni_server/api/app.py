@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omni_server.api import audio, errors, image
+from omni_server.api import audio, errors, image, video
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import (
     AudioDelta,
@@ -320,7 +320,7 @@ def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:
     return wanted
 
 
-_PLACEHOLDER = {"input_audio": "audio", "image_url": "image"}
+_PLACEHOLDER = {"input_audio": "audio", "image_url": "image", "video_url": "video"}
 
 
 def _template_message(m) -> dict[str, Any]:
@@ -333,27 +333,41 @@ def _template_message(m) -> dict[str, Any]:
 
 
 async def _decode_media(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
-    """Decoded media parts as the first stage reads them: "audio.N" (16 kHz mono float32) and
-    "image.N" (RGB uint8), numbered in prompt order per kind."""
+    """Decoded media parts as the first stage reads them: "audio.N" (16 kHz mono float32),
+    "image.N" (RGB uint8) and "video.N" (RGB uint8 frames, `video.FPS` a second), numbered in prompt
+    order per kind."""
     import torch
 
     limits = state.cfg.server
+    # What the first stage's engine takes per prompt (vLLM refuses more, after the decoding).
+    allowed = state.cfg.stages[0].engine_args.get("limit_mm_per_prompt") or {}
     out: dict[str, Any] = {}
-    counts = {"input_audio": 0, "image_url": 0}
+    counts = {"input_audio": 0, "image_url": 0, "video_url": 0}
     for part in (p for m in body.messages for p in m.media_parts()):
         i = counts[part.type]
         counts[part.type] += 1
+        kind = _PLACEHOLDER[part.type]
+        cap = allowed.get(kind)
+        cap = cap.get("count") if isinstance(cap, dict) else cap  # (vLLM also takes {count: N, ...})
+        if isinstance(cap, int) and counts[part.type] > cap:
+            raise APIError(400, f"this pipeline takes at most {cap} {kind} input(s) per request "
+                                f"(stage 0's limit_mm_per_prompt)", param="messages")
         try:
             if part.type == "input_audio":
                 wave = await asyncio.to_thread(
                     audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
                     max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
                 out[f"audio.{i}"] = torch.from_numpy(wave)
-            else:
+            elif part.type == "image_url":
                 rgb = await asyncio.to_thread(image.decode_image_url, part.image_url.url,
                                               max_bytes=limits.max_request_bytes, max_pixels=limits.max_image_pixels)
                 out[f"image.{i}"] = torch.from_numpy(rgb)
-        except (audio.AudioError, image.ImageError) as e:
+            else:
+                frames = await asyncio.to_thread(video.decode_video_url, part.video_url.url,
+                                                 max_bytes=limits.max_request_bytes, max_pixels=limits.max_image_pixels,
+                                                 max_frames=limits.max_video_frames)
+                out[f"video.{i}"] = torch.from_numpy(frames)
+        except (audio.AudioError, image.ImageError, video.VideoError) as e:
             raise APIError(400, f"{part.type} {i}: {e}", param="messages") from None
     return out
 

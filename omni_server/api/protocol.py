@@ -38,7 +38,18 @@ class ImageURLPart(_Lenient):
     image_url: ImageURL
 
 
-ContentPart = Annotated[Union[TextPart, InputAudioPart, ImageURLPart], Field(discriminator="type")]
+class VideoURL(_Lenient):
+    url: str  # data:video/...;base64,... (remote URLs are refused)
+
+
+class VideoURLPart(_Lenient):
+    """vLLM's extension of OpenAI's content parts for video input."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[Union[TextPart, InputAudioPart, ImageURLPart, VideoURLPart], Field(discriminator="type")]
 
 
 class ChatMessage(_Lenient):
@@ -53,10 +64,10 @@ class ChatMessage(_Lenient):
             return self.content
         return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
-    def media_parts(self) -> list[InputAudioPart | ImageURLPart]:
+    def media_parts(self) -> list[InputAudioPart | ImageURLPart | VideoURLPart]:
         if not isinstance(self.content, list):
             return []
-        return [p for p in self.content if isinstance(p, (InputAudioPart, ImageURLPart))]
+        return [p for p in self.content if isinstance(p, (InputAudioPart, ImageURLPart, VideoURLPart))]
 
 
 class AudioOutputParam(_Lenient):

@@ -273,10 +273,13 @@ class ARStage(Stage):
         media: dict[str, list] = {}
         audio = [(msg.tensors[k].numpy().copy(), AUDIO_SAMPLE_RATE) for k in names if k.startswith("audio.")]
         images = [msg.tensors[k].numpy().copy() for k in names if k.startswith("image.")]
+        videos = [msg.tensors[k].numpy().copy() for k in names if k.startswith("video.")]
         if audio:
             media["audio"] = audio
         if images:
             media["image"] = images
+        if videos:
+            media["video"] = videos
         if media:
             prompt = {"prompt_token_ids": msg.prompt_token_ids, "multi_modal_data": media}
         return prompt

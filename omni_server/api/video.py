@@ -1,0 +1,82 @@
+"""Videos in chat requests: `data:video/...` URLs decoded to RGB frames sampled at a fixed rate,
+with size limits, never fetched.
+
+Frames are taken at `FPS` (the rate Qwen's processors assume for a video's time positions when
+none is given, 2 per second) from the stream's own timestamps, so what the model sees and the time
+it thinks passed agree. The audio track is not read.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import re
+import tempfile
+
+import numpy as np
+
+FPS = 2.0
+_DATA_URL = re.compile(r"^data:video/(mp4|webm|quicktime|x-matroska|x-msvideo|mpeg);base64,", re.IGNORECASE)
+
+
+class VideoError(ValueError):
+    """A video the server will not take; the message is safe to show to the client."""
+
+
+def decode_video_url(url: str, *, max_bytes: int, max_pixels: int, max_frames: int) -> np.ndarray:
+    """RGB uint8 [frames, height, width, 3] of a base64 `data:video/...` URL, `FPS` frames per
+    second of video (at least one)."""
+    m = _DATA_URL.match(url)
+    if m is None:
+        if url.startswith(("http://", "https://")):
+            raise VideoError("remote video URLs are not fetched; send the video as a data:video/...;base64 URL")
+        raise VideoError("video_url must be a data:video/(mp4|webm|quicktime|x-matroska|x-msvideo|mpeg);base64,... URL")
+    payload = url[m.end():]
+    if len(payload) * 3 // 4 > max_bytes:
+        raise VideoError(f"video is larger than the limit of {max_bytes} bytes")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise VideoError("video data is not valid base64") from None
+    # OpenCV's FFmpeg reader opens files only: the bytes go to a private temporary file.
+    fd, path = tempfile.mkstemp(suffix=".video")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return _frames(path, max_pixels=max_pixels, max_frames=max_frames)
+    finally:
+        os.unlink(path)
+
+
+def _frames(path: str, *, max_pixels: int, max_frames: int) -> np.ndarray:
+    import cv2
+
+    cap = cv2.VideoCapture(path)
+    try:
+        if not cap.isOpened():
+            raise VideoError("video data could not be decoded")
+        width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
+        if width * height > max_pixels:
+            raise VideoError(f"video is {width}x{height} pixels; the limit is {max_pixels} pixels")
+        frames: list[np.ndarray] = []
+        due = 0.0  # the time of the next frame to keep, in seconds
+        while True:
+            ok, bgr = cap.read()
+            if not ok:
+                break
+            if bgr.shape[0] * bgr.shape[1] > max_pixels:  # (a stream whose frames outgrow its header)
+                raise VideoError(f"video frames exceed the limit of {max_pixels} pixels")
+            t = cap.get(cv2.CAP_PROP_POS_MSEC) / 1000.0
+            if t + 1e-6 < due:
+                continue
+            if len(frames) == max_frames:
+                raise VideoError(f"video is longer than the limit of {max_frames} frames at {FPS:g} per "
+                                 f"second ({max_frames / FPS:g} s)")
+            frames.append(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+            due += 1.0 / FPS
+    finally:
+        cap.release()
+    if not frames:
+        raise VideoError("video data could not be decoded (no frames)")
+    return np.ascontiguousarray(np.stack(frames))
