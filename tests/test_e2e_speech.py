@@ -126,6 +126,7 @@ def test_chat_with_image_matches_transformers(client, tiny_models):
     inputs = reference.omni_inputs(model_dir, [{"role": "user", "content": [
         {"type": "image"}, {"type": "text", "text": "What is this?"}]}], images=[rgb])
     assert resp.choices[0].model_extra["token_ids"] == reference.thinker_greedy_inputs(model_dir, inputs, 10)
+    assert resp.usage.prompt_tokens == inputs["input_ids"].shape[1]  # the image's tokens count
     # Speech too: the talker reads the image prompt's 3-D positions (sent by the thinker stage).
     spoken = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=10, temperature=0, seed=5,
@@ -150,6 +151,7 @@ def test_chat_with_video_matches_transformers(client, tiny_models):
         model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=10, temperature=0, seed=5,
         modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"},
         extra_body={"return_token_ids": True})
+    assert spoken.usage.prompt_tokens == inputs["input_ids"].shape[1]  # the video's tokens count
     ref_tokens, ref_codes, ref_wave = reference.omni_speech(model_dir, None, 10, TALKER_MAX_TOKENS, "Chelsie", 5,
                                                             inputs=inputs)
     _assert_equals_reference(_outputs(spoken), ref_tokens, ref_codes, ref_wave)

@@ -544,6 +544,8 @@ class _Run:
         async for stage_id, delta in self.orch.deltas(self.req):
             if delta.error is not None:
                 raise _delta_error(delta)
+            if stage_id == 0 and delta.num_prompt_tokens:
+                self.n_prompt = delta.num_prompt_tokens  # as the engine runs it: media count their tokens
             if stage_id == text_stage:
                 if self.detok.stopped:
                     continue  # tokens the stage made before it heard of the stop string
