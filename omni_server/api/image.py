@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import re
 
 import numpy as np
+
+from omni_server.api.data_url import payload
 
 _DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp|gif|bmp);base64,", re.IGNORECASE)
 
@@ -20,18 +20,8 @@ def decode_image_url(url: str, *, max_bytes: int, max_pixels: int) -> np.ndarray
     """RGB uint8 [height, width, 3] of a base64 `data:image/...` URL."""
     from PIL import Image
 
-    m = _DATA_URL.match(url)
-    if m is None:
-        if url.startswith(("http://", "https://")):
-            raise ImageError("remote image URLs are not fetched; send the image as a data:image/...;base64 URL")
-        raise ImageError("image_url must be a data:image/(png|jpeg|webp|gif|bmp);base64,... URL")
-    payload = url[m.end():]
-    if len(payload) * 3 // 4 > max_bytes:
-        raise ImageError(f"image is larger than the limit of {max_bytes} bytes")
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise ImageError("image data is not valid base64") from None
+    data = payload(url, _DATA_URL, kind="image", accepted="data:image/(png|jpeg|webp|gif|bmp);base64,...",
+                   max_bytes=max_bytes, error=ImageError)
     try:
         with Image.open(io.BytesIO(data)) as img:
             # The header's size, checked before any pixel is decoded (decompression bombs).

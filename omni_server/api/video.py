@@ -8,13 +8,13 @@ it thinks passed agree. The audio track is not read.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import os
 import re
 import tempfile
 
 import numpy as np
+
+from omni_server.api.data_url import payload
 
 FPS = 2.0
 _DATA_URL = re.compile(r"^data:video/(mp4|webm|quicktime|x-matroska|x-msvideo|mpeg);base64,", re.IGNORECASE)
@@ -27,18 +27,9 @@ class VideoError(ValueError):
 def decode_video_url(url: str, *, max_bytes: int, max_pixels: int, max_frames: int) -> np.ndarray:
     """RGB uint8 [frames, height, width, 3] of a base64 `data:video/...` URL, `FPS` frames per
     second of video (at least one)."""
-    m = _DATA_URL.match(url)
-    if m is None:
-        if url.startswith(("http://", "https://")):
-            raise VideoError("remote video URLs are not fetched; send the video as a data:video/...;base64 URL")
-        raise VideoError("video_url must be a data:video/(mp4|webm|quicktime|x-matroska|x-msvideo|mpeg);base64,... URL")
-    payload = url[m.end():]
-    if len(payload) * 3 // 4 > max_bytes:
-        raise VideoError(f"video is larger than the limit of {max_bytes} bytes")
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise VideoError("video data is not valid base64") from None
+    data = payload(url, _DATA_URL, kind="video",
+                   accepted="data:video/(mp4|webm|quicktime|x-matroska|x-msvideo|mpeg);base64,...",
+                   max_bytes=max_bytes, error=VideoError)
     # OpenCV's FFmpeg reader opens files only: the bytes go to a private temporary file.
     fd, path = tempfile.mkstemp(suffix=".video")
     try:
