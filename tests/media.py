@@ -51,4 +51,5 @@ def mp4(frames: int, fps: float = 4.0, width: int = 64, height: int = 48, seed: 
         writer.release()
         with open(path, "rb") as f:
             url = "data:video/mp4;base64," + base64.b64encode(f.read()).decode()
-    return url, decode_video_url(url, max_bytes=1 << 30, max_pixels=1 << 30, max_frames=1 << 20)
+    return url, decode_video_url(url, max_bytes=1 << 30, max_pixels=1 << 30, max_frames=1 << 20,
+                                 max_total_pixels=1 << 40)

@@ -365,7 +365,8 @@ async def _decode_media(state: ServerState, body: ChatCompletionRequest) -> dict
             else:
                 frames = await asyncio.to_thread(video.decode_video_url, part.video_url.url,
                                                  max_bytes=limits.max_request_bytes, max_pixels=limits.max_image_pixels,
-                                                 max_frames=limits.max_video_frames)
+                                                 max_frames=limits.max_video_frames,
+                                                 max_total_pixels=limits.max_video_pixels)
                 out[f"video.{i}"] = torch.from_numpy(frames)
         except (audio.AudioError, image.ImageError, video.VideoError) as e:
             raise APIError(400, f"{part.type} {i}: {e}", param="messages") from None

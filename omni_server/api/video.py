@@ -24,9 +24,11 @@ class VideoError(ValueError):
     """A video the server will not take; the message is safe to show to the client."""
 
 
-def decode_video_url(url: str, *, max_bytes: int, max_pixels: int, max_frames: int) -> np.ndarray:
+def decode_video_url(url: str, *, max_bytes: int, max_pixels: int, max_frames: int,
+                     max_total_pixels: int) -> np.ndarray:
     """RGB uint8 [frames, height, width, 3] of a base64 `data:video/...` URL, `FPS` frames per
-    second of video (at least one)."""
+    second of video (at least one). `max_pixels` bounds a frame, `max_total_pixels` the frames kept
+    (what the api holds in memory: 3 bytes a pixel)."""
     data = payload(url, _DATA_URL, kind="video",
                    accepted="data:video/(mp4|webm|quicktime|x-matroska|x-msvideo|mpeg);base64,...",
                    max_bytes=max_bytes, error=VideoError)
@@ -35,12 +37,12 @@ def decode_video_url(url: str, *, max_bytes: int, max_pixels: int, max_frames: i
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        return _frames(path, max_pixels=max_pixels, max_frames=max_frames)
+        return _frames(path, max_pixels=max_pixels, max_frames=max_frames, max_total_pixels=max_total_pixels)
     finally:
         os.unlink(path)
 
 
-def _frames(path: str, *, max_pixels: int, max_frames: int) -> np.ndarray:
+def _frames(path: str, *, max_pixels: int, max_frames: int, max_total_pixels: int) -> np.ndarray:
     import cv2
 
     cap = cv2.VideoCapture(path)
@@ -64,6 +66,9 @@ def _frames(path: str, *, max_pixels: int, max_frames: int) -> np.ndarray:
             if len(frames) == max_frames:
                 raise VideoError(f"video is longer than the limit of {max_frames} frames at {FPS:g} per "
                                  f"second ({max_frames / FPS:g} s)")
+            if (len(frames) + 1) * bgr.shape[0] * bgr.shape[1] > max_total_pixels:
+                raise VideoError(f"video has more than the limit of {max_total_pixels} pixels in its "
+                                 f"{len(frames) + 1} frames at {FPS:g} per second")
             frames.append(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
             due += 1.0 / FPS
     finally:

@@ -168,9 +168,11 @@ class ServerConfig(_Strict):
     max_audio_seconds: float = Field(120.0, gt=0)
     # Each `image_url` image (width x height): larger ones are answered 400.
     max_image_pixels: int = Field(4096 * 4096, ge=1)
-    # Each `video_url` video: frames kept (2 per second of video; longer ones are answered 400), and
-    # pixels per frame (max_image_pixels).
+    # Each `video_url` video: frames kept (2 per second of video; longer ones are answered 400),
+    # pixels per frame (max_image_pixels) and in all its frames (the api holds them: 3 bytes each;
+    # the default is 128 frames of 1280 x 720, ~350 MB).
     max_video_frames: int = Field(128, ge=1)
+    max_video_pixels: int = Field(128 * 1280 * 720, ge=1)
     # Requests in flight beyond this are answered 429 with Retry-After (bounded memory under overload).
     max_concurrent_requests: int = Field(256, ge=1)
     # A ready stage that answers nothing (not even the api's 1 s pings) this long is marked down.
