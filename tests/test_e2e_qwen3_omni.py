@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from tests.media import png, tone_wav
+from tests.media import mp4, png, tone_wav
 from tests.conftest import MODELS, REPO, STARTUP_TIMEOUT, Server, compiled_config
 
 MODEL = "omni-tiny-qwen3"
@@ -394,6 +394,34 @@ def test_speech_about_an_image_equals_transformers(client):
     ref_ids = inputs["input_ids"][0].tolist()  # (the placeholder expanded: one pad per image row)
     assert prompt_ids == _collapse(ref_ids, _hf_tokenizer(_model_dir()).convert_tokens_to_ids("<|image_pad|>"))
     media = {k: inputs[k] for k in ("pixel_values", "image_grid_thw")}
+    thinker, ref_codes, _, wave = _hf_speech(_model_dir(), ref_ids, MAX_TOKENS, "ethan", len(codes), media)
+    assert resp.choices[0].model_extra["token_ids"] == thinker
+    assert codes == ref_codes, (codes, ref_codes)
+    pcm = np.frombuffer(base64.b64decode(resp.choices[0].message.audio.data), dtype="<i2").astype(np.float32) / 32768
+    assert pcm.shape == wave.shape and np.abs(pcm - wave.clamp(-1, 1).numpy()).max() < 2e-4
+
+
+def test_speech_about_a_video_equals_transformers(client):
+    """A video_url part: frames kept at 2 a second, and the processor told that rate (Qwen3-Omni's
+    assumes 1 a second: the video's time positions would be stretched twice); thinker, talker codes
+    and waveform equal transformers' on the same frames at fps 2."""
+    import base64
+
+    url, frames = mp4(6, fps=2.0, width=160, height=96)
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": IMAGE_TEXT}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0,
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    codes = resp.model_extra["omni_outputs"]["talker"]["token_ids"]
+    proc = _hf_processor(_model_dir())
+    message = {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": IMAGE_TEXT}]}
+    text = proc.apply_chat_template([message], add_generation_prompt=True, tokenize=False)
+    inputs = dict(proc(text=text, videos=[frames], fps=2.0, return_tensors="pt", padding=True))
+    assert inputs["video_second_per_grid"].tolist() == [1.0]  # 2 frames per temporal patch, 2 a second
+    ref_ids = inputs["input_ids"][0].tolist()
+    assert resp.usage.prompt_tokens == len(ref_ids)
+    media = {k: inputs[k] for k in ("pixel_values_videos", "video_grid_thw", "video_second_per_grid")}
     thinker, ref_codes, _, wave = _hf_speech(_model_dir(), ref_ids, MAX_TOKENS, "ethan", len(codes), media)
     assert resp.choices[0].model_extra["token_ids"] == thinker
     assert codes == ref_codes, (codes, ref_codes)

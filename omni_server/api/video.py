@@ -1,9 +1,9 @@
 """Videos in chat requests: `data:video/...` URLs decoded to RGB frames sampled at a fixed rate,
 with size limits, never fetched.
 
-Frames are taken at `FPS` (the rate Qwen's processors assume for a video's time positions when
-none is given, 2 per second) from the stream's own timestamps, so what the model sees and the time
-it thinks passed agree. The audio track is not read.
+Frames are taken at `FPS` (2 a second, as Qwen's own video tools sample) by the stream's own
+timestamps; the first stage tells its processor that rate, so the time positions the model sees
+are the video's. The audio track is not read.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import tempfile
 import numpy as np
 
 from omni_server.api.data_url import payload
-
-FPS = 2.0
+from omni_server.wire.messages import VIDEO_FPS as FPS
 _DATA_URL = re.compile(r"^data:video/(mp4|webm|quicktime|x-matroska|x-msvideo|mpeg);base64,", re.IGNORECASE)
 
 

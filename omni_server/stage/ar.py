@@ -25,6 +25,7 @@ from omni_server.wire.messages import (
     ExpectRequest,
     RequestDelta,
     AUDIO_SAMPLE_RATE,
+    VIDEO_FPS,
     SamplingSpec,
     StagePayload,
 )
@@ -283,6 +284,8 @@ class ARStage(Stage):
             media["video"] = videos
         if media:
             prompt = {"prompt_token_ids": msg.prompt_token_ids, "multi_modal_data": media}
+            if videos:  # (the rate the api sampled them at; processors assume their own otherwise)
+                prompt["mm_processor_kwargs"] = {"fps": VIDEO_FPS}
         return prompt
 
     def start(self, expect: ExpectRequest, stage_input: StageInput, final: bool = True) -> None:

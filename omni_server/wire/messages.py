@@ -14,6 +14,7 @@ import msgspec
 
 WIRE_VERSION = 3
 AUDIO_SAMPLE_RATE = 16000
+VIDEO_FPS = 2.0  # frames a second the api keeps of a video; the first stage's processor is told so
 
 # Request option names (AddRequest/ExpectRequest.options) the api sets and stages read.
 VOICE_OPTION = "voice"  # the generator's / talker's voice
