@@ -80,8 +80,10 @@ class Launcher:
     def start_after(self, unit: Unit) -> list[Unit]:
         """Processes that must be ready before this one builds: those before it in `build_order` on
         the same devices, unless neither of the two profiles memory (those build side by side)."""
-        if not self.sequential:
-            return []
+        return self._waits_on_gpu(unit) if self.sequential else []
+
+    def _waits_on_gpu(self, unit: Unit) -> list[Unit]:
+        """`start_after` on a GPU host."""
         order = self.build_order()
         mine = _device_set(self.cfg.stage(unit[0]).devices_of(unit[1]))
         return [u for u in order[:order.index(unit)]
@@ -91,11 +93,7 @@ class Launcher:
     def gpu_start_notes(self) -> list[str]:
         """On a GPU host, which stages wait for others before they build, and why (`check` prints
         them: a pipeline whose engines profile memory on a shared GPU starts slower)."""
-        was, self.sequential = self.sequential, True
-        try:
-            waits = {u: self.start_after(u) for u in self.cfg.units()}
-        finally:
-            self.sequential = was
+        waits = {u: self._waits_on_gpu(u) for u in self.cfg.units()}
         return [f"stage {u[0]} ({self.cfg.unit_name(u)}) builds after "
                 f"{', '.join(self.cfg.unit_name(b) for b in before)} on a GPU host: "
                 + ("its engine measures free GPU memory while it starts; `kv_cache_memory_bytes` in its "

@@ -194,7 +194,6 @@ class ARStage(Stage):
         self.send_tokens = self.stage.output is not None
         self.tracked: dict[str, _Tracked] = {}
         self.in_engine: set[str] = set()
-        self.prompt_told: set[str] = set()  # requests whose prompt length went out (their first delta)
         # The last step's hidden-state captures (their device -> host copies may be in flight),
         # and the requests to compact once they are done.
         self._in_flight: list = []
@@ -373,7 +372,6 @@ class ARStage(Stage):
             return  # finished by itself meanwhile: its payload already went downstream
         self.core.abort_requests([request_id])
         self.in_engine.discard(request_id)
-        self.prompt_told.discard(request_id)
         tracked = self.tracked.pop(request_id, None)
         if tracked is not None:
             self._forward(request_id, tracked)
@@ -385,7 +383,6 @@ class ARStage(Stage):
             self.core.abort_requests(in_engine)
         for rid in request_ids:
             self.in_engine.discard(rid)
-            self.prompt_told.discard(rid)
             self.tracked.pop(rid, None)
             self._end_stream(rid)
             self.core.scheduler.step_embeds_out.pop(rid, None)
@@ -427,12 +424,10 @@ class ARStage(Stage):
                 if self.send_tokens or finished:
                     reason = str(out.finish_reason) if finished else None
                     lp = out.new_logprobs if self.send_tokens else None
-                    n_prompt = 0
-                    if self.send_tokens and rid not in self.prompt_told:
-                        # The prompt as the engine runs it (media expanded to their tokens): usage.
-                        req = self.core.scheduler.requests.get(rid)
-                        n_prompt = req.num_prompt_tokens if req is not None else 0
-                        self.prompt_told.add(rid)
+                    # The prompt as the engine runs it (media expanded to their tokens), for usage;
+                    # 0 once the request has left the scheduler (its finishing delta).
+                    req = self.core.scheduler.requests.get(rid) if self.send_tokens else None
+                    n_prompt = req.num_prompt_tokens if req is not None else 0
                     deltas.append(RequestDelta(
                         request_id=rid,
                         new_token_ids=list(out.new_token_ids) if self.send_tokens else [],
@@ -446,7 +441,6 @@ class ARStage(Stage):
                     ))
                 if finished:
                     self.in_engine.discard(rid)
-                    self.prompt_told.discard(rid)
                     streamed = self._end_stream(rid)
                     if streamed is not None or rid in self.waiting:
                         # Done before its streamed input was: drop the rest of that input, and tell
