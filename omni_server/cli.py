@@ -40,7 +40,8 @@ def cmd_check(args) -> int:
 
     from omni_server.orchestrator.launcher import Launcher
 
-    for note in Launcher(cfg, args.config, Path(".")).gpu_start_notes():
+    launcher = Launcher(cfg, args.config, Path("."))
+    for note in launcher.gpu_start_notes() + launcher.host_notes():
         print(f"note: {note}")
     return 0
 

@@ -14,6 +14,7 @@ import uvicorn
 from omni_server.api.app import ServerState, create_app
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.launcher import Launcher, Unit
+from omni_server.orchestrator.mps import MPSError
 from omni_server.orchestrator.orchestrator import HUNG, Orchestrator
 from omni_server.wire.transport import make_runtime_dir, stage_address
 
@@ -36,6 +37,12 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
                              f"(or a shared runtime_dir); missing: {', '.join(missing)}")
     runtime_dir = make_runtime_dir(cfg)
     launcher = Launcher(cfg, config_path, runtime_dir, overrides)
+    try:
+        mps = None if external_stages else launcher.start_mps()
+    except MPSError as e:
+        if cfg.runtime_dir is None:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+        raise SystemExit(f"cuda_mps: true, but no MPS daemon: {e}") from None
     state = ServerState(cfg, lambda: Orchestrator(cfg, runtime_dir), on_startup=None)
     uv = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.server.host, port=cfg.server.port,
                                        log_level="info",
@@ -125,6 +132,8 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
         await uv.serve()
     finally:
         launcher.stop_all()
+        if mps is not None:
+            mps.stop()
         if cfg.runtime_dir is None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
     for f in failed:

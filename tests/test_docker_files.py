@@ -36,11 +36,25 @@ def test_compose_runs_every_stage_and_the_api():
     assert {s.name for s in cfg.stages} == {"thinker", "talker", "token2wav"}
 
 
+def test_compose_pipeline_serves_what_the_one_gpu_config_serves():
+    """docker/pipeline.yaml is configs/qwen2_5_omni.yaml split into containers: every stage setting
+    but where it runs (model path, address, devices) is the same, so docker users get the tuned
+    windows, streaming and token2wav speed settings (it ran token2wav's defaults until 2026-12-01)."""
+    where = {"model", "address", "devices"}
+    docker = load_config(DOCKER / "pipeline.yaml").stages
+    one_gpu = load_config(REPO / "configs/qwen2_5_omni.yaml").stages
+    assert [s.name for s in docker] == [s.name for s in one_gpu]
+    for d, c in zip(docker, one_gpu):
+        assert d.model_dump(exclude=where) == c.model_dump(exclude=where), d.name
+
+
 def test_dockerfile_runs_as_non_root_with_the_cli_entrypoint():
     text = (DOCKER / "Dockerfile").read_text()
     assert re.search(r"^USER omni$", text, re.M)
     assert 'ENTRYPOINT ["omni-server"]' in text
     assert "vllm==0.26.0" in text and "torch==2.11.0" in text
+    # (python:*-slim has no C compiler; Triton needs one to launch any kernel it compiles.)
+    assert re.search(r"apt-get install .*\bgcc\b.*\blibc6-dev\b", text)
 
 
 def _compose_cli() -> list[str] | None:

@@ -193,6 +193,10 @@ class PipelineConfig(_Strict):
     server: ServerConfig = ServerConfig()
     # Directory for ipc sockets; None = a fresh private temp dir per `serve`.
     runtime_dir: str | None = None
+    # CUDA MPS for the stage processes `serve` starts, when two of them share a GPU: their kernels
+    # then run side by side instead of time-slicing it (orchestrator/mps.py). true: `serve` starts
+    # its own MPS daemon or fails; "auto": it tries, and without one the stages time-slice.
+    cuda_mps: bool | Literal["auto"] = False
 
     @model_validator(mode="after")
     def _check_graph(self) -> "PipelineConfig":

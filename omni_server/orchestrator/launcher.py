@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +13,8 @@ from pathlib import Path
 from typing import Sequence
 
 from omni_server.config.schema import PipelineConfig
+from omni_server.orchestrator.mps import PROGRAM as MPS_PROGRAM
+from omni_server.orchestrator.mps import MPSDaemon, MPSError
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +63,13 @@ class Launcher:
         self.runtime_dir = runtime_dir
         self.overrides = list(overrides)
         self.procs: dict[Unit, subprocess.Popen] = {}
+        self.env: dict[str, str] = {}  # added to every stage process's environment
+        self.cuda = _cuda_host()
 
         # vLLM sizes its KV cache from the GPU memory it sees used while it profiles, so while one
         # engine does, nothing else may allocate on its GPUs: engines sharing a GPU start one after
         # the other. On CPU hosts they all start at once.
-        self.sequential = _cuda_host()
+        self.sequential = self.cuda
 
     def _profiles(self, stage_id: int) -> bool:
         """Whether the stage's engine measures GPU memory while starting: every vLLM (AR) stage
@@ -101,6 +107,40 @@ class Launcher:
                    "an engine sharing its GPU measures free GPU memory while it starts")
                 for u, before in waits.items() if before]
 
+    def shares_a_gpu(self) -> bool:
+        """Whether two stage processes may run on the same GPU."""
+        devices = [_device_set(self.cfg.stage(u[0]).devices_of(u[1])) for u in self.cfg.units()]
+        return any(_overlap(a, b) for a, b in itertools.combinations(devices, 2))
+
+    def start_mps(self) -> MPSDaemon | None:
+        """With `cuda_mps` on a CUDA host where stages share a GPU: start this server's MPS daemon
+        and have every stage process use it. Raises MPSError when it cannot (`auto`: logs that,
+        and the stages time-slice their GPUs as without it)."""
+        if not (self.cfg.cuda_mps and self.cuda and self.shares_a_gpu()):
+            return None
+        daemon = MPSDaemon(self.runtime_dir / "mps")
+        try:
+            daemon.start()
+        except MPSError as e:
+            if self.cfg.cuda_mps != "auto":
+                raise
+            log.warning("cuda_mps: auto: no MPS (%s); the stages sharing a GPU time-slice it", e)
+            return None
+        self.env.update(daemon.env)
+        return daemon
+
+    def host_notes(self) -> list[str]:
+        """What this host lacks for the pipeline on a GPU (`check` prints them)."""
+        notes = []
+        if not any(os.environ.get("CC") or shutil.which(c) for c in ("cc", "gcc", "clang")):
+            notes.append("no C compiler on PATH (cc, gcc or clang; or CC): on a GPU host Triton, which vLLM and "
+                         "token2wav's `compile` run, builds each kernel's launcher with one")
+        if self.cfg.cuda_mps and self.shares_a_gpu() and shutil.which(MPS_PROGRAM) is None:
+            notes.append(f"cuda_mps: {MPS_PROGRAM} is not on PATH (it comes with the NVIDIA driver): "
+                         + ("the stages sharing a GPU will time-slice it" if self.cfg.cuda_mps == "auto"
+                            else "`serve` will not start on a GPU host"))
+        return notes
+
     def start(self, unit: Unit, hold: bool = False) -> None:
         """Start a stage process. `hold`: it imports everything, then waits for `release` before it
         builds its engine (the imports take ~15 s a process on the H200 host; they need not wait)."""
@@ -114,7 +154,8 @@ class Launcher:
             cmd.append("--hold")
         failure_path(self.runtime_dir, unit).unlink(missing_ok=True)  # a restart's note is its own
         # Own session: a terminal Ctrl-C reaches only `serve`, which then stops stages in order.
-        self.procs[unit] = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.PIPE if hold else None)
+        self.procs[unit] = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.PIPE if hold else None,
+                                            env=os.environ | self.env if self.env else None)
         log.info("stage %d (%s) starting, pid %d%s", stage_id, self.cfg.unit_name(unit), self.procs[unit].pid,
                  " (builds its engine once the earlier stages on its GPUs are ready)" if hold else "")
 

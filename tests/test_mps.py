@@ -1,0 +1,132 @@
+"""`cuda_mps`: serve's own MPS daemon, started when stages share a GPU, its variables in every stage
+process, quit at the end. The daemon here is a stand-in program on PATH with the real one's name
+(this host has no NVIDIA driver); it records how it was called. The H200 runs measured the real one."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from omni_server.config import ConfigError, load_config_text
+from omni_server.orchestrator.launcher import Launcher
+from omni_server.orchestrator.mps import PROGRAM, MPSDaemon, MPSError
+from tests.conftest import REPO
+
+FAKE = """#!/bin/sh
+# Records each call in the log directory the daemon is given; FAKE_MPS_FAIL makes `-d` fail.
+echo "$*" >> "$CUDA_MPS_LOG_DIRECTORY/calls"
+env > "$CUDA_MPS_LOG_DIRECTORY/env"
+if [ "$1" = "-d" ]; then
+  if [ -n "$FAKE_MPS_FAIL" ]; then echo "An instance of this daemon is already running" >&2; exit 3; fi
+  exit 0
+fi
+cat >> "$CUDA_MPS_LOG_DIRECTORY/stdin"
+"""
+
+
+@pytest.fixture
+def fake_mps(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    prog = bin_dir / PROGRAM
+    prog.write_text(FAKE)
+    prog.chmod(prog.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return tmp_path
+
+
+def _pipeline(mps: str, devices=("0", "0")) -> str:
+    return f"""
+model: m
+cuda_mps: {mps}
+stages:
+  - {{id: 0, name: a, model: x, devices: "{devices[0]}", output: text}}
+  - {{id: 1, name: b, model: x, devices: "{devices[1]}", inputs: [0], input_processor: hidden_to_embeds}}
+"""
+
+
+def _on_gpu_host(text: str, runtime_dir: Path) -> Launcher:
+    launcher = Launcher(load_config_text(text), str(REPO / "configs/default.yaml"), runtime_dir)
+    launcher.cuda = True  # (what this CPU host is not: the decision under test is what follows)
+    return launcher
+
+
+def test_daemon_starts_privately_and_quits(fake_mps, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    daemon = MPSDaemon(fake_mps / "mps")
+    daemon.start()
+    log_dir = fake_mps / "mps" / "log"
+    assert (log_dir / "calls").read_text() == "-d\n"
+    env = dict(line.split("=", 1) for line in (log_dir / "env").read_text().splitlines() if "=" in line)
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(fake_mps / "mps" / "pipe")
+    assert "CUDA_VISIBLE_DEVICES" not in env  # it sees the GPUs as the host numbers them
+    assert stat.S_IMODE((fake_mps / "mps" / "pipe").stat().st_mode) == 0o700
+    daemon.stop()
+    assert (log_dir / "calls").read_text() == "-d\n\n" and (log_dir / "stdin").read_text() == "quit\n"
+    daemon.stop()  # once only
+    assert (log_dir / "calls").read_text() == "-d\n\n"
+
+
+def test_daemon_errors_say_why(fake_mps, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS_FAIL", "1")
+    with pytest.raises(MPSError, match="exited with code 3: An instance of this daemon is already running"):
+        MPSDaemon(fake_mps / "mps").start()
+    monkeypatch.setenv("PATH", str(fake_mps / "empty"))
+    with pytest.raises(MPSError, match=f"{PROGRAM} is not on PATH"):
+        MPSDaemon(fake_mps / "mps").start()
+
+
+def test_stages_sharing_a_gpu_get_the_daemon(fake_mps):
+    launcher = _on_gpu_host(_pipeline("true"), fake_mps)
+    daemon = launcher.start_mps()
+    assert daemon is not None and launcher.env == daemon.env
+    assert launcher.env["CUDA_MPS_PIPE_DIRECTORY"] == str(fake_mps / "mps" / "pipe")
+    daemon.stop()
+    # Not when no two stages share a GPU, nor on a CPU host, nor when the config leaves it off.
+    for text, cuda in ((_pipeline("true", ("0", "1")), True), (_pipeline("true"), False), (_pipeline("false"), True)):
+        launcher = _on_gpu_host(text, fake_mps / "other")
+        launcher.cuda = cuda
+        assert launcher.start_mps() is None and launcher.env == {}
+    # A stage without `devices` may use any GPU: it shares with every other.
+    assert _on_gpu_host(_pipeline("true", ("0", "")).replace('devices: ""', "devices: null"), fake_mps).shares_a_gpu()
+
+
+def test_auto_goes_on_without_mps_and_true_does_not(fake_mps, monkeypatch, caplog):
+    monkeypatch.setenv("FAKE_MPS_FAIL", "1")
+    launcher = _on_gpu_host(_pipeline("auto"), fake_mps)
+    with caplog.at_level(logging.WARNING):
+        assert launcher.start_mps() is None
+    assert launcher.env == {} and "cuda_mps: auto: no MPS" in caplog.text and "already running" in caplog.text
+    with pytest.raises(MPSError):
+        _on_gpu_host(_pipeline("true"), fake_mps).start_mps()
+
+
+def test_stage_processes_get_the_daemons_variables(fake_mps):
+    launcher = _on_gpu_host(_pipeline("true"), fake_mps)
+    daemon = launcher.start_mps()
+    try:
+        launcher.start((1, 0), hold=True)  # (it imports, then waits for `release`: never builds here)
+        pid = launcher.procs[(1, 0)].pid
+        env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        assert env[b"CUDA_MPS_PIPE_DIRECTORY"] == str(fake_mps / "mps" / "pipe").encode()
+        assert env[b"PATH"] == os.environ["PATH"].encode()  # (the rest of serve's environment too)
+    finally:
+        launcher.stop_all(timeout=20)
+        daemon.stop()
+
+
+def test_cuda_mps_setting_and_check_notes(fake_mps, monkeypatch):
+    with pytest.raises(ConfigError, match="cuda_mps"):
+        load_config_text(_pipeline("sometimes"))
+    assert _on_gpu_host(_pipeline("auto"), fake_mps).host_notes() == []  # (this host has cc; PATH has the program)
+    monkeypatch.setenv("PATH", str(fake_mps / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    notes = _on_gpu_host(_pipeline("true"), fake_mps).host_notes()
+    assert len(notes) == 2 and notes[0].startswith("no C compiler on PATH")
+    assert f"cuda_mps: {PROGRAM} is not on PATH" in notes[1] and "will not start on a GPU host" in notes[1]
+    monkeypatch.setenv("CC", "/opt/cc")
+    assert len(_on_gpu_host(_pipeline("auto", ("0", "1")), fake_mps).host_notes()) == 0
