@@ -122,9 +122,14 @@ def collect(out: Path) -> dict:
         # Qwen3-Omni-30B-A3B shapes, configs/qwen3_omni.yaml (session step `qwen3`)
         **_served(out, "qwen3", "qwen3"),
         "qwen3_ready_s": _ready_s(out / "serve_qwen3.log"),
+        # the same with the talker's code predictor compiled (step `qwen3cp`)
+        **_served(out, "qwen3cp", "qwen3cp"),
+        "qwen3cp_ready_s": _ready_s(out / "serve_qwen3cp.log"),
         # the 7B config under CUDA MPS (step `mps`), and with token2wav's compile too (MPS_FAST=1)
         **_served(out, "mps", "mps"),
         **_served(out, "mpsfast", "mpsfast"),
+        # the 7B config without its MPS daemon (step `nomps`; cuda_mps: auto in the config since 2026-12-01)
+        **_served(out, "nomps", "nomps"),
         # the 7B config with token2wav's polyphase upsampling and compile (session step `t2wfast`),
         # then the same started again (compile from Inductor's cache)
         **_served(out, "t2wfast", "t2wfast"),

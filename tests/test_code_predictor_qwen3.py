@@ -119,3 +119,68 @@ def test_padded_graph_batches_return_each_rows_own_frame(tiny_models):
     assert keys == [(4,)]
     assert torch.equal(padded[0], plain[0]) and padded[0].shape == (3, 15)
     torch.testing.assert_close(padded[1], plain[1])
+
+
+def test_compiled_frames_equal_plain_frames(tiny_models):
+    """`compile`: the frame through torch.compile (Inductor's CPU code here, ~80 s to compile on a
+    2-core host; on CUDA the graphs capture it: the CUDA test below) gives the plain frame's codes,
+    greedy and sampled rows in one batch, and its residual to rounding."""
+    model_dir = str(tiny_models["tiny-qwen3-omni-moe"])
+    plain, compiled = CodePredictor(model_dir, "cpu"), CodePredictor(model_dir, "cpu", compile=True)
+    hidden = plain.module.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    h, e0 = torch.randn(3, hidden, generator=g) * 3, torch.randn(3, hidden, generator=g)
+    gens = lambda: [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(8)]  # noqa: E731
+    a, b = compiled(h, e0, gens()), plain(h, e0, gens())
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1])
+    assert compiled._ungraphed is not compiled._frame and plain._ungraphed == plain._frame
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_cuda_graphs_of_the_compiled_frame_equal_eager_frames(tiny_models):
+    """The graphs capture the compiled frame at warm-up (no compile while serving) and replay what
+    the plain frame computes; a batch past the graphs runs the plain frame."""
+    model_dir = str(tiny_models["tiny-qwen3-omni-moe"])
+    torch._dynamo.reset()
+    compiled = CodePredictor(model_dir, "cuda", compile=True, max_graph_batch=4)
+    eager = CodePredictor(model_dir, "cuda", cuda_graphs=False)
+    compiled.warm_up(4)
+    assert sorted(compiled.graphs.graphs) == [(1,), (2,), (4,)] and not compiled.graphs.failed
+    hidden = compiled.module.config.hidden_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (3, 6):
+        h, e0 = torch.randn(rows, hidden, device="cuda", generator=g), torch.randn(rows, hidden, device="cuda", generator=g)
+        gens = lambda: [torch.Generator(device="cuda").manual_seed(1 + i) if i % 2 else None for i in range(rows)]  # noqa: E731
+        for a, b in [(compiled(h, e0), eager(h, e0)), (compiled(h, e0, gens()), eager(h, e0, gens()))]:
+            assert torch.equal(a[0], b[0])
+            torch.testing.assert_close(a[1], b[1])
+
+
+def test_code_predictor_options_come_from_additional_config():
+    from types import SimpleNamespace
+
+    from omni_server.models.qwen3_omni_moe.talker import code_predictor_options
+
+    cfg = lambda extra: SimpleNamespace(additional_config=extra)  # noqa: E731
+    assert code_predictor_options(cfg({})) == {}
+    assert code_predictor_options(cfg({"code_predictor": {"compile": True}})) == {"compile": True}
+    for bad in ({"compile": "yes"}, {"complie": True}, [1]):
+        with pytest.raises(ValueError, match="additional_config.code_predictor"):
+            code_predictor_options(cfg({"code_predictor": bad}))
+
+
+def test_served_talker_reads_its_code_predictor_options(tiny_models, tmp_path):
+    """The talker's `engine_args.additional_config.code_predictor` reaches the model in a real vLLM
+    engine: a misspelt option stops `serve`, whose last line says which and what it takes."""
+    from tests.conftest import REPO, Server
+
+    server = Server(REPO / "tests/configs/qwen3_omni.yaml", tmp_path / "serve.log",
+                    args=["--stage-arg", "talker.additional_config.code_predictor.complie=true"])
+    try:
+        assert server.proc.wait(300) == 1
+    finally:
+        server.stop()
+    last = server.log_tail().splitlines()[-1]
+    assert ("stage 1 (talker) failed to start (exit code 1): ValueError: additional_config.code_predictor.complie: "
+            "True is not one of compile (bool), cuda_graphs (bool), max_graph_batch (int)") in last

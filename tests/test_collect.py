@@ -36,6 +36,7 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
         'RESULT {"mode": "graphs_bf16", "batch": 16, "step_ms_p50": 436.9, "rtf": 0.61}\n'
         'RESULT {"mode": "graphs_bf16_compiled", "batch": 1, "step_ms_p50": 67.9, "rtf": 0.1, "start_s": 190.5}\n')
     _bench(tmp_path / "mpsfast_c16.json", ttfp_ms={"p50": 950.0}, rtf={"p50": 0.6})
+    _bench(tmp_path / "nomps_c1.json", ttfp_ms={"p50": 440.0}, rtf={"p50": 0.26})
     (tmp_path / "talker_vllm_talker.txt").write_text(
         'RESULT {"model": "talker-7b", "sampling": "talker", "mode": "vllm", "batch": 1, "tok_s": 212.34}\n')
     (tmp_path / "talker_vllm_greedy.txt").write_text(
@@ -59,4 +60,5 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert r["t2w_graphs_bf16_compiled_b1_step_ms"] == 67.9 and r["t2w_graphs_bf16_compiled_start_s"] == 190.5
     assert "t2w_graphs_bf16_start_s" not in r  # (no start time in that line)
     assert (r["mpsfast_ttfp_ms_c16"], r["mpsfast_rtf_c16"], r["mps_ttfp_ms_c16"]) == (950.0, 0.6, None)
+    assert (r["nomps_ttfp_ms_c1"], r["nomps_rtf_c1"], r["nomps_ttfp_ms_c16"]) == (440.0, 0.26, None)
     assert r["talker_vllm_talker_bs1_tok_s"] == 212.3 and r["talker_vllm_greedy_bs16_tok_s"] == 4000.0

@@ -3,8 +3,9 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main tests qwen3 talker full t2wfast", ~1,300 s
-# estimated; also: t2w runner mps prof ref w144 layouts fc24 fc72 tc4).
+# Steps run in the order STEPS names them (default "main tests qwen3 qwen3cp full nomps", ~1,100 s
+# estimated on two GPUs; on one the tests run in line: ~1,600 s; also: talker t2w t2wfast runner mps
+# prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -25,7 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main tests qwen3 talker full t2wfast}
+STEPS=${STEPS:-main tests qwen3 qwen3cp full nomps}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -198,6 +199,7 @@ step_w144() {
 }
 
 step_t2wfast() {
+  # (The 7B config's own settings since 2026-12-01, so now a variant for T2W_COMPILE / T2W_VOCODER.)
   # The 7B config with token2wav's opt-in speed-ups (polyphase upsampling, torch.compile of the
   # DiT's layers, block by block unless T2W_COMPILE=true, and the vocoder; both compile while its
   # graphs are captured at start): c=16 is token2wav-bound (busy 0.92 on 2026-11-30e). Its start
@@ -224,6 +226,17 @@ step_t2wfast() {
   say "t2wfast warm: $(grep -a 'graphs captured\|all 3 stages ready' $R/serve_t2wfast_warm.log | cut -c1-200 | tr '\n' ' ')"
 }
 
+step_nomps() {
+  # The 7B config without its CUDA MPS daemon (`cuda_mps: false`: the stages time-slice the GPU):
+  # what MPS gives (2026-12-01: c=16 first audio 1048 -> 897 ms, c=1 RTF 0.263 -> 0.208).
+  free_gpus
+  sed 's/^cuda_mps: auto$/cuda_mps: false/' $CFG > /tmp/nomps.yaml
+  grep -q '^cuda_mps: false$' /tmp/nomps.yaml || { say "nomps skipped: $CFG has no 'cuda_mps: auto' line"; return; }
+  serve nomps 8026 /tmp/nomps.yaml
+  wait_ready nomps 8026 && bench nomps 8026
+  stop nomps
+}
+
 step_tc4() {
   # The thinker streams to the talker every 4 positions at most instead of 8 (this matters with
   # many requests running: with one or two, rows go one per message anyway, ARStage.rows_chunk).
@@ -247,16 +260,20 @@ step_qwen3() {
   # fused-MoE kernel compiled during the c=16 burst, and the talker's first output came 1.15 s in.)
   # OMNI_PROFILE: tables of 30 talker steps inside the second c=1 request (frames 140-170 of 3 x 126;
   # the median of three requests is one the profiler did not slow): where a ~18 ms frame goes.
-  CKPT=$m3 VOCODER=code2wav TALKER_MAX=${QWEN3_FRAMES:-125} serve qwen3 8021 ${CFG3:-configs/qwen3_omni.yaml} \
+  local name=${1:-qwen3}; shift || true
+  CKPT=$m3 VOCODER=code2wav TALKER_MAX=${QWEN3_FRAMES:-125} serve $name 8021 ${CFG3:-configs/qwen3_omni.yaml} \
     --stage-arg thinker.jit_monitor_verbose=true --stage-arg talker.jit_monitor_verbose=true \
-    --stage-arg talker.env.OMNI_PROFILE=dir=$R/prof_qwen3,batch=1,skip=140,steps=30
-  wait_ready qwen3 8021 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log
-                             bench qwen3 8021 ${MODEL3:-qwen3-omni}; }
-  stop qwen3
-  say "qwen3 warm-up: $(grep -a 'warm-up:' $R/serve_qwen3.log | cut -c1-240 | tr '\n' ' ')"
-  say "qwen3 slow loop turns: $(grep -ac 'between engine steps' $R/serve_qwen3.log), kernels compiled while serving: $(grep -ac 'JIT compilation during inference' $R/serve_qwen3.log)"
-  grep -a 'JIT compilation during inference' $R/serve_qwen3.log | cut -c1-600 | head -4 >> $R/progress.log
+    --stage-arg talker.env.OMNI_PROFILE=dir=$R/prof_$name,batch=1,skip=140,steps=30 "$@"
+  wait_ready $name 8021 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log
+                             bench $name 8021 ${MODEL3:-qwen3-omni}; }
+  stop $name
+  say "$name warm-up: $(grep -a 'warm-up:' $R/serve_$name.log | cut -c1-240 | tr '\n' ' ')"
+  say "$name slow loop turns: $(grep -ac 'between engine steps' $R/serve_$name.log), kernels compiled while serving: $(grep -ac 'JIT compilation during inference' $R/serve_$name.log)"
+  grep -a 'JIT compilation during inference' $R/serve_$name.log | cut -c1-600 | head -4 >> $R/progress.log
 }
+# The same with the talker's code predictor compiled (opt-in; its c=1 frame was 15 ms of GPU work
+# on 2026-12-01, mostly ~3,000 small unfused kernels). Keys qwen3cp_*.
+step_qwen3cp() { step_qwen3 qwen3cp --stage-arg talker.additional_config.code_predictor.compile=true; }
 
 step_mps() {
   # The one-GPU layout under CUDA MPS (stage processes' kernels run side by side instead of

@@ -44,6 +44,24 @@ class _Decoder(Qwen3MoeModel):
     count to the first size it is traced with)."""
 
 
+CODE_PREDICTOR_OPTIONS = {"compile": bool, "cuda_graphs": bool, "max_graph_batch": int}
+
+
+def code_predictor_options(vllm_config: VllmConfig) -> dict:
+    """The stage's `engine_args: {additional_config: {code_predictor: {...}}}`: CodePredictor's
+    keyword arguments (vLLM passes additional_config through to the model untouched)."""
+    extra = vllm_config.additional_config
+    options = extra.get("code_predictor", {}) if isinstance(extra, dict) else {}
+    if not isinstance(options, dict):
+        raise ValueError(f"additional_config.code_predictor must be a mapping, got {options!r}")
+    for key, value in options.items():
+        kind = CODE_PREDICTOR_OPTIONS.get(key)
+        if kind is None or type(value) is not kind:
+            raise ValueError(f"additional_config.code_predictor.{key}: {value!r} is not one of "
+                             + ", ".join(f"{k} ({t.__name__})" for k, t in CODE_PREDICTOR_OPTIONS.items()))
+    return options
+
+
 def banned_ids(vocab_size: int, eos: int) -> torch.Tensor:
     banned = torch.zeros(vocab_size, dtype=torch.bool)
     banned[vocab_size - SUPPRESSED_TOP:] = True
@@ -68,7 +86,7 @@ class Qwen3OmniMoeTalker(nn.Module, SupportsMRoPE):
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         # Its own weights, read from the checkpoint now (vLLM's loader sees only the decoder's).
         self.code_predictor = CodePredictor(vllm_config.model_config.model, self.banned_ids.device,
-                                            vllm_config.model_config.dtype)
+                                            vllm_config.model_config.dtype, **code_predictor_options(vllm_config))
         # (On CUDA: its graphs for every batch the engine may run, captured now, before vLLM sizes
         # its KV cache from the memory left.)
         self.code_predictor.warm_up(vllm_config.scheduler_config.max_num_seqs)
