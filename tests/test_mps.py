@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,27 @@ def test_daemon_starts_privately_and_quits(fake_mps, monkeypatch):
     assert (log_dir / "calls").read_text() == "-d\n\n" and (log_dir / "stdin").read_text() == "quit\n"
     daemon.stop()  # once only
     assert (log_dir / "calls").read_text() == "-d\n\n"
+
+
+def test_daemon_quits_when_serve_is_killed(fake_mps):
+    """A server killed outright (no `stop`) still leaves no daemon behind: its watchdog quits it."""
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import sys, time; from pathlib import Path; from omni_server.orchestrator.mps import MPSDaemon; "
+              "MPSDaemon(Path(sys.argv[1])).start(); print('up', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(fake_mps / "mps")], stdout=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout.readline() == b"up\n"
+    stdin = fake_mps / "mps" / "log" / "stdin"
+    time.sleep(1.5)
+    assert not stdin.exists()  # (while the server lives, nothing quits the daemon)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while not stdin.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stdin.read_text() == "quit\n"
 
 
 def test_daemon_errors_say_why(fake_mps, monkeypatch):
