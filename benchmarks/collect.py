@@ -125,6 +125,8 @@ def collect(out: Path) -> dict:
         # the same with the talker's code predictor compiled (step `qwen3cp`)
         **_served(out, "qwen3cp", "qwen3cp"),
         "qwen3cp_ready_s": _ready_s(out / "serve_qwen3cp.log"),
+        # and under serve's own CUDA MPS daemon (step `qwen3mps`)
+        **_served(out, "qwen3mps", "qwen3mps"),
         # the 7B config under CUDA MPS (step `mps`), and with token2wav's compile too (MPS_FAST=1)
         **_served(out, "mps", "mps"),
         **_served(out, "mpsfast", "mpsfast"),

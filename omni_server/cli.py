@@ -83,6 +83,8 @@ def cmd_serve(args) -> int:
         cfg.server.port = args.port
     if args.api_key:
         cfg.server.api_key = args.api_key
+    if args.cuda_mps is not None:
+        cfg.cuda_mps = {"true": True, "false": False}.get(args.cuda_mps, args.cuda_mps)
     from omni_server.server import serve
 
     return asyncio.run(serve(cfg, args.config, args.stage_arg, external_stages=args.external_stages))
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", help="require this bearer token on /v1/* (or set OMNI_SERVER_API_KEY)")
     p.add_argument("--external-stages", action="store_true",
                    help="do not start stages: connect to stages started separately at their configured addresses")
+    p.add_argument("--cuda-mps", choices=["auto", "true", "false"],
+                   help="override the config's cuda_mps: serve's own CUDA MPS daemon for stages sharing a GPU")
     _config_args(p)
     p.set_defaults(fn=cmd_serve)
 

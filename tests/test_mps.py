@@ -152,3 +152,20 @@ def test_cuda_mps_setting_and_check_notes(fake_mps, monkeypatch):
     assert f"cuda_mps: {PROGRAM} is not on PATH" in notes[1] and "will not start on a GPU host" in notes[1]
     monkeypatch.setenv("CC", "/opt/cc")
     assert len(_on_gpu_host(_pipeline("auto", ("0", "1")), fake_mps).host_notes()) == 0
+
+
+def test_serve_flag_overrides_the_configs_cuda_mps(monkeypatch):
+    import omni_server.server
+    from omni_server import cli
+
+    seen = []
+
+    async def serve(cfg, *args, **kwargs):  # (the config as `serve` would run it)
+        seen.append(cfg.cuda_mps)
+        return 0
+
+    monkeypatch.setattr(omni_server.server, "serve", serve)
+    config = str(REPO / "configs/qwen2_5_omni.yaml")  # (cuda_mps: auto)
+    for flags in (["--cuda-mps", "false"], ["--cuda-mps", "true"], []):
+        assert cli.main(["serve", config, *flags]) == 0
+    assert seen == [False, True, "auto"]

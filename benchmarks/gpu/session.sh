@@ -4,8 +4,8 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main tests qwen3 qwen3cp full nomps", ~1,100 s
-# estimated on two GPUs; on one the tests run in line: ~1,600 s; also: talker t2w t2wfast runner mps
-# prof ref w144 layouts fc24 fc72 tc4).
+# estimated on two GPUs; on one the tests run in line: ~1,600 s; also: qwen3mps talker t2w t2wfast
+# runner mps prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -230,9 +230,7 @@ step_nomps() {
   # The 7B config without its CUDA MPS daemon (`cuda_mps: false`: the stages time-slice the GPU):
   # what MPS gives (2026-12-01: c=16 first audio 1048 -> 897 ms, c=1 RTF 0.263 -> 0.208).
   free_gpus
-  sed 's/^cuda_mps: auto$/cuda_mps: false/' $CFG > /tmp/nomps.yaml
-  grep -q '^cuda_mps: false$' /tmp/nomps.yaml || { say "nomps skipped: $CFG has no 'cuda_mps: auto' line"; return; }
-  serve nomps 8026 /tmp/nomps.yaml
+  serve nomps 8026 $CFG --cuda-mps false
   wait_ready nomps 8026 && bench nomps 8026
   stop nomps
 }
@@ -274,6 +272,8 @@ step_qwen3() {
 # The same with the talker's code predictor compiled (opt-in; its c=1 frame was 15 ms of GPU work
 # on 2026-12-01, mostly ~3,000 small unfused kernels). Keys qwen3cp_*.
 step_qwen3cp() { step_qwen3 qwen3cp --stage-arg talker.additional_config.code_predictor.compile=true; }
+# Qwen3 under serve's own CUDA MPS daemon (the 7B config's since 2026-12-01; keys qwen3mps_*).
+step_qwen3mps() { step_qwen3 qwen3mps --cuda-mps auto; }
 
 step_mps() {
   # The one-GPU layout under CUDA MPS (stage processes' kernels run side by side instead of
