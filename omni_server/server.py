@@ -86,6 +86,9 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
                 if orch is not None:
                     orch.mark_down(unit, f"process exited with code {code}")
                 if not announced:  # a stage that cannot start makes the whole server fail
+                    if mps is not None:  # (e.g. a GPU whose mode MPS does not support)
+                        failed.append("the stages ran as clients of serve's CUDA MPS daemon (cuda_mps); "
+                                      "`--cuda-mps false` starts them without it")
                     failed.append(f"stage {unit[0]} ({name}) failed to start (exit code {code})"
                                   + (f": {why}" if why else ""))
                     uv.should_exit = True

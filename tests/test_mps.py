@@ -169,3 +169,30 @@ def test_serve_flag_overrides_the_configs_cuda_mps(monkeypatch):
     for flags in (["--cuda-mps", "false"], ["--cuda-mps", "true"], []):
         assert cli.main(["serve", config, *flags]) == 0
     assert seen == [False, True, "auto"]
+
+
+def test_serve_runs_its_stages_under_the_daemon_and_quits_it(fake_mps, monkeypatch, tiny_models, caplog):
+    """`serve` itself, as on a GPU host (the host check answers yes; the stages still run on CPU):
+    the daemon starts before the stages; a stage that cannot start ends the server with a hint
+    that MPS was on, then the stage's own reason last; and the daemon is quit on the way out."""
+    import asyncio
+
+    import omni_server.orchestrator.launcher as launcher
+    from omni_server.config import load_config
+    from omni_server.server import serve
+    from tests.conftest import free_port
+
+    monkeypatch.setattr(launcher, "_cuda_host", lambda: True)
+    empty = fake_mps / "empty-model"
+    empty.mkdir()
+    overrides = [f"token2wav.model={empty}"]
+    cfg = load_config(REPO / "configs/default.yaml", overrides)
+    cfg.cuda_mps, cfg.server.port, cfg.runtime_dir = True, free_port(), str(fake_mps / "run")
+    with caplog.at_level(logging.INFO):
+        assert asyncio.run(serve(cfg, str(REPO / "configs/default.yaml"), overrides)) == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "CUDA MPS daemon started" in caplog.text
+    assert errors[-2].startswith("the stages ran as clients of serve's CUDA MPS daemon (cuda_mps)")
+    assert errors[-1].startswith("stage 2 (token2wav) failed to start (exit code 1): ValueError: Unrecognized model")
+    assert (fake_mps / "run/mps/log/stdin").read_text() == "quit\n"  # quit once, by serve on its way out
+    assert (fake_mps / "run/mps/log/calls").read_text() == "-d\n\n"
