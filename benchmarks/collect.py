@@ -127,6 +127,7 @@ def collect(out: Path) -> dict:
         "qwen3cp_ready_s": _ready_s(out / "serve_qwen3cp.log"),
         # and under serve's own CUDA MPS daemon (step `qwen3mps`)
         **_served(out, "qwen3mps", "qwen3mps"),
+        "qwen3mps_ready_s": _ready_s(out / "serve_qwen3mps.log"),
         # the 7B config under CUDA MPS (step `mps`), and with token2wav's compile too (MPS_FAST=1)
         **_served(out, "mps", "mps"),
         **_served(out, "mpsfast", "mpsfast"),
