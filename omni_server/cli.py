@@ -51,6 +51,9 @@ def cmd_stage(args) -> int:
     if not 0 <= args.stage < len(cfg.stages):
         print(f"error: {args.config} has no stage {args.stage}", file=sys.stderr)
         return 2
+    # vLLM's own log lines name the stage, as ours do: `serve` (and docker-compose's log) mixes
+    # every stage's output. (Read when vLLM's logger is first imported, below.)
+    os.environ.setdefault("VLLM_LOGGING_PREFIX", f"[{cfg.unit_name((args.stage, args.replica))}] ")
     from omni_server.stage.main import run_stage
 
     runtime_dir = args.runtime_dir or cfg.runtime_dir

@@ -186,3 +186,11 @@ def test_openai_client_raises_typed_errors(client):
         client.chat.completions.create(model="nope", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10**6)
+
+
+def test_vllm_log_lines_name_their_stage(text_server):
+    """`serve`'s log mixes every stage's output: vLLM's own lines carry the stage's name too."""
+    import re
+
+    log = text_server.log_path.read_text(errors="replace")
+    assert re.search(r"^\[thinker\] (INFO|WARNING|DEBUG) \d\d-\d\d ", log, re.M), log[-2000:]
