@@ -16,6 +16,7 @@ import numpy as np
 
 from omni_server.api.data_url import payload
 from omni_server.wire.messages import VIDEO_FPS as FPS
+
 _DATA_URL = re.compile(r"^data:video/(mp4|webm|quicktime|x-matroska|x-msvideo|mpeg);base64,", re.IGNORECASE)
 
 

@@ -132,7 +132,7 @@ class Launcher:
     def host_notes(self) -> list[str]:
         """What this host lacks for the pipeline on a GPU (`check` prints them)."""
         notes = []
-        if not any(os.environ.get("CC") or shutil.which(c) for c in ("cc", "gcc", "clang")):
+        if not (os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang"))):
             notes.append("no C compiler on PATH (cc, gcc or clang; or CC): on a GPU host Triton, which vLLM and "
                          "token2wav's `compile` run, builds each kernel's launcher with one")
         if self.cfg.cuda_mps and self.shares_a_gpu() and shutil.which(MPS_PROGRAM) is None:
