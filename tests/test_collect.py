@@ -37,6 +37,8 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
         'RESULT {"mode": "graphs_bf16_compiled", "batch": 1, "step_ms_p50": 67.9, "rtf": 0.1, "start_s": 190.5}\n')
     _bench(tmp_path / "mpsfast_c16.json", ttfp_ms={"p50": 950.0}, rtf={"p50": 0.6})
     _bench(tmp_path / "nomps_c1.json", ttfp_ms={"p50": 440.0}, rtf={"p50": 0.26})
+    _bench(tmp_path / "qwen3cp_c16.json", ttfp_ms={"p50": 1100.0}, rtf={"p50": 0.3})
+    (tmp_path / "serve_qwen3mps.log").write_text("... all 3 stages ready in 99.5 s; serving on http://x\n")
     (tmp_path / "talker_vllm_talker.txt").write_text(
         'RESULT {"model": "talker-7b", "sampling": "talker", "mode": "vllm", "batch": 1, "tok_s": 212.34}\n')
     (tmp_path / "talker_vllm_greedy.txt").write_text(
@@ -61,4 +63,6 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert "t2w_graphs_bf16_start_s" not in r  # (no start time in that line)
     assert (r["mpsfast_ttfp_ms_c16"], r["mpsfast_rtf_c16"], r["mps_ttfp_ms_c16"]) == (950.0, 0.6, None)
     assert (r["nomps_ttfp_ms_c1"], r["nomps_rtf_c1"], r["nomps_ttfp_ms_c16"]) == (440.0, 0.26, None)
+    assert (r["qwen3cp_ttfp_ms_c16"], r["qwen3cp_rtf_c16"], r["qwen3cp_ready_s"]) == (1100.0, 0.3, None)
+    assert (r["qwen3mps_ready_s"], r["qwen3mps_ttfp_ms_c1"]) == (99.5, None)
     assert r["talker_vllm_talker_bs1_tok_s"] == 212.3 and r["talker_vllm_greedy_bs16_tok_s"] == 4000.0
