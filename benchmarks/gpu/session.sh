@@ -270,7 +270,7 @@ step_qwen3() {
   grep -a 'JIT compilation during inference' $R/serve_$name.log | cut -c1-600 | head -4 >> $R/progress.log
 }
 # The same with the talker's code predictor compiled (opt-in; its c=1 frame was 15 ms of GPU work
-# on 2026-12-01, mostly ~3,000 small unfused kernels). Keys qwen3cp_*.
+# on 2026-12-01, mostly ~4,800 small unfused kernels). Keys qwen3cp_*.
 step_qwen3cp() { step_qwen3 qwen3cp --stage-arg talker.additional_config.code_predictor.compile=true; }
 # Qwen3 under serve's own CUDA MPS daemon (the 7B config's since 2026-12-01; keys qwen3mps_*).
 step_qwen3mps() { step_qwen3 qwen3mps --cuda-mps auto; }

@@ -52,11 +52,11 @@ class CodePredictor:
         self.dtype = dtype
         # Group j's positions (2 rows at j = 0, then one each) are slices of one range.
         self._positions = torch.arange(self.groups + 2, device=self.device)
-        # On CUDA a frame is ~1,000 small kernels: one graph per batch size (rounded up to a power
+        # On CUDA a frame is thousands of small kernels: one graph per batch size (rounded up to a power
         # of two) replays them at once.
         # compile: the graphs replay the frame compiled by torch.compile, which fuses its many
         # elementwise kernels (H200, 30B-A3B shapes, 2026-12-01: a c=1 talker step spent 15 ms on
-        # the GPU, most of it in the code predictor's ~3,000 small kernels per frame). It compiles
+        # the GPU in ~4,800 kernels, most of them the code predictor's small ones). It compiles
         # while `warm_up` captures the graphs; a batch past them runs the plain frame, so no
         # serving step compiles. Without graphs (CPU) the compiled frame runs directly.
         self.max_graph_batch = max_graph_batch
