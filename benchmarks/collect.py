@@ -82,6 +82,11 @@ def _token2wav_speed(out: Path) -> dict:
         keys[f"{name}_b{r['batch']}_rtf"] = r.get("rtf")
         if r.get("start_s") is not None:
             keys[f"{name}_start_s"] = r["start_s"]
+    # step t2wprof: t2wprof_<mode>_w<last window>_b<batch>_{step_ms,rtf,dit_s,vocoder_s}
+    for r in _results([out / "t2wprof.txt"]):
+        name = f"t2wprof_{r['mode']}_w{(r.get('windows') or [0])[-1]}_b{r['batch']}"
+        for field, key in (("step_ms_p50", "step_ms"), ("rtf", "rtf"), ("dit_s", "dit_s"), ("vocoder_s", "vocoder_s")):
+            keys[f"{name}_{key}"] = r.get(field)
     return keys
 
 
@@ -138,7 +143,8 @@ def collect(out: Path) -> dict:
         **_served(out, "t2wfast", "t2wfast"),
         "t2wfast_ready_s": _ready_s(out / "serve_t2wfast.log"),
         "t2wfast_ready_s_warm": _ready_s(out / "serve_t2wfast_warm.log"),
-        # token2wav alone (session step `t2w`): keys t2w_<mode>_b<batch>_{step_ms,rtf}, t2w_<mode>_start_s
+        # token2wav alone (session steps `t2w`, `t2wprof`): keys t2w_<mode>_b<batch>_{step_ms,rtf},
+        # t2w_<mode>_start_s, t2wprof_<mode>_w<window>_b<batch>_*
         **_token2wav_speed(out),
         # the talker's decoder alone (session step `talker`): talker_<engine>_<sampling>_bs<batch>_tok_s
         **_talker(out),

@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -41,7 +42,10 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
                                                   polyphase_upsampling=True, compile="blocks", warmup_graphs=True),
          # ... the DiT only (block by block), the vocoder's graphs of the plain modules: the shortest compile
          "graphs_bf16_compiled_dit_blocks": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks",
-                                                 compile_vocoder=False, warmup_graphs=True)}
+                                                 compile_vocoder=False, warmup_graphs=True),
+         # ... with polyphase upsampling: the 7B configs' token2wav settings
+         "config": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks", compile_vocoder=False,
+                        polyphase_upsampling=True, warmup_graphs=True)}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:
@@ -59,6 +63,43 @@ def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], floa
     return steps, time.perf_counter() - t0
 
 
+def split(t2w: Token2Wav, codes: list[torch.Tensor]) -> dict:
+    """Seconds of one decode in the DiT solves and in the vocoder, each call synchronised (a
+    wrapper on this instance's two methods: the benchmark's own, the class is untouched)."""
+    spent = {"dit_s": 0.0, "vocoder_s": 0.0}
+
+    def timed(key, fn):
+        def run(*args, **kwargs):
+            torch.cuda.synchronize() if t2w.device.type == "cuda" else None
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            torch.cuda.synchronize() if t2w.device.type == "cuda" else None
+            spent[key] += time.perf_counter() - t
+            return out
+        return run
+
+    t2w._sample_mels, t2w._vocode = timed("dit_s", t2w._sample_mels), timed("vocoder_s", t2w._vocode)
+    try:
+        _, wall = decode(t2w, codes)
+    finally:
+        del t2w._sample_mels, t2w._vocode  # back to the class's methods
+    return {k: round(v, 3) for k, v in spent.items()} | {"split_wall_s": round(wall, 3)}
+
+
+def profile(t2w: Token2Wav, codes: list[torch.Tensor], out: Path) -> None:
+    """One decode under the torch profiler: the top kernels and operators by device time (kernels
+    inside CUDA graph replays included) in `out`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if t2w.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        decode(t2w, codes)
+    sort = "self_cuda_time_total" if t2w.device.type == "cuda" else "self_cpu_time_total"
+    out.write_text(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90))
+    print(f"profile written: {out}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="checkpoint dir with a token2wav (e.g. the 7B shape one)")
@@ -66,13 +107,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--codes", type=int, default=500, help="codes per stream (500 = 10 s of audio)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--chunk-frames", type=int, default=WINDOWS["chunk_frames"],
+                        help="new mel frames per window after the first ones")
+    parser.add_argument("--first-chunk-frames", type=int, nargs="+", default=[WINDOWS["first_chunk_frames"]],
+                        help="the first windows' new frames, in order")
+    parser.add_argument("--split", action="store_true",
+                        help="also time the DiT solves and the vocoder apart (one more decode, synchronised)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="torch-profiler table of one more decode at the largest batch, per mode, in DIR")
     args = parser.parse_args()
+    windows = dict(WINDOWS, chunk_frames=args.chunk_frames, first_chunk_frames=args.first_chunk_frames)
 
     gen = torch.Generator().manual_seed(0)
     for mode in args.modes:
         # TF32 is process-wide once on: keep it last (the default order).
         t0 = time.perf_counter()
-        t2w = Token2Wav(args.model, args.device, **WINDOWS, **MODES[mode])
+        t2w = Token2Wav(args.model, args.device, **windows, **MODES[mode])
         start_s = round(time.perf_counter() - t0, 1)  # (with warmup_graphs: the captures and compiles)
         for b in args.batch:
             codes = [torch.randint(0, 8192, (args.codes,), generator=gen) for _ in range(b)]
@@ -85,7 +135,10 @@ def main() -> None:
                 "audio_s_per_wall_s": round(b * audio_s / wall, 2),
                 "graphs": len(t2w.graphs.graphs) if t2w.graphs is not None else 0,
                 "vocoder_graphs": len(t2w.vocoder_graphs.graphs) if t2w.vocoder_graphs is not None else 0,
-                "start_s": start_s}), flush=True)
+                "start_s": start_s, "windows": [*args.first_chunk_frames, args.chunk_frames],
+                **(split(t2w, codes) if args.split else {})}), flush=True)
+        if args.profile:
+            profile(t2w, codes, Path(args.profile) / f"token2wav_{mode}_b{len(codes)}.txt")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main tests qwen3 qwen3cp full nomps", ~1,100 s
 # estimated on two GPUs; on one the tests run in line: ~1,600 s; also: qwen3mps talker t2w t2wfast
-# runner mps prof ref w144 layouts fc24 fc72 tc4).
+# runner mps prof t2wprof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -159,6 +159,21 @@ step_t2w() {
   done
   say "token2wav: $(grep RESULT $R/t2w.txt | python3 -c "import sys,json
 for l in sys.stdin: d=json.loads(l[7:]); print(d['mode'], 'b', d['batch'], d['step_ms_p50'], 'ms/step rtf', d['rtf'], 'start', d.get('start_s'), 's', end='; ')")"
+}
+
+step_t2wprof() {
+  # Token2wav alone with the 7B config's settings at batch 16 (c=16's token2wav-bound step): how a
+  # decode splits between the DiT's solves and the vocoder, a profiler table of its kernels, and the
+  # same with growing windows (48, 48, 72, 96, then 144 new frames: 1.5x the new frames' share of
+  # the DiT's work over 72-frame windows).
+  free_gpus
+  : > $R/t2wprof.txt
+  local common="--model $M --codes 300 --batch 16 --modes config --split"
+  timeout 300 python3 benchmarks/token2wav_speed.py $common --first-chunk-frames 48 48 --chunk-frames 72 \
+    --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
+  timeout 300 python3 benchmarks/token2wav_speed.py $common --first-chunk-frames 48 48 72 96 --chunk-frames 144 \
+    >> $R/t2wprof.txt 2>&1
+  say "token2wav split: $(grep RESULT $R/t2wprof.txt | cut -c8- | tr '\n' ' ')"
 }
 
 step_prof() {
