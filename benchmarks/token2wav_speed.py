@@ -45,7 +45,10 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
                                                  compile_vocoder=False, warmup_graphs=True),
          # ... with polyphase upsampling: the 7B configs' token2wav settings
          "config": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks", compile_vocoder=False,
-                        polyphase_upsampling=True, warmup_graphs=True)}
+                        polyphase_upsampling=True, warmup_graphs=True),
+         # ... with the vocoder's anti-aliased activations compiled (one fused expression each)
+         "config_act": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks",
+                            compile_vocoder="activations", polyphase_upsampling=True, warmup_graphs=True)}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omni_server.models.antialias import AntiAliasedSnake
 from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
 from omni_server.models.tiny_checkpoints import TINY_OMNI
 
@@ -467,18 +468,20 @@ def test_dit_compiled_block_by_block_equals_its_layers(model_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("mode, vocoder", [(True, True), ("blocks", True), ("blocks", False)])
+@pytest.mark.parametrize("mode, vocoder", [(True, True), ("blocks", True), ("blocks", False), ("blocks", "activations")])
 def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder):
-    """The graphs capture the compiled DiT and vocoder (or the DiT only: `compile_vocoder` false)
-    (warmed, so no compile inside a capture), with the polyphase upsampler too, and replay what the
-    eager float32 modules compute."""
+    """The graphs capture the compiled DiT and vocoder (or the DiT only: `compile_vocoder` false;
+    or the vocoder's activations only) (warmed, so no compile inside a capture), with the polyphase
+    upsampler too, and replay what the eager float32 modules compute."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # (an earlier case compiled the same DiT blocks: without this it reuses them)
     before = counters["stats"]["unique_graphs"]
     compiled = Token2Wav(model_dir, device="cuda", compile=mode, compile_vocoder=vocoder, polyphase_upsampling=True,
                          warmup_graphs=True)
-    assert (compiled.vocoder_graphs.fn != compiled._vocoder_body) == vocoder  # (a bound method equals its twin)
+    assert (compiled.vocoder_graphs.fn != compiled._vocoder_body) == (vocoder is True)  # (a bound method equals its twin)
+    fused = [m for m in compiled.vocoder.modules() if isinstance(m, AntiAliasedSnake)]
+    assert bool(fused) == (vocoder == "activations")
     warmed = counters["stats"]["unique_graphs"]
     assert warmed > before  # compiled in the warm-up
     eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False)

@@ -3,9 +3,9 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main tests qwen3 qwen3cp full nomps", ~1,100 s
-# estimated on two GPUs; on one the tests run in line: ~1,600 s; also: qwen3mps talker t2w t2wfast
-# runner mps prof t2wprof ref w144 layouts fc24 fc72 tc4).
+# Steps run in the order STEPS names them (default "main t2wact t2wprof qwen3 tests", ~1,300 s on
+# one GPU with the tests in line; also: full nomps qwen3cp qwen3mps talker t2w t2wfast runner mps
+# prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -26,7 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main tests qwen3 qwen3cp full nomps}
+STEPS=${STEPS:-main t2wact t2wprof qwen3 tests}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -173,6 +173,10 @@ step_t2wprof() {
     --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
   timeout 300 python3 benchmarks/token2wav_speed.py $common --first-chunk-frames 48 48 72 96 --chunk-frames 144 \
     >> $R/t2wprof.txt 2>&1
+  # (2026-12-01 tenth run: the vocoder 0.97 of 2.74 s, ~80% of it its anti-aliased activations.)
+  # The same with them compiled (compile_vocoder: activations), batch 1 too (c=1's first window).
+  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes config_act --split \
+    --first-chunk-frames 48 48 --chunk-frames 72 --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
   say "token2wav split: $(grep RESULT $R/t2wprof.txt | cut -c8- | tr '\n' ' ')"
 }
 
@@ -239,6 +243,16 @@ step_t2wfast() {
   wait_ready t2wfast_warm 8024
   stop t2wfast_warm
   say "t2wfast warm: $(grep -a 'graphs captured\|all 3 stages ready' $R/serve_t2wfast_warm.log | cut -c1-200 | tr '\n' ' ')"
+}
+
+step_t2wact() {
+  # The 7B config with the vocoder's anti-aliased activations compiled (compile_vocoder: activations;
+  # opt-in until this runs): c=16 is token2wav-bound, and they were ~80% of its vocoder's time.
+  free_gpus
+  serve t2wact 8027 $CFG --stage-arg token2wav.generator_args.compile_vocoder=activations
+  wait_ready t2wact 8027 && bench t2wact 8027
+  stop t2wact
+  say "t2wact: $(grep -a 'graphs captured\|capture failed' $R/serve_t2wact.log | cut -c1-200 | tr '\n' ' ')"
 }
 
 step_nomps() {

@@ -39,11 +39,12 @@ class PolyphaseUpsample2x(nn.Module):
         odd[1:] = f.flip(0)[1::2]  # f[K-2], f[K-4], ...
         self.pad = int(upsample.pad)
         self.offset = (crop - 1) // 2 - half + 1
-        phases = torch.stack([even, odd])[:, None, :].to(upsample.filter.dtype)  # [2, 1, K/2 + 1]
+        # [2, K/2 + 1]: the even and the odd outputs' taps over xp[q + offset ...].
+        self.register_buffer("phases", torch.stack([even, odd]).to(upsample.filter.dtype), persistent=False)
         # [2C, 1, taps]: channel k's two phases. Made here, never in forward: under torch.compile
         # state set by a first call fails the second call's guards, which then compiles again
         # (inside a CUDA graph capture on the H200: the vocoder's graphs were lost, 2026-11-30f).
-        self.register_buffer("weight", phases.repeat(channels, 1, 1), persistent=False)
+        self.register_buffer("weight", self.phases[:, None, :].repeat(channels, 1, 1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, n = x.shape

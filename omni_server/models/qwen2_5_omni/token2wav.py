@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omni_server.models.antialias import use_fused_activations
 from omni_server.models.checkpoint import load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
 from omni_server.models.polyphase import use_polyphase_upsampling
@@ -80,7 +81,7 @@ class Token2Wav:
                  first_chunk_frames: int | list[int] | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
                  dit_dtype: str = "float32", polyphase_upsampling: bool = False, compile: bool | str = False,
-                 compile_vocoder: bool = True):
+                 compile_vocoder: bool | str = True):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
@@ -160,15 +161,25 @@ class Token2Wav:
         # the CPU host compiled the 7B shape's DiT in 25.6 s instead of 79.3 s, and ran it at 0.49
         # instead of 0.41 s per call (no fusion across blocks). compile_vocoder false: the DiT only
         # (the vocoder took most of the compile on the CPU host: 111 s cold, 36 s from the cache).
+        # compile_vocoder "activations": the vocoder's anti-aliased Snake activations only, each
+        # (pad, upsample, Snake, pad, downsample: ~10 kernels) one expression compiled once for all
+        # of them (omni_server/models/antialias.py): they were ~80 of the vocoder's 107 ms per
+        # batch-16 call on the H200. Compiled with dynamic shapes: batch 1 and larger batches each
+        # compile in the warm-up; a length met later (a stream's last piece) does not compile again.
         if compile not in (False, True, "blocks"):
             raise ValueError(f"compile must be true, false or \"blocks\", got {compile!r}")
+        if compile_vocoder not in (False, True, "activations"):
+            raise ValueError(f"compile_vocoder must be true, false or \"activations\", got {compile_vocoder!r}")
         if compile and not (graphs and warmup_graphs):
             raise ValueError("compile needs CUDA graphs captured at start (a CUDA device, cuda_graphs and warmup_graphs)")
         if compile == "blocks":
             dit_layers = functools.partial(self._dit_body, block=torch.compile(_run_block, dynamic=True))
         else:
             dit_layers = torch.compile(self._dit_body, dynamic=True) if compile else self._dit_body
-        vocoder = torch.compile(self._vocoder_body, dynamic=True) if compile and compile_vocoder else self._vocoder_body
+        if compile and compile_vocoder == "activations":
+            use_fused_activations(self.vocoder, wrap=lambda fn: torch.compile(fn, dynamic=True))
+        vocoder = torch.compile(self._vocoder_body, dynamic=True) if compile and compile_vocoder is True \
+            else self._vocoder_body
         self.graphs = DiTGraphs(functools.partial(self._rk4, layers=dit_layers), max_graphs, max_graph_batch,
                                 self.frame_buckets, warm_each=compile, eager=self._rk4) if graphs else None
         # The vocoder's ~2,600 ops per call, likewise: one graph per (batch bucket, mel length).

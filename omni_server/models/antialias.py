@@ -1,0 +1,93 @@
+"""BigVGAN's anti-aliased SnakeBeta activation (2x upsample, SnakeBeta, 2x downsample) as one
+expression of shifted slices, for torch.compile to turn into one or two kernels.
+
+transformers runs each activation as a replication pad, a depthwise (transposed) convolution, five
+element-wise kernels, another pad and another depthwise convolution. In the 7B vocoder at batch 16
+on the H200 those took about 80 of the vocoder's 107 ms per call (BENCHMARKS.md tenth run: PyTorch's
+generic depthwise kernel alone 13% of token2wav's GPU time), ten passes over tensors that a fused
+kernel reads once. The filters are 6 (up, per output phase) and 12 (down) taps, so the sums below
+are short; the same function, compiled once with dynamic shapes, serves every activation.
+
+Equal to transformers' module up to float rounding (the sums' order differs from cuDNN's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni_server.models.polyphase import PolyphaseUpsample2x
+
+
+def antialiased_snake(up: tuple[tuple[float, ...], tuple[float, ...]], down: tuple[float, ...], up_pad: int,
+                      up_offset: int, down_left: int, down_right: int):
+    """The activation for one pair of filters, as `fn(x [B, C, n], alpha, inv_beta) -> [B, C, n]`;
+    `alpha`, `inv_beta` [C, 1]: SnakeBeta's exp(alpha) and 1 / (exp(beta) + eps). `up`: the
+    upsampler's even and odd output taps over the input replicate-padded by `up_pad`, from
+    `up_offset` (PolyphaseUpsample2x's); `down`: the downsampler's taps over the activation
+    replicate-padded by (`down_left`, `down_right`), at stride 2. (Filters and paddings are
+    constants of a closure: as tensor or int arguments torch.compile would make their sizes
+    symbols, and one equal to a dimension of `x` would pin that dimension.)"""
+    even_taps, odd_taps = up
+
+    def fn(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1]
+        xp = F.pad(x, (up_pad, up_pad), mode="replicate")
+        shifted = [xp[..., up_offset + j:up_offset + j + n] for j in range(len(even_taps))]
+        even = sum(w * s for w, s in zip(even_taps, shifted) if w != 0.0)
+        odd = sum(w * s for w, s in zip(odd_taps, shifted) if w != 0.0)
+        u = torch.stack([even, odd], dim=-1).flatten(-2)  # [B, C, 2n]: even and odd samples interleaved
+        # SnakeBeta, in transformers' operation order: x + 1 / (b + eps) * sin(x * a) ** 2
+        s = u + inv_beta * torch.pow(torch.sin(u * alpha), 2)
+        sp = F.pad(s, (down_left, down_right), mode="replicate")
+        return sum(w * sp[..., k:k + 2 * n - 1:2] for k, w in enumerate(down))
+
+    return fn
+
+
+class AntiAliasedSnake(nn.Module):
+    """Drop-in for a BigVGAN anti-aliased activation (`upsample`: ratio 2 with an even kernel, or its
+    PolyphaseUpsample2x; `act`: SnakeBeta; `downsample`: stride 2). `wrap`: applied to the function
+    `antialiased_snake` makes (e.g. torch.compile), once per pair of filters (in `shared`): every
+    activation of a vocoder shares one. Inference only: SnakeBeta's parameters are read once, here."""
+
+    def __init__(self, activation: nn.Module, channels: int, wrap=None, shared: dict | None = None):
+        super().__init__()
+        up, act, down = activation.upsample, activation.act, activation.downsample
+        if not isinstance(up, PolyphaseUpsample2x):
+            up = PolyphaseUpsample2x(up, channels)  # (raises for what it cannot take)
+        if not all(hasattr(act, k) for k in ("alpha", "beta", "no_div_by_zero")):
+            raise ValueError(f"not a SnakeBeta activation: {type(act).__name__}")
+        if int(down.stride) != 2:
+            raise ValueError(f"unsupported downsampler: stride {down.stride}")
+        filters = (tuple(tuple(p) for p in up.phases.double().tolist()), tuple(down.filter.double().reshape(-1).tolist()),
+                   int(up.pad), int(up.offset), int(down.pad_left), int(down.pad_right))
+        shared = {} if shared is None else shared
+        if filters not in shared:
+            fn = antialiased_snake(*filters)
+            shared[filters] = fn if wrap is None else wrap(fn)
+        self.fn = shared[filters]
+        with torch.no_grad():
+            self.register_buffer("alpha", torch.exp(act.alpha.detach())[:, None], persistent=False)
+            self.register_buffer("inv_beta", (1.0 / (torch.exp(act.beta.detach()) + act.no_div_by_zero))[:, None],
+                                 persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.alpha.to(x.dtype), self.inv_beta.to(x.dtype))
+
+
+def use_fused_activations(model: nn.Module, wrap=None) -> int:
+    """Replace every anti-aliased SnakeBeta activation in `model` (a module with `upsample`, `act`
+    and `downsample`, its channel count `act.in_features`) by AntiAliasedSnake, their function made
+    once (per pair of filters) and passed through `wrap`; returns how many were replaced."""
+    count, shared = 0, {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            channels = getattr(getattr(child, "act", None), "in_features", None)
+            if channels is None or not hasattr(child, "upsample") or not hasattr(child, "downsample"):
+                continue
+            fused = AntiAliasedSnake(child, int(channels), wrap, shared)
+            setattr(parent, name, fused.to(child.act.alpha.device))
+            count += 1
+    return count

@@ -1,0 +1,96 @@
+"""BigVGAN's anti-aliased Snake activation as one expression (omni_server/models/antialias.py)
+against transformers' module, in the tiny vocoder, and compiled once for every activation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniAntiAliasedActivation1d,
+    Qwen2_5OmniDownSample1d,
+    Qwen2_5OmniSnakeBeta,
+)
+
+from omni_server.models.antialias import AntiAliasedSnake, use_fused_activations
+from omni_server.models.polyphase import use_polyphase_upsampling
+from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
+from omni_server.models.tiny_checkpoints import TINY_OMNI
+
+
+def _activation(channels: int, seed: int) -> torch.nn.Module:
+    act = Qwen2_5OmniAntiAliasedActivation1d(Qwen2_5OmniSnakeBeta(channels)).double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # (a checkpoint's values: log-scale, around 0)
+        act.act.alpha.copy_(torch.randn(channels, generator=g, dtype=torch.float64) * 0.5)
+        act.act.beta.copy_(torch.randn(channels, generator=g, dtype=torch.float64) * 0.5)
+    return act
+
+
+@pytest.mark.parametrize("length", [1, 2, 5, 64, 333])
+@pytest.mark.parametrize("polyphase", [False, True])
+def test_equals_transformers_activation(length, polyphase):
+    act = _activation(7, length)
+    if polyphase:  # (built from the polyphase upsampler as well as from transformers')
+        assert use_polyphase_upsampling(act) == 1
+    fused = AntiAliasedSnake(act, 7)
+    x = torch.randn(3, 7, length, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + length)) * 2
+    want, got = act(x), fused(x)
+    assert got.shape == want.shape == (3, 7, length)
+    assert (got - want).abs().max().item() < 1e-12  # float64: the same sums in another order
+
+
+def test_rejects_what_it_does_not_compute():
+    act = _activation(4, 0)
+    act.act = torch.nn.SiLU()
+    with pytest.raises(ValueError, match="not a SnakeBeta activation"):
+        AntiAliasedSnake(act, 4)
+    act = _activation(4, 0)
+    act.downsample = Qwen2_5OmniDownSample1d(3, 12)
+    with pytest.raises(ValueError, match="unsupported downsampler"):
+        AntiAliasedSnake(act, 4)
+
+
+def test_tiny_vocoder_with_fused_activations_matches(tiny_models):
+    """Every activation of the tiny vocoder replaced (the final one too), one function shared by
+    all, and the waveform unchanged but for float32 rounding."""
+    t2w = Token2Wav(str(tiny_models[TINY_OMNI]), polyphase_upsampling=True)
+    mel = torch.randn(2, t2w.dit.mel_dim, 23, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = t2w._vocoder_body(mel)
+    before = [m for m in t2w.vocoder.modules() if hasattr(m, "downsample")]
+    made = []
+    assert use_fused_activations(t2w.vocoder, wrap=lambda fn: made.append(fn) or fn) == len(before) > 1
+    assert len(made) == 1  # (their filters are the same: one function, one compile)
+    assert not [m for m in t2w.vocoder.modules() if hasattr(m, "downsample")]
+    assert use_fused_activations(t2w.vocoder) == 0  # (nothing left to replace)
+    with torch.inference_mode():
+        got = t2w._vocoder_body(mel)
+    assert got.shape == want.shape and (got - want).abs().max().item() < 1e-5
+
+
+def test_one_compile_per_batch_kind_serves_every_activation(tiny_models):
+    """Compiled with dynamic shapes, the shared function traces once per kind of batch and channel
+    count (1 or more: Dynamo specialises a size of 1; the tiny vocoder's last activation has one
+    channel, the 7B's 24) and never again for other sizes or lengths: what the warm-up compiles is
+    all that is ever compiled."""
+    t2w = Token2Wav(str(tiny_models[TINY_OMNI]), polyphase_upsampling=True)
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.append(gm)
+        return gm.forward
+
+    use_fused_activations(t2w.vocoder, wrap=lambda fn: torch.compile(fn, dynamic=True, backend=backend))
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(1)
+    batches = ((1, 20), (2, 20), (4, 31), (1, 57), (3, 9), (2, 64))
+    with torch.inference_mode():
+        for rows, frames in batches:
+            t2w._vocoder_body(torch.randn(rows, t2w.dit.mel_dim, frames, generator=g))
+    channels = {m.alpha.shape[0] for m in t2w.vocoder.modules() if isinstance(m, AntiAliasedSnake)}
+    assert len(channels) > 2 and len(traced) == len({(rows == 1, c == 1) for rows, _ in batches for c in channels})
+
+
+def test_token2wav_checks_compile_vocoder(tiny_models):
+    with pytest.raises(ValueError, match="compile_vocoder must be true, false or \"activations\""):
+        Token2Wav(str(tiny_models[TINY_OMNI]), compile_vocoder="snake")
