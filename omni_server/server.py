@@ -43,95 +43,101 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
         if cfg.runtime_dir is None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
         raise SystemExit(f"cuda_mps: true, but no MPS daemon: {e}") from None
-    state = ServerState(cfg, lambda: Orchestrator(cfg, runtime_dir), on_startup=None)
-    uv = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.server.host, port=cfg.server.port,
-                                       log_level="info",
-                                       timeout_graceful_shutdown=cfg.server.shutdown_timeout_s))
-    failed: list[str] = []
+    t0 = time.monotonic()
+    try:
+        # Every stage process starts now, before the api's own set-up (tokenizer, media processors,
+        # sockets: ~9 s on the H200 host): their imports (~15 s each there) overlap it. Each
+        # connects to the api's sockets when they exist (ZMQ connects in the background).
+        if not external_stages:
+            for unit in cfg.units():
+                launcher.start(unit, hold=bool(launcher.start_after(unit)))
+        state = ServerState(cfg, lambda: Orchestrator(cfg, runtime_dir), on_startup=None)
+        uv = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.server.host, port=cfg.server.port,
+                                           log_level="info",
+                                           timeout_graceful_shutdown=cfg.server.shutdown_timeout_s))
+        failed: list[str] = []
 
-    async def supervise(state: ServerState) -> None:
-        """Start the stages, report startup progress, then restart any stage process that dies."""
-        t0 = time.monotonic()
-        units = cfg.units()
-        waiting = list(units)
-        announced = False
-        timeout = max(s.startup_timeout_s for s in cfg.stages)
-        restart_at: dict[Unit, float] = {}
-        crashes: dict[Unit, list[float]] = {}
-        gave_up: set[Unit] = set()
-        if external_stages:
-            waiting = []
-            log.info("waiting for external stages at %s",
-                     ", ".join(f"{cfg.unit_name(u)}={stage_address(cfg, u[0], runtime_dir, u[1])}" for u in units))
-        while True:
-            orch = state.orch
-            ready = set(orch.ready) if orch is not None else set()
-            # Every process starts at once; one that shares a GPU with earlier engines builds its own
-            # only when they are ready (vLLM sizes its KV cache from the GPU memory it finds free).
-            for unit in list(waiting):
-                before = launcher.start_after(unit)
-                if unit not in launcher.procs:
-                    launcher.start(unit, hold=bool(before))
-                if all(e in ready for e in before):
-                    launcher.release(unit)
-                    waiting.remove(unit)
-            await asyncio.sleep(0.2)
-            now = time.monotonic()
-            for unit, code in launcher.exited().items():
-                if unit in restart_at or unit in gave_up:
-                    continue
-                name = cfg.unit_name(unit)
-                why = launcher.failure(unit)
-                log.error("stage %d (%s) exited with code %s%s", unit[0], name, code, f": {why}" if why else "")
-                if orch is not None:
-                    orch.mark_down(unit, f"process exited with code {code}")
-                if not announced:  # a stage that cannot start makes the whole server fail
-                    if mps is not None:  # (e.g. a GPU whose mode MPS does not support)
-                        failed.append("the stages ran as clients of serve's CUDA MPS daemon (cuda_mps); "
-                                      "`--cuda-mps false` starts them without it")
-                    failed.append(f"stage {unit[0]} ({name}) failed to start (exit code {code})"
-                                  + (f": {why}" if why else ""))
+        async def supervise(state: ServerState) -> None:
+            """Start the stages, report startup progress, then restart any stage process that dies."""
+            units = cfg.units()
+            waiting = list(units)
+            announced = False
+            timeout = max(s.startup_timeout_s for s in cfg.stages)
+            restart_at: dict[Unit, float] = {}
+            crashes: dict[Unit, list[float]] = {}
+            gave_up: set[Unit] = set()
+            if external_stages:
+                waiting = []
+                log.info("waiting for external stages at %s",
+                         ", ".join(f"{cfg.unit_name(u)}={stage_address(cfg, u[0], runtime_dir, u[1])}" for u in units))
+            while True:
+                orch = state.orch
+                ready = set(orch.ready) if orch is not None else set()
+                # Every process starts at once; one that shares a GPU with earlier engines builds its own
+                # only when they are ready (vLLM sizes its KV cache from the GPU memory it finds free).
+                for unit in list(waiting):
+                    before = launcher.start_after(unit)
+                    if unit not in launcher.procs:
+                        launcher.start(unit, hold=bool(before))
+                    if all(e in ready for e in before):
+                        launcher.release(unit)
+                        waiting.remove(unit)
+                await asyncio.sleep(0.2)
+                now = time.monotonic()
+                for unit, code in launcher.exited().items():
+                    if unit in restart_at or unit in gave_up:
+                        continue
+                    name = cfg.unit_name(unit)
+                    why = launcher.failure(unit)
+                    log.error("stage %d (%s) exited with code %s%s", unit[0], name, code, f": {why}" if why else "")
+                    if orch is not None:
+                        orch.mark_down(unit, f"process exited with code {code}")
+                    if not announced:  # a stage that cannot start makes the whole server fail
+                        if mps is not None:  # (e.g. a GPU whose mode MPS does not support)
+                            failed.append("the stages ran as clients of serve's CUDA MPS daemon (cuda_mps); "
+                                          "`--cuda-mps false` starts them without it")
+                        failed.append(f"stage {unit[0]} ({name}) failed to start (exit code {code})"
+                                      + (f": {why}" if why else ""))
+                        uv.should_exit = True
+                        return
+                    recent = [t for t in crashes.get(unit, []) if now - t < RESTART_WINDOW_S]
+                    crashes[unit] = recent + [now]
+                    if len(recent) >= MAX_RESTARTS:
+                        log.error("stage %d (%s) crashed %d times in %.0f s; not restarting it", unit[0], name,
+                                  len(recent) + 1, RESTART_WINDOW_S)
+                        gave_up.add(unit)
+                        continue
+                    delay = min(2.0 ** len(recent), 30.0)
+                    restart_at[unit] = now + delay
+                    log.warning("restarting stage %d (%s) in %.0f s (restart %d of at most %d per %.0f s)",
+                                unit[0], name, delay, len(recent) + 1, MAX_RESTARTS, RESTART_WINDOW_S)
+                if orch is not None and announced:
+                    for unit, reason in list(orch.down.items()):
+                        proc = launcher.procs.get(unit)
+                        if reason.startswith(HUNG) and proc is not None and proc.poll() is None:
+                            log.error("stage %d (%s) is hung (%s); killing it to restart it", unit[0],
+                                      cfg.unit_name(unit), reason)
+                            launcher.kill(unit)
+                for unit, at in list(restart_at.items()):
+                    if now >= at:
+                        del restart_at[unit]
+                        launcher.start(unit)
+                if not announced and orch is not None and orch.all_ready:
+                    announced = True
+                    log.info("all %d stages ready in %.1f s; serving on http://%s:%d", len(cfg.stages),
+                             time.monotonic() - t0, cfg.server.host, cfg.server.port)
+                if not announced and time.monotonic() - t0 > timeout:
+                    absent = [f"{cfg.unit_name(u)} ({stage_address(cfg, u[0], runtime_dir, u[1])})" for u in units
+                              if orch is None or u not in orch.ready]
+                    failed.append(f"stages not ready after {timeout:.0f} s: {', '.join(absent)}")
                     uv.should_exit = True
                     return
-                recent = [t for t in crashes.get(unit, []) if now - t < RESTART_WINDOW_S]
-                crashes[unit] = recent + [now]
-                if len(recent) >= MAX_RESTARTS:
-                    log.error("stage %d (%s) crashed %d times in %.0f s; not restarting it", unit[0], name,
-                              len(recent) + 1, RESTART_WINDOW_S)
-                    gave_up.add(unit)
-                    continue
-                delay = min(2.0 ** len(recent), 30.0)
-                restart_at[unit] = now + delay
-                log.warning("restarting stage %d (%s) in %.0f s (restart %d of at most %d per %.0f s)",
-                            unit[0], name, delay, len(recent) + 1, MAX_RESTARTS, RESTART_WINDOW_S)
-            if orch is not None and announced:
-                for unit, reason in list(orch.down.items()):
-                    proc = launcher.procs.get(unit)
-                    if reason.startswith(HUNG) and proc is not None and proc.poll() is None:
-                        log.error("stage %d (%s) is hung (%s); killing it to restart it", unit[0],
-                                  cfg.unit_name(unit), reason)
-                        launcher.kill(unit)
-            for unit, at in list(restart_at.items()):
-                if now >= at:
-                    del restart_at[unit]
-                    launcher.start(unit)
-            if not announced and orch is not None and orch.all_ready:
-                announced = True
-                log.info("all %d stages ready in %.1f s; serving on http://%s:%d", len(cfg.stages),
-                         time.monotonic() - t0, cfg.server.host, cfg.server.port)
-            if not announced and time.monotonic() - t0 > timeout:
-                absent = [f"{cfg.unit_name(u)} ({stage_address(cfg, u[0], runtime_dir, u[1])})" for u in units
-                          if orch is None or u not in orch.ready]
-                failed.append(f"stages not ready after {timeout:.0f} s: {', '.join(absent)}")
-                uv.should_exit = True
-                return
 
-    state.on_startup = supervise
-    # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, restoring the handlers it found;
-    # with these in place that re-raise is harmless and the stages below still get stopped.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: None)
-    try:
+        state.on_startup = supervise
+        # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, restoring the handlers it found;
+        # with these in place that re-raise is harmless and the stages below still get stopped.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: None)
         await uv.serve()
     finally:
         launcher.stop_all()
