@@ -26,9 +26,11 @@ RESTART_WINDOW_S = 600.0
 
 
 async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] = (),
-                external_stages: bool = False) -> int:
+                external_stages: bool = False, started: float | None = None) -> int:
     """Run the api; start and supervise the stage processes unless they are external (started
-    separately, e.g. by docker-compose or on other hosts, and found at their configured addresses)."""
+    separately, e.g. by docker-compose or on other hosts, and found at their configured addresses).
+    `started`: the command's time.monotonic(), which the ready time counts from (default: now)."""
+    t0 = time.monotonic() if started is None else started
     if external_stages:
         missing = [s.name for s in cfg.stages if not s.address] + (
             [] if cfg.server.output_address else ["server.output_address"])
@@ -43,7 +45,6 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
         if cfg.runtime_dir is None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
         raise SystemExit(f"cuda_mps: true, but no MPS daemon: {e}") from None
-    t0 = time.monotonic()
     try:
         # Every stage process starts now, before the api's own set-up (tokenizer, media processors,
         # sockets: ~9 s on the H200 host): their imports (~15 s each there) overlap it. Each
