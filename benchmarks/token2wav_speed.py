@@ -45,10 +45,11 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
                                                  compile_vocoder=False, warmup_graphs=True),
          # ... with polyphase upsampling: the 7B configs' token2wav settings
          "config": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks", compile_vocoder=False,
-                        polyphase_upsampling=True, warmup_graphs=True),
+                        polyphase_upsampling=True, warmup_graphs=True, max_graph_batch=16),
          # ... with the vocoder's anti-aliased activations compiled (one fused expression each)
          "config_act": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks",
-                            compile_vocoder="activations", polyphase_upsampling=True, warmup_graphs=True)}
+                            compile_vocoder="activations", polyphase_upsampling=True, warmup_graphs=True,
+                            max_graph_batch=16)}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:
@@ -117,7 +118,7 @@ def main() -> None:
     parser.add_argument("--split", action="store_true",
                         help="also time the DiT solves and the vocoder apart (one more decode, synchronised)")
     parser.add_argument("--profile", metavar="DIR",
-                        help="torch-profiler table of one more decode at the largest batch, per mode, in DIR")
+                        help="torch-profiler table of one more decode per mode and batch, in DIR")
     args = parser.parse_args()
     windows = dict(WINDOWS, chunk_frames=args.chunk_frames, first_chunk_frames=args.first_chunk_frames)
 

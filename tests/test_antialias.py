@@ -94,3 +94,5 @@ def test_one_compile_per_batch_kind_serves_every_activation(tiny_models):
 def test_token2wav_checks_compile_vocoder(tiny_models):
     with pytest.raises(ValueError, match="compile_vocoder must be true, false or \"activations\""):
         Token2Wav(str(tiny_models[TINY_OMNI]), compile_vocoder="snake")
+    with pytest.raises(ValueError, match="\"activations\" needs CUDA graphs captured at start"):
+        Token2Wav(str(tiny_models[TINY_OMNI]), compile_vocoder="activations")  # (CPU: no graphs)

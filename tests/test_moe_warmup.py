@@ -11,13 +11,13 @@ from omni_server.stage.moe_warmup import uses_fused_moe, warm_fused_moe, warm_si
 
 def test_sizes_reach_every_bucket_in_both_forms():
     assert warm_sizes(1) == [1]
-    assert warm_sizes(20) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 19, 20]
+    assert warm_sizes(20) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     sizes = warm_sizes(2048)
-    assert sizes[-1] == 2048 and all(n <= 2048 for n in sizes)
+    assert sizes[-1] == 2048 and all(n <= 2048 for n in sizes) and len(sizes) < 60
     # vLLM's tuned configs for the Qwen3-30B-A3B experts (thinker N=768, top-k 8) and the Qwen3-Omni
     # talker's (N=384, top-k 6) on an H200: every batch size a stage may run picks a config (the
-    # nearest key) and a Triton specialisation of M * top-k (a multiple of 16 or not); a warmed
-    # size must have compiled each such pair.
+    # nearest key, the smaller on a tie) and a Triton specialisation of M * top-k (a multiple of 16
+    # or not); for every token budget up to 8192 a warmed size must have compiled each such pair.
     import json
     from pathlib import Path
 
@@ -25,14 +25,15 @@ def test_sizes_reach_every_bucket_in_both_forms():
 
     for n, top_k in ((768, 8), (384, 6)):
         table = Path(fused_moe.__file__).parent / "configs" / f"E=128,N={n},device_name=NVIDIA_H200.json"
-        keys = [int(k) for k in json.loads(table.read_text())]
+        keys = sorted(int(k) for k in json.loads(table.read_text()))
 
         def variant(m):
             return min(keys, key=lambda k: abs(k - m)), m * top_k % 16 == 0
 
-        for max_tokens in (2048, 2000, 1500, 8192):
-            warmed = {variant(m) for m in warm_sizes(max_tokens)}
-            missing = {variant(m) for m in range(1, max_tokens + 1)} - warmed
+        runnable = set()  # the pairs of every count up to the budget
+        for max_tokens in range(1, 8193):
+            runnable.add(variant(max_tokens))
+            missing = runnable - {variant(m) for m in warm_sizes(max_tokens)}
             assert not missing, (n, max_tokens, sorted(missing))
     assert {1536, 1537, 3072, 3073} <= set(warm_sizes(4096))
 

@@ -482,6 +482,7 @@ def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder):
     assert (compiled.vocoder_graphs.fn != compiled._vocoder_body) == (vocoder is True)  # (a bound method equals its twin)
     fused = [m for m in compiled.vocoder.modules() if isinstance(m, AntiAliasedSnake)]
     assert bool(fused) == (vocoder == "activations")
+    assert all(hasattr(m.fn, "_torchdynamo_orig_callable") for m in fused)  # (their function compiled)
     warmed = counters["stats"]["unique_graphs"]
     assert warmed > before  # compiled in the warm-up
     eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False)

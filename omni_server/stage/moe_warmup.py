@@ -17,16 +17,17 @@ def warm_sizes(max_tokens: int) -> list[int]:
     """Token counts up to `max_tokens`: each of vLLM's token-count buckets in both forms. Its tuned
     configs are keyed by powers of two and by 1.5 times them (24, 48, 96, 1536, 3072: E=128 H200
     files), a batch of M tokens taking the nearest key; the kernel's integer arguments are M times
-    top-k and that plus padding, so a multiple of 16 and an odd count give both of Triton's
-    specialisations whatever top-k is. Warming powers of two only left the 1536 bucket to a live
+    top-k and that plus padding, so a multiple of 16 and an odd count in a bucket give both of
+    Triton's specialisations whatever top-k is. Warming powers of two only left the 1536 bucket to a live
     step (a c=16 Qwen3 talker prefill, H200 2026-11-30g); warming the top bucket at `max_tokens`
     only (a multiple of 16) left its odd counts to one (2026-12-01, the talker's 2048 bucket)."""
     sizes, p = {max_tokens}, 1
     while p <= max_tokens:
         sizes.update(n for q in (p, p * 3 // 2) for n in (q, q + 1) if n <= max_tokens)
         p *= 2
-    # The top bucket, which may hold no key + 1: its largest odd count and multiple of 16 too.
-    sizes.update(n for n in (max_tokens - 1 + max_tokens % 2, max_tokens // 16 * 16) if n >= 1)
+    # The top bucket may hold no key + 1, or no multiple of 16 (its keys' midpoint can fall a few
+    # counts below `max_tokens`): 16 consecutive counts there give every M * top-k residue.
+    sizes.update(range(max(max_tokens - 15, 1), max_tokens + 1))
     return sorted(sizes)
 
 

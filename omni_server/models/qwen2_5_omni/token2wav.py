@@ -164,19 +164,24 @@ class Token2Wav:
         # compile_vocoder "activations": the vocoder's anti-aliased Snake activations only, each
         # (pad, upsample, Snake, pad, downsample: ~10 kernels) one expression compiled once for all
         # of them (omni_server/models/antialias.py): they were ~80 of the vocoder's 107 ms per
-        # batch-16 call on the H200. Compiled with dynamic shapes: batch 1 and larger batches each
-        # compile in the warm-up; a length met later (a stream's last piece) does not compile again.
+        # batch-16 call on the H200. With or without `compile`. The modules are replaced, so the
+        # vocoder's runs outside its graphs run them too: compiled with dynamic shapes, batch 1
+        # and larger batches each compile in the warm-up, and no size met later (a stream's last
+        # piece, a batch past the graphs) compiles again.
         if compile not in (False, True, "blocks"):
             raise ValueError(f"compile must be true, false or \"blocks\", got {compile!r}")
         if compile_vocoder not in (False, True, "activations"):
             raise ValueError(f"compile_vocoder must be true, false or \"activations\", got {compile_vocoder!r}")
         if compile and not (graphs and warmup_graphs):
             raise ValueError("compile needs CUDA graphs captured at start (a CUDA device, cuda_graphs and warmup_graphs)")
+        if compile_vocoder == "activations" and not (graphs and warmup_graphs):
+            raise ValueError("compile_vocoder \"activations\" needs CUDA graphs captured at start (a CUDA device, "
+                             "cuda_graphs and warmup_graphs)")
         if compile == "blocks":
             dit_layers = functools.partial(self._dit_body, block=torch.compile(_run_block, dynamic=True))
         else:
             dit_layers = torch.compile(self._dit_body, dynamic=True) if compile else self._dit_body
-        if compile and compile_vocoder == "activations":
+        if compile_vocoder == "activations":
             use_fused_activations(self.vocoder, wrap=lambda fn: torch.compile(fn, dynamic=True))
         vocoder = torch.compile(self._vocoder_body, dynamic=True) if compile and compile_vocoder is True \
             else self._vocoder_body
