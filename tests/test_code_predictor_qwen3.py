@@ -122,9 +122,12 @@ def test_padded_graph_batches_return_each_rows_own_frame(tiny_models):
 
 
 def test_compiled_frames_equal_plain_frames(tiny_models):
-    """`compile`: the frame through torch.compile (Inductor's CPU code here, ~80 s to compile on a
-    2-core host; on CUDA the graphs capture it: the CUDA test below) gives the plain frame's codes,
-    greedy and sampled rows in one batch, and its residual to rounding."""
+    """`compile`: each layer's halves around its attention through torch.compile (Inductor's CPU
+    code here, ~50 s to compile on a 2-core host; on CUDA the graphs capture them: the CUDA test
+    below) give the plain frame's codes, greedy and sampled rows in one batch, and its residual to
+    rounding; one batch size more compiles nothing new."""
+    from torch._dynamo.utils import counters
+
     model_dir = str(tiny_models["tiny-qwen3-omni-moe"])
     plain, compiled = CodePredictor(model_dir, "cpu"), CodePredictor(model_dir, "cpu", compile=True)
     hidden = plain.module.config.hidden_size
@@ -134,19 +137,26 @@ def test_compiled_frames_equal_plain_frames(tiny_models):
     a, b = compiled(h, e0, gens()), plain(h, e0, gens())
     assert torch.equal(a[0], b[0])
     torch.testing.assert_close(a[1], b[1])
-    assert compiled._ungraphed is not compiled._frame and plain._ungraphed == plain._frame
+    assert compiled._halves is not None and plain._halves is None
+    traced = counters["stats"]["unique_graphs"]
+    a, b = compiled(h[:2], e0[:2]), plain(h[:2], e0[:2])  # (greedy, another batch size)
+    assert torch.equal(a[0], b[0]) and counters["stats"]["unique_graphs"] == traced
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
 def test_cuda_graphs_of_the_compiled_frame_equal_eager_frames(tiny_models):
-    """The graphs capture the compiled frame at warm-up (no compile while serving) and replay what
-    the plain frame computes; a batch past the graphs runs the plain frame."""
+    """The graphs capture the frame with its compiled layer halves at warm-up (no compile while
+    serving) and replay what the plain frame computes; a batch past the graphs runs the frame
+    outside them, compiling nothing new."""
+    from torch._dynamo.utils import counters
+
     model_dir = str(tiny_models["tiny-qwen3-omni-moe"])
     torch._dynamo.reset()
     compiled = CodePredictor(model_dir, "cuda", compile=True, max_graph_batch=4)
     eager = CodePredictor(model_dir, "cuda", cuda_graphs=False)
     compiled.warm_up(4)
     assert sorted(compiled.graphs.graphs) == [(1,), (2,), (4,)] and not compiled.graphs.failed
+    traced = counters["stats"]["unique_graphs"]
     hidden = compiled.module.config.hidden_size
     g = torch.Generator(device="cuda").manual_seed(0)
     for rows in (3, 6):
@@ -155,6 +165,7 @@ def test_cuda_graphs_of_the_compiled_frame_equal_eager_frames(tiny_models):
         for a, b in [(compiled(h, e0), eager(h, e0)), (compiled(h, e0, gens()), eager(h, e0, gens()))]:
             assert torch.equal(a[0], b[0])
             torch.testing.assert_close(a[1], b[1])
+    assert counters["stats"]["unique_graphs"] == traced  # (6 rows: past the graphs, compiled already)
 
 
 def test_code_predictor_options_come_from_additional_config():

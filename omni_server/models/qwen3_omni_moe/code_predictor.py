@@ -13,6 +13,7 @@ is that sum without E0(c0), which the talker's own embedding provides.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from omni_server.models.checkpoint import load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
@@ -54,17 +55,24 @@ class CodePredictor:
         self._positions = torch.arange(self.groups + 2, device=self.device)
         # On CUDA a frame is thousands of small kernels: one graph per batch size (rounded up to a power
         # of two) replays them at once.
-        # compile: the graphs replay the frame compiled by torch.compile, which fuses its many
-        # elementwise kernels (H200, 30B-A3B shapes, 2026-12-01: a c=1 talker step spent 15 ms on
-        # the GPU in ~4,800 kernels, most of them the code predictor's small ones). It compiles
-        # while `warm_up` captures the graphs; a batch past them runs the plain frame, so no
-        # serving step compiles. Without graphs (CPU) the compiled frame runs directly.
+        # compile: each decoder layer's two halves around its KV-cache write and attention (norms,
+        # projections, rotary; output projection, MLP) through torch.compile, which fuses their
+        # element-wise kernels (H200, 30B-A3B shapes, 2026-12-01: a c=1 talker step spent 15 ms on
+        # the GPU in ~4,800 kernels, most of them the code predictor's small ones). One compiled
+        # copy of each half serves every layer and step (the layer is an argument; shapes are
+        # dynamic): batch 1 or more, query length 1 or 2, compiled while `warm_up` captures the
+        # graphs, and never after. (The whole unrolled frame compiled as one graph of ~3,200 ops
+        # did not finish starting within 600 s on the H200, 2026-12-01.)
         self.max_graph_batch = max_graph_batch
-        frame = torch.compile(self._frame, dynamic=True) if compile else self._frame
-        self.graphs = (ShapeGraphs(frame, max_graphs=max_graph_batch.bit_length() + 1, name="code predictor",
-                                   warm_each=True, eager=self._frame)
+        attention = self.module.model.layers[0].self_attn
+        if compile and getattr(attention, "sliding_window", None) is not None:
+            raise ValueError("code predictor compile: sliding-window attention is not supported")
+        self._halves = ((torch.compile(_attention_inputs, dynamic=True), torch.compile(_layer_output, dynamic=True))
+                        if compile else None)
+        self.graphs = (ShapeGraphs(self._frame, max_graphs=max_graph_batch.bit_length() + 1, name="code predictor",
+                                   warm_each=True)
                        if cuda_graphs and self.device.type == "cuda" else None)
-        self._ungraphed = frame if self.graphs is None else self._frame
+        self._ungraphed = self._frame
 
     @torch.inference_mode()
     def __call__(self, h: torch.Tensor, e0: torch.Tensor, generators: list[torch.Generator | None] | None = None
@@ -115,15 +123,44 @@ class CodePredictor:
             pos = self._positions[start:cache.end].expand(batch, -1)
             position_embeddings = model.rotary_emb(x, pos)
             hidden = x
-            for layer in model.layers:  # (no mask: causal over the prefill, all of the prefix after)
-                hidden = layer(hidden, attention_mask=None, position_ids=pos, past_key_values=cache,
-                               use_cache=True, position_embeddings=position_embeddings)
+            for i, layer in enumerate(model.layers):  # (no mask: causal over the prefill, all of the prefix after)
+                if self._halves is None:
+                    hidden = layer(hidden, attention_mask=None, position_ids=pos, past_key_values=cache,
+                                   use_cache=True, position_embeddings=position_embeddings)
+                    continue
+                before, after = self._halves
+                q, k, v = before(layer, hidden, *position_embeddings)
+                k, v = cache.update(k, v, i)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1,
+                                                     scale=layer.self_attn.scaling, enable_gqa=True)
+                hidden = after(layer, hidden, out)
             logits = self.module.lm_head[j](model.norm(hidden[:, -1])).float()
             code = _pick(logits, u[:, j])
             codes.append(code)
             x = embeds[j](code)[:, None]
             residual += x[:, 0]
         return torch.stack(codes, dim=1), residual
+
+
+def _attention_inputs(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer up to its attention: q, k, v [B, heads, L, head_dim] as transformers'
+    layer computes them (input norm, projections, per-head q / k norms, rotary)."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
+
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, attn.v_proj(x).view(shape).transpose(1, 2)
+
+
+def _layer_output(layer: torch.nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The rest of the layer: output projection and residual, post-attention norm, MLP, residual."""
+    hidden = hidden + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
 def _pick(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
