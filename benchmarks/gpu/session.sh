@@ -46,9 +46,9 @@ serve() {
     --stage-arg talker.default_sampling.max_tokens=$TALKER_MAX $TEXT_ONLY "$@" > $R/serve_$name.log 2>&1 &
   echo $! > $R/serve_$name.pid
 }
-wait_ready() {  # NAME PORT
+wait_ready() {  # NAME PORT (READY_WAIT: seconds, default 600)
   local t=$(date +%s)
-  for i in $(seq 1 600); do
+  for i in $(seq 1 ${READY_WAIT:-600}); do
     if curl -s localhost:$2/health | grep -q '"ok"'; then say "$1 ready after $(( $(date +%s) - t )) s"; return 0; fi
     if ! kill -0 $(cat $R/serve_$1.pid) 2>/dev/null; then break; fi
     sleep 1
@@ -299,8 +299,9 @@ step_qwen3() {
   grep -a 'JIT compilation during inference' $R/serve_$name.log | cut -c1-600 | head -4 >> $R/progress.log
 }
 # The same with the talker's code predictor compiled (opt-in; its c=1 frame was 15 ms of GPU work
-# on 2026-12-01, mostly ~4,800 small unfused kernels). Keys qwen3cp_*.
-step_qwen3cp() { step_qwen3 qwen3cp --stage-arg talker.additional_config.code_predictor.compile=true; }
+# on 2026-12-01, mostly ~4,800 small unfused kernels). Keys qwen3cp_*. (Its first version, the whole
+# frame as one graph, did not start within 600 s on 2026-12-01: 300 s at most now.)
+step_qwen3cp() { READY_WAIT=300 step_qwen3 qwen3cp --stage-arg talker.additional_config.code_predictor.compile=true; }
 # Qwen3 under serve's own CUDA MPS daemon (the 7B config's since 2026-12-01; keys qwen3mps_*).
 step_qwen3mps() { step_qwen3 qwen3mps --cuda-mps auto; }
 
