@@ -302,7 +302,8 @@ step_qwen3() {
 # on 2026-12-01, mostly ~4,800 small unfused kernels). Keys qwen3cp_*. (Its first version, the whole
 # frame as one graph, did not start within 600 s on 2026-12-01: 300 s at most now.)
 step_qwen3cp() { READY_WAIT=300 step_qwen3 qwen3cp --stage-arg talker.additional_config.code_predictor.compile=true; }
-# Qwen3 under serve's own CUDA MPS daemon (the 7B config's since 2026-12-01; keys qwen3mps_*).
+# Qwen3 under serve's own CUDA MPS daemon (keys qwen3mps_*; the Qwen3 config's own since the tenth
+# run, so now the same as `qwen3`).
 step_qwen3mps() { step_qwen3 qwen3mps --cuda-mps auto; }
 
 step_mps() {
