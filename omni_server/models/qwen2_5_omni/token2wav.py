@@ -220,19 +220,26 @@ class Token2Wav:
         grid = self._time_grid(10, -1.0)
         # Every frame bucket a streaming window can fall in (replies end with shorter windows).
         buckets = [1 << i for i in range(self.graphs.max_batch.bit_length())]  # 1, 2, 4, ... <= max_batch
+        # (Each capture's seconds, for the log: the first of each kind includes any compile.)
+        dit_s, vocoder_s = [], []
         for frames in self.frame_buckets:
             for rows in buckets:
                 codes = [torch.zeros(frames // repeats, dtype=torch.long)] * rows
                 noise = [torch.zeros(frames, self.dit.mel_dim)] * rows
                 if self.graphs.serves(rows, frames):  # (False once a capture failed: no eager runs here)
+                    t = time.monotonic()
                     self._sample_mels(codes, [self.voices[0]] * rows, noise, grid, 0.5)
+                    dit_s.append(time.monotonic() - t)
         for length in sorted(self._stream_vocoder_lengths()):
             for rows in buckets:
                 if not self.vocoder_graphs.failed:
+                    t = time.monotonic()
                     self._vocoder_batch(torch.zeros(rows, self.dit.mel_dim, length, device=self.device))
+                    vocoder_s.append(time.monotonic() - t)
         self.graphs.frozen = self.vocoder_graphs.frozen = True  # no capture stalls while serving
-        log.info("token2wav: %d DiT and %d vocoder CUDA graphs captured in %.1f s", len(self.graphs.graphs),
-                 len(self.vocoder_graphs.graphs), time.monotonic() - t0)
+        log.info("token2wav: %d DiT and %d vocoder CUDA graphs captured in %.1f s (DiT %.1f s, the first %.1f s; "
+                 "vocoder %.1f s, the first %.1f s)", len(self.graphs.graphs), len(self.vocoder_graphs.graphs),
+                 time.monotonic() - t0, sum(dit_s), (dit_s or [0.0])[0], sum(vocoder_s), (vocoder_s or [0.0])[0])
 
     @torch.inference_mode()
     def __call__(self, codes: torch.Tensor, voice: str | None = None, seed: int | None = None, num_steps: int = 10,
