@@ -139,6 +139,8 @@ def collect(out: Path) -> dict:
         # the 7B config with the vocoder's activations compiled (step `t2wact`)
         **_served(out, "t2wact", "t2wact"),
         "t2wact_ready_s": _ready_s(out / "serve_t2wact.log"),
+        # the 7B config with token2wav limited to part of the SMs under MPS (step `mpspct`)
+        **_served(out, "mpspct", "mpspct"),
         # the 7B config without its MPS daemon (step `nomps`; cuda_mps: auto in the config since 2026-12-01)
         **_served(out, "nomps", "nomps"),
         # the 7B config with token2wav's polyphase upsampling and compile (session step `t2wfast`),

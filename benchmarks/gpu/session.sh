@@ -4,8 +4,8 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main t2wact t2wprof qwen3 tests", ~1,300 s on
-# one GPU with the tests in line; also: full nomps qwen3cp qwen3mps talker t2w t2wfast runner mps
-# prof ref w144 layouts fc24 fc72 tc4).
+# one GPU with the tests in line; also: full nomps mpspct qwen3cp qwen3mps talker t2w t2wfast runner
+# mps prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -253,6 +253,16 @@ step_t2wact() {
   wait_ready t2wact 8027 && bench t2wact 8027
   stop t2wact
   say "t2wact: $(grep -a 'graphs captured\|capture failed' $R/serve_t2wact.log | cut -c1-200 | tr '\n' ' ')"
+}
+
+step_mpspct() {
+  # The 7B config under its MPS daemon with token2wav limited to MPS_PCT% of the SMs (default 50;
+  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment): at c=16 the talker's step took 7.4 ms
+  # beside token2wav against 2 ms alone (2026-12-01), and its first codes pace first audio.
+  free_gpus
+  serve mpspct 8028 $CFG --stage-arg token2wav.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MPS_PCT:-50}
+  wait_ready mpspct 8028 && bench mpspct 8028
+  stop mpspct
 }
 
 step_nomps() {
