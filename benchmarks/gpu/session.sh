@@ -3,9 +3,9 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main t2wact t2wprof qwen3 tests", ~1,300 s on
-# one GPU with the tests in line; also: full nomps mpspct qwen3cp qwen3mps talker t2w t2wfast runner
-# mps prof ref w144 layouts fc24 fc72 tc4).
+# Steps run in the order STEPS names them (default "main t2wact t2wprof qwen3 qwen3cp", ~1,400 s on
+# one GPU; also: tests full nomps mpspct qwen3mps talker t2w t2wfast runner mps prof ref w144
+# layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -26,7 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main t2wact t2wprof qwen3 tests}
+STEPS=${STEPS:-main t2wact t2wprof qwen3 qwen3cp}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
