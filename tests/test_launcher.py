@@ -214,3 +214,29 @@ def test_check_explains_which_stages_build_one_after_another():
     # (its fixed KV sizes: every stage builds at once; the one other note a host may get is about
     # the MPS program, `cuda_mps: auto`)
     assert [n for n in check("qwen3_omni.yaml") if "cuda_mps" not in n] == []
+
+
+def test_serve_stops_its_stages_when_the_api_cannot_start(tmp_path, monkeypatch, tiny_models):
+    """`serve` starts the stage processes before its own set-up; when that set-up fails (here the
+    text stage's tokenizer does not exist), the error reaches the caller and no stage process is
+    left running."""
+    import asyncio
+
+    from omni_server.server import serve
+    from tests.conftest import free_port
+
+    cfg = load_config(REPO / "configs" / "default.yaml")
+    cfg.stage(0).tokenizer = str(tmp_path / "no-such-tokenizer")
+    cfg.server.port, cfg.runtime_dir = free_port(), str(tmp_path / "run")
+    started = []
+    start = Launcher.start
+
+    def recording_start(self, unit, hold=False):  # (the real start, remembering each process)
+        start(self, unit, hold)
+        started.append(self.procs[unit])
+
+    monkeypatch.setattr(Launcher, "start", recording_start)
+    with pytest.raises(OSError, match="no-such-tokenizer"):
+        asyncio.run(serve(cfg, str(REPO / "configs" / "default.yaml")))
+    assert len(started) == len(cfg.units()) == 3
+    assert all(p.poll() is not None for p in started)  # stopped, and waited for
