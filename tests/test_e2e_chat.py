@@ -194,3 +194,23 @@ def test_vllm_log_lines_name_their_stage(text_server):
 
     log = text_server.log_path.read_text(errors="replace")
     assert re.search(r"^\[thinker\] (INFO|WARNING|DEBUG) \d\d-\d\d ", log, re.M), log[-2000:]
+
+
+def test_ready_time_counts_from_the_command(text_server):
+    """`all N stages ready in X s` counts from the command (imports and the api's set-up included,
+    as issue 5's p6 does), not from the stages' launch: X reaches back before the first stage
+    process started."""
+    import re
+    from datetime import datetime
+
+    log = text_server.log_path.read_text(errors="replace")
+
+    def at(pattern: str) -> tuple[datetime, re.Match]:
+        m = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+: " + pattern, log, re.M)
+        assert m, (pattern, log[-2000:])
+        return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f"), m
+
+    launched, _ = at(r"stage \d+ \(\w+\) starting")
+    ready, m = at(r"all \d+ stages ready in ([\d.]+) s")
+    before_launch = float(m.group(2)) - (ready - launched).total_seconds()  # (command -> first launch)
+    assert before_launch > 0.2, (before_launch, log[:3000])
