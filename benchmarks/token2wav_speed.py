@@ -24,6 +24,9 @@ import torch
 from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
 
 WINDOWS = dict(chunk_frames=72, first_chunk_frames=72, past_frames=48, future_frames=24, vocoder_context_frames=20)
+# The 7B configs' token2wav settings.
+CONFIG = dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks", compile_vocoder=False,
+              polyphase_upsampling=True, warmup_graphs=True, max_graph_batch=16)
 # (tf32 sets process-wide flags: the modes after graphs_tf32 keep them, as a config with tf32 would.)
 MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "graphs_tf32": dict(cuda_graphs=True, tf32=True),
          "graphs_bf16": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16"),
@@ -44,12 +47,9 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
          "graphs_bf16_compiled_dit_blocks": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks",
                                                  compile_vocoder=False, warmup_graphs=True),
          # ... with polyphase upsampling: the 7B configs' token2wav settings
-         "config": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks", compile_vocoder=False,
-                        polyphase_upsampling=True, warmup_graphs=True, max_graph_batch=16),
+         "config": CONFIG,
          # ... with the vocoder's anti-aliased activations compiled (one fused expression each)
-         "config_act": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks",
-                            compile_vocoder="activations", polyphase_upsampling=True, warmup_graphs=True,
-                            max_graph_batch=16)}
+         "config_act": CONFIG | dict(compile_vocoder="activations")}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

@@ -49,9 +49,11 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
         # Every stage process starts now, before the api's own set-up (tokenizer, media processors,
         # sockets: ~9 s on the H200 host): their imports (~15 s each there) overlap it. Each
         # connects to the api's sockets when they exist (ZMQ connects in the background).
-        if not external_stages:
-            for unit in cfg.units():
-                launcher.start(unit, hold=bool(launcher.start_after(unit)))
+        # One that shares a GPU with earlier engines builds its own only when they are ready (vLLM
+        # sizes its KV cache from the GPU memory it finds free): held until then (supervise).
+        after = {} if external_stages else {unit: launcher.start_after(unit) for unit in cfg.units()}
+        for unit, before in after.items():
+            launcher.start(unit, hold=bool(before))
         launched = time.monotonic()  # (startup_timeout_s counts from here)
         state = ServerState(cfg, lambda: Orchestrator(cfg, runtime_dir), on_startup=None)
         uv = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.server.host, port=cfg.server.port,
@@ -63,26 +65,20 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
             """Release held stages as the ones before them get ready, report startup progress, then
             restart any stage process that dies."""
             units = cfg.units()
-            waiting = list(units)
+            waiting = list(after)
             announced = False
             timeout = max(s.startup_timeout_s for s in cfg.stages)
             restart_at: dict[Unit, float] = {}
             crashes: dict[Unit, list[float]] = {}
             gave_up: set[Unit] = set()
-            if external_stages:
-                waiting = []
+            if external_stages:  # (nothing to start or hold: `after` is empty)
                 log.info("waiting for external stages at %s",
                          ", ".join(f"{cfg.unit_name(u)}={stage_address(cfg, u[0], runtime_dir, u[1])}" for u in units))
             while True:
                 orch = state.orch
                 ready = set(orch.ready) if orch is not None else set()
-                # Every process starts at once; one that shares a GPU with earlier engines builds its own
-                # only when they are ready (vLLM sizes its KV cache from the GPU memory it finds free).
                 for unit in list(waiting):
-                    before = launcher.start_after(unit)
-                    if unit not in launcher.procs:
-                        launcher.start(unit, hold=bool(before))
-                    if all(e in ready for e in before):
+                    if all(e in ready for e in after[unit]):
                         launcher.release(unit)
                         waiting.remove(unit)
                 await asyncio.sleep(0.2)

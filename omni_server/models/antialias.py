@@ -68,10 +68,9 @@ class AntiAliasedSnake(nn.Module):
             fn = antialiased_snake(*filters)
             shared[filters] = fn if wrap is None else wrap(fn)
         self.fn = shared[filters]
-        with torch.no_grad():
-            self.register_buffer("alpha", torch.exp(act.alpha.detach())[:, None], persistent=False)
-            self.register_buffer("inv_beta", (1.0 / (torch.exp(act.beta.detach()) + act.no_div_by_zero))[:, None],
-                                 persistent=False)
+        self.register_buffer("alpha", torch.exp(act.alpha.detach())[:, None], persistent=False)
+        self.register_buffer("inv_beta", (1.0 / (torch.exp(act.beta.detach()) + act.no_div_by_zero))[:, None],
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x, self.alpha.to(x.dtype), self.inv_beta.to(x.dtype))
@@ -87,7 +86,6 @@ def use_fused_activations(model: nn.Module, wrap=None) -> int:
             channels = getattr(getattr(child, "act", None), "in_features", None)
             if channels is None or not hasattr(child, "upsample") or not hasattr(child, "downsample"):
                 continue
-            fused = AntiAliasedSnake(child, int(channels), wrap, shared)
-            setattr(parent, name, fused.to(child.act.alpha.device))
+            setattr(parent, name, AntiAliasedSnake(child, int(channels), wrap, shared))  # (on alpha's device)
             count += 1
     return count

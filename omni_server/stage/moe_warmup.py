@@ -21,7 +21,7 @@ def warm_sizes(max_tokens: int) -> list[int]:
     Triton's specialisations whatever top-k is. Warming powers of two only left the 1536 bucket to a live
     step (a c=16 Qwen3 talker prefill, H200 2026-11-30g); warming the top bucket at `max_tokens`
     only (a multiple of 16) left its odd counts to one (2026-12-01, the talker's 2048 bucket)."""
-    sizes, p = {max_tokens}, 1
+    sizes, p = set(), 1
     while p <= max_tokens:
         sizes.update(n for q in (p, p * 3 // 2) for n in (q, q + 1) if n <= max_tokens)
         p *= 2

@@ -72,7 +72,6 @@ class CodePredictor:
         self.graphs = (ShapeGraphs(self._frame, max_graphs=max_graph_batch.bit_length() + 1, name="code predictor",
                                    warm_each=True)
                        if cuda_graphs and self.device.type == "cuda" else None)
-        self._ungraphed = self._frame
 
     @torch.inference_mode()
     def __call__(self, h: torch.Tensor, e0: torch.Tensor, generators: list[torch.Generator | None] | None = None
@@ -91,7 +90,7 @@ class CodePredictor:
                 u[i] = torch.rand(self.groups, generator=g, device=g.device, dtype=torch.float32).to(self.device)
         rows = pow2(batch)
         if self.graphs is None or rows > self.max_graph_batch:
-            return self._ungraphed(x, u)
+            return self._frame(x, u)
         if rows > batch:  # (padding rows decode garbage nobody reads)
             pad = rows - batch
             x, u = torch.cat([x, x[:1].expand(pad, -1, -1)]), torch.cat([u, u[:1].expand(pad, -1)])
