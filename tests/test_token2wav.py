@@ -306,6 +306,26 @@ def test_graph_buckets_pad_without_changing_results(t2w):
         assert (a - b).abs().max().item() < 1e-4
 
 
+def test_dit_graphs_warm_with_one_solver_step(t2w, monkeypatch):
+    """The eager run before each DiT capture solves one step of the grid's nine: the same layers at
+    the same shapes (so every kernel the capture records is warm) for a ninth of the work."""
+    from omni_server.models.qwen2_5_omni.token2wav import DiTGraphs
+
+    solve, seen, layers = t2w._rk4, [], []
+    monkeypatch.setattr(t2w, "_rk4", lambda *args: seen.append(args) or solve(*args))
+    codes, voices, noise = _window_inputs(t2w, [50, 23])
+    t2w._sample_mels(codes, voices, noise, t2w._time_grid(10, -1.0), 0.5)
+    ((*inputs, cfg, scale),) = seen
+    body = t2w._dit_body
+    monkeypatch.setattr(t2w, "_dit_body", lambda h, *a: layers.append(h.shape) or body(h, *a))
+    with torch.inference_mode():
+        solve(*inputs, cfg, scale)
+        full = list(layers)
+        layers.clear()
+        DiTGraphs(solve, 4, 4, t2w.frame_buckets).warm_run(tuple(inputs), (cfg, scale))
+    assert len(full) == 36 and layers == full[:4]  # 4 evaluations per RK4 step, each at the solve's shape
+
+
 @pytest.mark.parametrize("first, chunk, spans", [([48, 48], 72, [72, 120, 144]),
                                                  ([48, 48, 72, 96], 144, [72, 120, 144, 168, 216]),
                                                  (24, 72, [48, 120, 144])])

@@ -66,13 +66,18 @@ class ShapeGraphs:
         # The next replay of this graph overwrites `out`.
         return out.clone() if isinstance(out, torch.Tensor) else tuple(t.clone() for t in out)
 
+    def warm_run(self, inputs: tuple[torch.Tensor, ...], options: tuple) -> None:
+        """The eager run before a capture: it must launch every kernel the capture will, at the
+        same shapes (a subclass may run less of a repetitive `fn`)."""
+        self.fn(*inputs, *options)
+
     def _capture(self, inputs, options):
         static = tuple(t.clone() for t in inputs)
         if self.pool is None or self.warm_each:  # an eager run first (lazy inits, workspaces, plans)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self.fn(*static, *options)
+                self.warm_run(static, options)
             torch.cuda.current_stream().wait_stream(side)
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
