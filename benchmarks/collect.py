@@ -118,8 +118,11 @@ def collect(out: Path) -> dict:
         "p4_vs_hf_c16": _get(ref, "vs_reference"),
         "p5_hbm_fraction_bs1": _hbm_fraction(out),
         "p6_ready_s_cold": _ready_s(out / "serve_bench7b.log"),
-        # the full-payload server starts second, from the streaming one's compile cache
-        "p6_ready_s_warm": _ready_s(out / "serve_bench7b_full.log"),
+        # the same config started again from its compile cache (step `warm`), or before that step
+        # existed the full-payload server, which started second
+        "p6_ready_s_warm": _ready_s(out / "serve_bench7b_warm.log") or _ready_s(out / "serve_bench7b_full.log"),
+        # step `warm` benched too: a second sample of p2 and p3
+        **_served(out, "bench7b_warm", "warm"),
         # warm, thinker and talker given kv_cache_memory_bytes: their engines build side by side
         "p6_ready_s_warm_fixed_kv": _ready_s(out / "serve_sized.log"),
         # /v1/audio/speech on the same server (omni-server bench --speech)
@@ -127,9 +130,12 @@ def collect(out: Path) -> dict:
         # Qwen3-Omni-30B-A3B shapes, configs/qwen3_omni.yaml (session step `qwen3`)
         **_served(out, "qwen3", "qwen3"),
         "qwen3_ready_s": _ready_s(out / "serve_qwen3.log"),
-        # the same with the talker's code predictor compiled (step `qwen3cp`)
+        # the talker's code predictor compiled (step `qwen3cp`, the config's since 2026-12-01's
+        # eleventh run), then without it (step `qwen3eager`)
         **_served(out, "qwen3cp", "qwen3cp"),
         "qwen3cp_ready_s": _ready_s(out / "serve_qwen3cp.log"),
+        **_served(out, "qwen3eager", "qwen3eager"),
+        "qwen3eager_ready_s": _ready_s(out / "serve_qwen3eager.log"),
         # and under serve's own CUDA MPS daemon (step `qwen3mps`)
         **_served(out, "qwen3mps", "qwen3mps"),
         "qwen3mps_ready_s": _ready_s(out / "serve_qwen3mps.log"),
@@ -139,6 +145,11 @@ def collect(out: Path) -> dict:
         # the 7B config with the vocoder's activations compiled (step `t2wact`)
         **_served(out, "t2wact", "t2wact"),
         "t2wact_ready_s": _ready_s(out / "serve_t2wact.log"),
+        # growing windows up to 144 frames (step `w144`), and both with the activations (`t2wboth`)
+        **_served(out, "w144", "w144"),
+        "w144_ready_s": _ready_s(out / "serve_w144.log"),
+        **_served(out, "t2wboth", "t2wboth"),
+        "t2wboth_ready_s": _ready_s(out / "serve_t2wboth.log"),
         # the 7B config with token2wav limited to part of the SMs under MPS (step `mpspct`)
         **_served(out, "mpspct", "mpspct"),
         # the 7B config without its MPS daemon (step `nomps`; cuda_mps: auto in the config since 2026-12-01)

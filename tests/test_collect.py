@@ -30,6 +30,13 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
         'RESULT {"model": "/w/var/models/tiny-qwen2_5-omni", "mode": "omni-emit", "batch": 1, "tok_s": 880.0}\n')
     (tmp_path / "serve_bench7b.log").write_text("... all 3 stages ready in 142.5 s; serving on http://x\n")
     (tmp_path / "serve_sized.log").write_text("... all 3 stages ready in 51.0 s; serving on http://x\n")
+    (tmp_path / "serve_bench7b_warm.log").write_text("... all 3 stages ready in 49.5 s; serving on http://x\n")
+    (tmp_path / "serve_bench7b_full.log").write_text("... all 3 stages ready in 70.0 s; serving on http://x\n")
+    _bench(tmp_path / "bench7b_warm_c1.json", ttfp_ms={"p50": 190.0}, rtf={"p50": 0.09})
+    _bench(tmp_path / "w144_c16.json", ttfp_ms={"p50": 1010.0}, rtf={"p50": 0.56})
+    _bench(tmp_path / "t2wboth_c16.json", ttfp_ms={"p50": 990.0}, rtf={"p50": 0.52})
+    (tmp_path / "serve_t2wboth.log").write_text("... all 3 stages ready in 61.0 s; serving on http://x\n")
+    _bench(tmp_path / "qwen3eager_c1.json", ttfp_ms={"p50": 300.0}, rtf={"p50": 0.28})
     _bench(tmp_path / "t2wfast_c16.json", ttfp_ms={"p50": 900.0}, rtf={"p50": 0.5})
     (tmp_path / "serve_t2wfast_warm.log").write_text("... all 3 stages ready in 58.0 s; serving on http://x\n")
     (tmp_path / "t2w.txt").write_text(
@@ -57,7 +64,12 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert (r["p2_ttfp_ms_c1"], r["p2_ttfp_ms_c16"], r["p3_rtf_c1"], r["p3_rtf_c16"]) == (180.5, 700.0, 0.08, 0.2)
     assert r["p2_ttfp_ms_c1_full_payload"] == 4000.0 and r["p2_ttfp_ms_c16_full_payload"] is None
     assert r["p5_hbm_fraction_bs1"] == round(2.8 / 4.3, 3)
-    assert r["p4_vs_hf_c16"] == 25.5 and r["p6_ready_s_cold"] == 142.5 and r["p6_ready_s_warm"] is None
+    assert r["p4_vs_hf_c16"] == 25.5 and r["p6_ready_s_cold"] == 142.5
+    assert r["p6_ready_s_warm"] == 49.5  # the `warm` step's restart of the same config, not the full-payload one
+    assert (r["warm_ttfp_ms_c1"], r["warm_rtf_c1"], r["warm_ttfp_ms_c16"]) == (190.0, 0.09, None)
+    assert (r["w144_ttfp_ms_c16"], r["w144_rtf_c16"], r["w144_ready_s"]) == (1010.0, 0.56, None)
+    assert (r["t2wboth_ttfp_ms_c16"], r["t2wboth_rtf_c16"], r["t2wboth_ready_s"]) == (990.0, 0.52, 61.0)
+    assert (r["qwen3eager_ttfp_ms_c1"], r["qwen3eager_rtf_c1"], r["qwen3eager_ready_s"]) == (300.0, 0.28, None)
     assert r["p6_ready_s_warm_fixed_kv"] == 51.0
     assert r["tiny_runner_vs_vllm_bs1"] == round(880 / 900, 3) and r["tiny_runner_vs_vllm_bs32"] is None
     assert (r["speech_ttfp_ms_c1"], r["speech_rtf_c1"], r["speech_ttfp_ms_c16"]) == (150.0, 0.07, None)

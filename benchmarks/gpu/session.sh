@@ -3,9 +3,9 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main t2wact t2wprof qwen3 qwen3cp", ~1,400 s on
-# one GPU; also: tests full nomps mpspct qwen3mps talker t2w t2wfast runner mps prof ref w144
-# layouts fc24 fc72 tc4).
+# Steps run in the order STEPS names them (default "main warm t2wboth qwen3", ~900 s on one GPU;
+# also: tests full nomps mpspct qwen3eager qwen3mps t2wact t2wprof talker t2w t2wfast runner mps prof
+# ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -26,7 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main t2wact t2wprof qwen3 qwen3cp}
+STEPS=${STEPS:-main warm t2wboth qwen3}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -88,6 +88,17 @@ step_main() {
   $S --concurrency 1 --requests 3 --output $R/speech7b_c1.json > $R/bench_speech7b.log 2>&1
   $S --concurrency 16 --requests 16 --output $R/speech7b_c16.json >> $R/bench_speech7b.log 2>&1
   say "speech benched: $(python3 benchmarks/gpu/brief.py $R/speech7b_c1.json $R/speech7b_c16.json)"
+}
+
+step_warm() {
+  # The same config started again from `main`'s compile cache (p6 warm) and benched: a second sample
+  # of the 7B numbers in the same run.
+  free_gpus
+  export VLLM_CACHE_ROOT=/tmp/vc
+  serve bench7b_warm 8012 $CFG
+  wait_ready bench7b_warm 8012 && bench bench7b_warm 8012
+  stop bench7b_warm
+  say "warm start: $(grep -a 'graphs captured\|stages ready' $R/serve_bench7b_warm.log | cut -c1-220 | tr '\n' ' ')"
 }
 
 step_full() {
@@ -255,6 +266,19 @@ step_t2wact() {
   say "t2wact: $(grep -a 'graphs captured\|capture failed' $R/serve_t2wact.log | cut -c1-200 | tr '\n' ' ')"
 }
 
+step_t2wboth() {
+  # Both token2wav options measured on their own in the eleventh run: the vocoder's activations
+  # compiled (c=16 RTF 0.650 -> 0.616) and growing windows up to 144 frames (0.650 -> 0.565).
+  free_gpus
+  export VLLM_CACHE_ROOT=/tmp/vc
+  serve t2wboth 8029 $CFG --stage-arg token2wav.generator_args.compile_vocoder=activations \
+    --stage-arg 'token2wav.generator_args.first_chunk_frames=[48,48,72,96]' \
+    --stage-arg token2wav.generator_args.chunk_frames=144
+  wait_ready t2wboth 8029 && bench t2wboth 8029
+  stop t2wboth
+  say "t2wboth: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_t2wboth.log | cut -c1-220 | tr '\n' ' ')"
+}
+
 step_mpspct() {
   # The 7B config under its MPS daemon with token2wav limited to MPS_PCT% of the SMs (default 50;
   # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment): at c=16 the talker's step took 7.4 ms
@@ -308,10 +332,9 @@ step_qwen3() {
   say "$name slow loop turns: $(grep -ac 'between engine steps' $R/serve_$name.log), kernels compiled while serving: $(grep -ac 'JIT compilation during inference' $R/serve_$name.log)"
   grep -a 'JIT compilation during inference' $R/serve_$name.log | cut -c1-600 | head -4 >> $R/progress.log
 }
-# The same with the talker's code predictor compiled (opt-in; its c=1 frame was 15 ms of GPU work
-# on 2026-12-01, mostly ~4,800 small unfused kernels). Keys qwen3cp_*. (Its first version, the whole
-# frame as one graph, did not start within 600 s on 2026-12-01: 300 s at most now.)
-step_qwen3cp() { READY_WAIT=300 step_qwen3 qwen3cp --stage-arg talker.additional_config.code_predictor.compile=true; }
+# The same without the code predictor's compile (the Qwen3 config's since the eleventh run: c=1 talker
+# step 27.0 -> 13.1 ms). Keys qwen3eager_*.
+step_qwen3eager() { step_qwen3 qwen3eager --stage-arg talker.additional_config.code_predictor.compile=false; }
 # Qwen3 under serve's own CUDA MPS daemon (keys qwen3mps_*; the Qwen3 config's own since the tenth
 # run, so now the same as `qwen3`).
 step_qwen3mps() { step_qwen3 qwen3mps --cuda-mps auto; }
