@@ -90,6 +90,13 @@ def _token2wav_speed(out: Path) -> dict:
     return keys
 
 
+def _activation(out: Path) -> dict:
+    """benchmarks/antialias_speed.py RESULT lines (aa.txt): ms per call of one activation per channel
+    count, transformers' module and ours (eager, compiled)."""
+    return {f"aa_c{r['channels']}_{name}": r.get(name) for r in _results([out / "aa.txt"])
+            for name in ("transformers_ms", "fused_eager_ms", "fused_compiled_ms")}
+
+
 def _served(out: Path, bench: str, key: str) -> dict:
     """TTFP and RTF (p50) at c=1 and c=16 of one benched server."""
     levels = {c: _level(out / f"{bench}_c{c}.json") for c in (1, 16)}
@@ -162,6 +169,8 @@ def collect(out: Path) -> dict:
         # token2wav alone (session steps `t2w`, `t2wprof`): keys t2w_<mode>_b<batch>_{step_ms,rtf},
         # t2w_<mode>_start_s, t2wprof_<mode>_w<window>_b<batch>_*
         **_token2wav_speed(out),
+        # one anti-aliased activation alone (session step `aa`): aa_c<channels>_<which>_ms
+        **_activation(out),
         # the talker's decoder alone (session step `talker`): talker_<engine>_<sampling>_bs<batch>_tok_s
         **_talker(out),
     }

@@ -37,6 +37,8 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     _bench(tmp_path / "t2wboth_c16.json", ttfp_ms={"p50": 990.0}, rtf={"p50": 0.52})
     (tmp_path / "serve_t2wboth.log").write_text("... all 3 stages ready in 61.0 s; serving on http://x\n")
     _bench(tmp_path / "qwen3eager_c1.json", ttfp_ms={"p50": 300.0}, rtf={"p50": 0.28})
+    (tmp_path / "aa.txt").write_text(
+        'RESULT {"channels": 96, "transformers_ms": 4.2, "fused_eager_ms": 6.0, "fused_compiled_ms": 1.1}\n')
     _bench(tmp_path / "t2wfast_c16.json", ttfp_ms={"p50": 900.0}, rtf={"p50": 0.5})
     (tmp_path / "serve_t2wfast_warm.log").write_text("... all 3 stages ready in 58.0 s; serving on http://x\n")
     (tmp_path / "t2w.txt").write_text(
@@ -70,6 +72,7 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert (r["w144_ttfp_ms_c16"], r["w144_rtf_c16"], r["w144_ready_s"]) == (1010.0, 0.56, None)
     assert (r["t2wboth_ttfp_ms_c16"], r["t2wboth_rtf_c16"], r["t2wboth_ready_s"]) == (990.0, 0.52, 61.0)
     assert (r["qwen3eager_ttfp_ms_c1"], r["qwen3eager_rtf_c1"], r["qwen3eager_ready_s"]) == (300.0, 0.28, None)
+    assert (r["aa_c96_transformers_ms"], r["aa_c96_fused_eager_ms"], r["aa_c96_fused_compiled_ms"]) == (4.2, 6.0, 1.1)
     assert r["p6_ready_s_warm_fixed_kv"] == 51.0
     assert r["tiny_runner_vs_vllm_bs1"] == round(880 / 900, 3) and r["tiny_runner_vs_vllm_bs32"] is None
     assert (r["speech_ttfp_ms_c1"], r["speech_rtf_c1"], r["speech_ttfp_ms_c16"]) == (150.0, 0.07, None)

@@ -3,9 +3,9 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main warm t2wboth qwen3", ~900 s on one GPU;
-# also: tests full nomps mpspct qwen3eager qwen3mps t2wact t2wprof talker t2w t2wfast runner mps prof
-# ref w144 layouts fc24 fc72 tc4).
+# Steps run in the order STEPS names them (default "aa main warm t2wboth t2wprof qwen3", ~900 s on
+# one GPU; also: tests full nomps mpspct qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -26,7 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main warm t2wboth qwen3}
+STEPS=${STEPS:-aa main warm t2wboth t2wprof qwen3}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -170,6 +170,14 @@ step_t2w() {
   done
   say "token2wav: $(grep RESULT $R/t2w.txt | python3 -c "import sys,json
 for l in sys.stdin: d=json.loads(l[7:]); print(d['mode'], 'b', d['batch'], d['step_ms_p50'], 'ms/step rtf', d['rtf'], 'start', d.get('start_s'), 's', end='; ')")"
+}
+
+step_aa() {
+  # One anti-aliased activation alone (benchmarks/antialias_speed.py): transformers' module against
+  # our expression, eager and compiled, at channel counts of the 7B vocoder's stages.
+  timeout 300 python3 benchmarks/antialias_speed.py --device cuda --batch 16 --channels 768 96 24 --length 2000 \
+    > $R/aa.txt 2>&1
+  say "activation alone: $(grep RESULT $R/aa.txt | cut -c8- | tr '\n' ' ')"
 }
 
 step_t2wprof() {

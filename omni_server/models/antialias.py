@@ -1,5 +1,6 @@
 """BigVGAN's anti-aliased SnakeBeta activation (2x upsample, SnakeBeta, 2x downsample) as one
-expression of shifted slices, for torch.compile to turn into one or two kernels.
+expression of shifted slices of the upsampled signal's two phases, for torch.compile to turn into
+one or two kernels.
 
 transformers runs each activation as a replication pad, a depthwise (transposed) convolution, five
 element-wise kernels, another pad and another depthwise convolution. In the 7B vocoder at batch 16
@@ -7,6 +8,12 @@ on the H200 those took about 80 of the vocoder's 107 ms per call (BENCHMARKS.md 
 generic depthwise kernel alone 13% of token2wav's GPU time), ten passes over tensors that a fused
 kernel reads once. The filters are 6 (up, per output phase) and 12 (down) taps, so the sums below
 are short; the same function, compiled once with dynamic shapes, serves every activation.
+
+Written over the two phases of the upsampled signal, never the interleaved signal itself: with it
+as a tensor (stack, flatten, stride-2 slices) Inductor made three kernels on the H200 (523 of a
+batch-16 decode's 2,520 ms, BENCHMARKS.md eleventh run) and, on the CPU host, one kernel slower than
+transformers' eager module (`benchmarks/antialias_speed.py --device cpu`: 212 ms against 164);
+over the phases it is 6x faster than that module (17.5 ms against 105).
 
 Equal to transformers' module up to float rounding (the sums' order differs from cuDNN's).
 """
@@ -30,18 +37,27 @@ def antialiased_snake(up: tuple[tuple[float, ...], tuple[float, ...]], down: tup
     constants of a closure: as tensor or int arguments torch.compile would make their sizes
     symbols, and one equal to a dimension of `x` would pin that dimension.)"""
     even_taps, odd_taps = up
+    # The downsampler's term k reads the interleaved signal at 2t + k - down_left: the even phase at
+    # t + a for k - down_left = 2a, the odd phase at t + a for 2a + 1. Each phase is padded by
+    # `before` and `after` samples for a's range; the interleaved signal's replicate padding repeats
+    # its first sample (the even phase's first) before and its last (the odd phase's last) after,
+    # whichever phase a term reads.
+    terms = [(w, (k - down_left) % 2, (k - down_left) // 2) for k, w in enumerate(down) if w != 0.0]
+    before = max(0, -min(a for _, _, a in terms))
+    after = max(0, max(a for _, _, a in terms))
 
     def fn(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
         n = x.shape[-1]
         xp = F.pad(x, (up_pad, up_pad), mode="replicate")
         shifted = [xp[..., up_offset + j:up_offset + j + n] for j in range(len(even_taps))]
-        even = sum(w * s for w, s in zip(even_taps, shifted) if w != 0.0)
-        odd = sum(w * s for w, s in zip(odd_taps, shifted) if w != 0.0)
-        u = torch.stack([even, odd], dim=-1).flatten(-2)  # [B, C, 2n]: even and odd samples interleaved
-        # SnakeBeta, in transformers' operation order: x + 1 / (b + eps) * sin(x * a) ** 2
-        s = u + inv_beta * torch.pow(torch.sin(u * alpha), 2)
-        sp = F.pad(s, (down_left, down_right), mode="replicate")
-        return sum(w * sp[..., k:k + 2 * n - 1:2] for k, w in enumerate(down))
+        phases = []
+        for taps in (even_taps, odd_taps):
+            u = sum(w * s for w, s in zip(taps, shifted) if w != 0.0)
+            # SnakeBeta, in transformers' operation order: x + 1 / (b + eps) * sin(x * a) ** 2
+            phases.append(u + inv_beta * torch.pow(torch.sin(u * alpha), 2))
+        first, last = phases[0][..., :1], phases[1][..., -1:]
+        padded = [torch.cat([first] * before + [p] + [last] * after, dim=-1) for p in phases]
+        return sum(w * padded[phase][..., before + a:before + a + n] for w, phase, a in terms)
 
     return fn
 
