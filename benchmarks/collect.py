@@ -159,6 +159,8 @@ def collect(out: Path) -> dict:
         "t2wboth_ready_s": _ready_s(out / "serve_t2wboth.log"),
         # the 7B config with token2wav limited to part of the SMs under MPS (step `mpspct`)
         **_served(out, "mpspct", "mpspct"),
+        # the 7B config with the thinker at MPS's below-normal priority (step `thinkerlow`)
+        **_served(out, "thinkerlow", "thinkerlow"),
         # the 7B config without its MPS daemon (step `nomps`; cuda_mps: auto in the config since 2026-12-01)
         **_served(out, "nomps", "nomps"),
         # the 7B config with token2wav's polyphase upsampling and compile (session step `t2wfast`),

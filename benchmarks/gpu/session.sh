@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "aa main warm t2wboth t2wprof qwen3", ~900 s on
-# one GPU; also: tests full nomps mpspct qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: tests full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -295,6 +295,16 @@ step_mpspct() {
   serve mpspct 8028 $CFG --stage-arg token2wav.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MPS_PCT:-50}
   wait_ready mpspct 8028 && bench mpspct 8028
   stop mpspct
+}
+
+step_thinkerlow() {
+  # The 7B config with the thinker at MPS's below-normal client priority: at c=1 first audio waits
+  # for the talker's first 36 codes while the thinker still decodes beside it (the talker's stage
+  # first output 54 ms, token2wav's 436 ms on 2026-12-01; 3.3 ms per talker step on average).
+  free_gpus
+  serve thinkerlow 8030 $CFG --stage-arg thinker.env.CUDA_MPS_CLIENT_PRIORITY=1
+  wait_ready thinkerlow 8030 && bench thinkerlow 8030
+  stop thinkerlow
 }
 
 step_nomps() {
