@@ -147,6 +147,26 @@ def compiled_client(tmp_path):
         yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture
+def sampled_client(tmp_path):
+    """The test pipeline with configs/qwen3_omni.yaml's talker sampling (transformers' generate()
+    defaults: temperature 0.9, top-k 50, repetition penalty 1.05)."""
+    import yaml
+
+    data = yaml.safe_load(CONFIG.read_text())
+    real = yaml.safe_load((REPO / "configs" / "qwen3_omni.yaml").read_text())
+    for stage in data["stages"]:
+        stage["model"] = str((CONFIG.parent / stage["model"]).resolve())
+        if stage["name"] == "talker":
+            sampling = {k: v for k, v in real["stages"][1]["default_sampling"].items() if k != "max_tokens"}
+            stage["default_sampling"].update(sampling)
+    assert data["stages"][1]["default_sampling"]["temperature"] == 0.9
+    config = tmp_path / "sampled.yaml"
+    config.write_text(yaml.safe_dump(data))
+    with _serving(config, tmp_path / "qwen3_sampled.log") as server:
+        yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
 def _greedy_chat(client, messages):
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                                           modalities=["text"],  # text only: talker and code2wav skip it
@@ -451,3 +471,22 @@ def test_compiled_speech_equals_transformers(compiled_client):
     """The same under torch.compile: the thinker's compiled stack still returns the talker's layer,
     and the talker's compiled decoder takes any token count with its (3, tokens) M-RoPE positions."""
     _check_speech(compiled_client)
+
+
+def test_sampled_talker_follows_the_seed(sampled_client):
+    """A sampling talker (the real config's settings) draws its codes and the code predictor's from
+    the request's seed: the same seed speaks the same codes and waveform, another seed other codes,
+    while the greedy thinker's reply stays the same."""
+
+    def speak(seed: int):
+        resp = sampled_client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, seed=seed,
+            modalities=["text", "audio"], audio={"voice": "chelsie", "format": "pcm16"},
+            extra_body={"return_token_ids": True, "ignore_eos": True})
+        codes = resp.model_extra["omni_outputs"]["talker"]["token_ids"]
+        return resp.choices[0].model_extra["token_ids"], codes, resp.choices[0].message.audio.data
+
+    first, again, other = speak(7), speak(7), speak(8)
+    assert first == again
+    assert other[0] == first[0] and other[1] != first[1]
+    assert len(first[1]) > 1 and len(first[2]) > 0 and all(0 <= c < 3072 for c in first[1] + other[1])
