@@ -177,7 +177,10 @@ step_aa() {
   # our expression, eager and compiled, at channel counts of the 7B vocoder's stages.
   timeout 300 python3 benchmarks/antialias_speed.py --device cuda --batch 16 --channels 768 96 24 --length 2000 \
     > $R/aa.txt 2>&1
-  say "activation alone: $(grep RESULT $R/aa.txt | cut -c8- | tr '\n' ' ')"
+  # Inductor's code for it (how many kernels, what each reads and writes), one channel count.
+  TORCH_LOGS=output_code timeout 200 python3 benchmarks/antialias_speed.py --device cuda --batch 16 --channels 96 \
+    --length 2000 --repeats 1 > $R/aa_inductor.log 2>&1
+  say "activation alone: $(grep RESULT $R/aa.txt | cut -c8- | tr '\n' ' '); kernels: $(grep -o 'triton_[a-z_0-9]*' $R/aa_inductor.log | sort -u | tr '\n' ' ')"
 }
 
 step_t2wprof() {
