@@ -137,7 +137,7 @@ def collect(out: Path) -> dict:
         # Qwen3-Omni-30B-A3B shapes, configs/qwen3_omni.yaml (session step `qwen3`)
         **_served(out, "qwen3", "qwen3"),
         "qwen3_ready_s": _ready_s(out / "serve_qwen3.log"),
-        # the talker's code predictor compiled (step `qwen3cp`, the config's since 2026-12-01's
+        # the talker's code predictor compiled (former step `qwen3cp`; the config's since 2026-12-01's
         # eleventh run), then without it (step `qwen3eager`)
         **_served(out, "qwen3cp", "qwen3cp"),
         "qwen3cp_ready_s": _ready_s(out / "serve_qwen3cp.log"),

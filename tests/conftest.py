@@ -40,19 +40,29 @@ def pytest_runtest_logreport(report) -> None:
             f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
-def compiled_config(config: Path, out: Path) -> Path:
-    """A copy of test pipeline `config` at `out` whose AR stages run under vLLM's torch.compile, as
-    real model configs do (the test configs run eager for a fast start)."""
+def edited_config(config: Path, out: Path, edit) -> Path:
+    """A copy of test pipeline `config` at `out` (its stages' model paths made absolute), each stage's
+    dict passed through `edit(stage)` first."""
     import yaml
 
     data = yaml.safe_load(config.read_text())
     for stage in data["stages"]:
         stage["model"] = str((config.parent / stage["model"]).resolve())
+        edit(stage)
+    out.write_text(yaml.safe_dump(data))
+    return out
+
+
+def compiled_config(config: Path, out: Path) -> Path:
+    """A copy of test pipeline `config` at `out` whose AR stages run under vLLM's torch.compile, as
+    real model configs do (the test configs run eager for a fast start)."""
+
+    def compiled(stage: dict) -> None:
         if stage.get("kind", "ar") == "ar":
             stage.setdefault("engine_args", {})["enforce_eager"] = False
             stage.get("env", {}).pop("TORCHDYNAMO_DISABLE", None)
-    out.write_text(yaml.safe_dump(data))
-    return out
+
+    return edited_config(config, out, compiled)
 
 
 def free_port() -> int:

@@ -48,6 +48,10 @@ def test_rejects_what_it_does_not_compute():
     act.downsample = Qwen2_5OmniDownSample1d(3, 12)
     with pytest.raises(ValueError, match="unsupported downsampler"):
         AntiAliasedSnake(act, 4)
+    act = _activation(4, 0)
+    act.downsample.pad_right += 1  # (it would make n + 1 samples out of 2n)
+    with pytest.raises(ValueError, match="unsupported downsampler padding"):
+        AntiAliasedSnake(act, 4)
 
 
 def test_tiny_vocoder_with_fused_activations_matches(tiny_models):

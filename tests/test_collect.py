@@ -13,6 +13,14 @@ def _bench(path, **level):
     path.write_text(json.dumps({"config": {}, "levels": [level]}))
 
 
+def _collect(out_dir):
+    out = out_dir / "r.json"
+    proc = subprocess.run([sys.executable, "benchmarks/collect.py", str(out_dir), "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())
+
+
 def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     _bench(tmp_path / "bench7b_c1.json", ttfp_ms={"p50": 180.5}, rtf={"p50": 0.08})
     _bench(tmp_path / "bench7b_c16.json", ttfp_ms={"p50": 700.0}, rtf={"p50": 0.2})
@@ -37,6 +45,7 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     _bench(tmp_path / "t2wboth_c16.json", ttfp_ms={"p50": 990.0}, rtf={"p50": 0.52})
     (tmp_path / "serve_t2wboth.log").write_text("... all 3 stages ready in 61.0 s; serving on http://x\n")
     _bench(tmp_path / "qwen3eager_c1.json", ttfp_ms={"p50": 300.0}, rtf={"p50": 0.28})
+    _bench(tmp_path / "thinkerlow_c1.json", ttfp_ms={"p50": 380.0}, rtf={"p50": 0.2})
     (tmp_path / "aa.txt").write_text(
         'RESULT {"channels": 96, "transformers_ms": 4.2, "fused_eager_ms": 6.0, "fused_compiled_ms": 1.1}\n')
     _bench(tmp_path / "t2wfast_c16.json", ttfp_ms={"p50": 900.0}, rtf={"p50": 0.5})
@@ -57,11 +66,7 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
         'RESULT {"model": "talker-7b", "sampling": "talker", "mode": "vllm", "batch": 1, "tok_s": 212.34}\n')
     (tmp_path / "talker_vllm_greedy.txt").write_text(
         'RESULT {"model": "talker-7b", "sampling": "greedy", "mode": "vllm", "batch": 16, "tok_s": 4000.0}\n')
-    out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "benchmarks/collect.py", str(tmp_path), "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    r = json.loads(out.read_text())
+    r = _collect(tmp_path)
     assert r["p1_runner_vs_vllm_bs1"] == 0.99 and r["p1_runner_vs_vllm_bs32"] is None
     assert (r["p2_ttfp_ms_c1"], r["p2_ttfp_ms_c16"], r["p3_rtf_c1"], r["p3_rtf_c16"]) == (180.5, 700.0, 0.08, 0.2)
     assert r["p2_ttfp_ms_c1_full_payload"] == 4000.0 and r["p2_ttfp_ms_c16_full_payload"] is None
@@ -72,6 +77,7 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert (r["w144_ttfp_ms_c16"], r["w144_rtf_c16"], r["w144_ready_s"]) == (1010.0, 0.56, None)
     assert (r["t2wboth_ttfp_ms_c16"], r["t2wboth_rtf_c16"], r["t2wboth_ready_s"]) == (990.0, 0.52, 61.0)
     assert (r["qwen3eager_ttfp_ms_c1"], r["qwen3eager_rtf_c1"], r["qwen3eager_ready_s"]) == (300.0, 0.28, None)
+    assert (r["thinkerlow_ttfp_ms_c1"], r["thinkerlow_rtf_c1"], r["thinkerlow_ttfp_ms_c16"]) == (380.0, 0.2, None)
     assert (r["aa_c96_transformers_ms"], r["aa_c96_fused_eager_ms"], r["aa_c96_fused_compiled_ms"]) == (4.2, 6.0, 1.1)
     assert r["p6_ready_s_warm_fixed_kv"] == 51.0
     assert r["tiny_runner_vs_vllm_bs1"] == round(880 / 900, 3) and r["tiny_runner_vs_vllm_bs32"] is None
@@ -90,3 +96,10 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert (r["qwen3cp_ttfp_ms_c16"], r["qwen3cp_rtf_c16"], r["qwen3cp_ready_s"]) == (1100.0, 0.3, None)
     assert (r["qwen3mps_ready_s"], r["qwen3mps_ttfp_ms_c1"]) == (99.5, None)
     assert r["talker_vllm_talker_bs1_tok_s"] == 212.3 and r["talker_vllm_greedy_bs16_tok_s"] == 4000.0
+
+
+def test_p6_warm_comes_from_the_full_payload_server_without_the_warm_step(tmp_path):
+    """Runs before step `warm` existed started the full-payload server second, from the cache."""
+    (tmp_path / "serve_bench7b_full.log").write_text("... all 3 stages ready in 70.0 s; serving on http://x\n")
+    r = _collect(tmp_path)
+    assert r["p6_ready_s_warm"] == 70.0 and r["p6_ready_s_cold"] is None and r["warm_ttfp_ms_c1"] is None

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.media import mp4, png, tone_wav
-from tests.conftest import MODELS, REPO, STARTUP_TIMEOUT, Server, compiled_config
+from tests.conftest import MODELS, REPO, STARTUP_TIMEOUT, Server, compiled_config, edited_config
 
 MODEL = "omni-tiny-qwen3"
 CONFIG = REPO / "tests" / "configs" / "qwen3_omni.yaml"
@@ -151,18 +151,17 @@ def compiled_client(tmp_path):
 def sampled_client(tmp_path):
     """The test pipeline with configs/qwen3_omni.yaml's talker sampling (transformers' generate()
     defaults: temperature 0.9, top-k 50, repetition penalty 1.05)."""
-    import yaml
+    from omni_server.config import load_config
 
-    data = yaml.safe_load(CONFIG.read_text())
-    real = yaml.safe_load((REPO / "configs" / "qwen3_omni.yaml").read_text())
-    for stage in data["stages"]:
-        stage["model"] = str((CONFIG.parent / stage["model"]).resolve())
+    real = load_config(REPO / "configs" / "qwen3_omni.yaml").stage(1)
+    sampling = real.default_sampling.model_dump(exclude_none=True, exclude={"max_tokens"})
+    assert real.name == "talker" and sampling["temperature"] == 0.9 and sampling["top_k"] == 50
+
+    def sampled(stage: dict) -> None:
         if stage["name"] == "talker":
-            sampling = {k: v for k, v in real["stages"][1]["default_sampling"].items() if k != "max_tokens"}
             stage["default_sampling"].update(sampling)
-    assert data["stages"][1]["default_sampling"]["temperature"] == 0.9
-    config = tmp_path / "sampled.yaml"
-    config.write_text(yaml.safe_dump(data))
+
+    config = edited_config(CONFIG, tmp_path / "sampled.yaml", sampled)
     with _serving(config, tmp_path / "qwen3_sampled.log") as server:
         yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
@@ -488,5 +487,5 @@ def test_sampled_talker_follows_the_seed(sampled_client):
 
     first, again, other = speak(7), speak(7), speak(8)
     assert first == again
-    assert other[0] == first[0] and other[1] != first[1]
+    assert other[0] == first[0] and other[1] != first[1] and other[2] != first[2]
     assert len(first[1]) > 1 and len(first[2]) > 0 and all(0 <= c < 3072 for c in first[1] + other[1])

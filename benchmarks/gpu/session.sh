@@ -3,7 +3,7 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "aa main warm t2wboth t2wprof qwen3", ~900 s on
+# Steps run in the order STEPS names them (default "main warm t2wboth aa t2wprof qwen3", ~900 s on
 # one GPU; also: tests full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
@@ -26,7 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-aa main warm t2wboth t2wprof qwen3}
+STEPS=${STEPS:-main warm t2wboth aa t2wprof qwen3}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -69,8 +69,10 @@ bench() {  # NAME PORT [MODEL]: warm-up, c=1 x3, c=16 x16
   say "$1 benched: $(python3 benchmarks/gpu/brief.py $R/$1_c1.json $R/$1_c16.json)"
 }
 
-# (Every step but `qwen3` serves or reads the 7B shape; ~20 s to write.)
-if [ ! -f $M/config.json ] && [ "$(echo $STEPS)" != "qwen3" ]; then
+# (The steps that serve or read the 7B shape need it; ~20 s to write.)
+NEED7B=
+for s in $STEPS; do case $s in qwen3|qwen3eager|qwen3mps|aa|tests) ;; *) NEED7B=1 ;; esac; done
+if [ ! -f $M/config.json ] && [ -n "$NEED7B" ]; then
   python3 benchmarks/qwen2_5_omni_shape.py --out $M --size 7b --device cuda > $R/shape.log 2>&1
   say "7B shape checkpoint written (rc $?)"
 fi
@@ -95,8 +97,8 @@ step_warm() {
   # of the 7B numbers in the same run.
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
-  serve bench7b_warm 8012 $CFG
-  wait_ready bench7b_warm 8012 && bench bench7b_warm 8012
+  serve bench7b_warm 8031 $CFG
+  wait_ready bench7b_warm 8031 && bench bench7b_warm 8031
   stop bench7b_warm
   say "warm start: $(grep -a 'graphs captured\|stages ready' $R/serve_bench7b_warm.log | cut -c1-220 | tr '\n' ' ')"
 }
@@ -174,13 +176,15 @@ for l in sys.stdin: d=json.loads(l[7:]); print(d['mode'], 'b', d['batch'], d['st
 
 step_aa() {
   # One anti-aliased activation alone (benchmarks/antialias_speed.py): transformers' module against
-  # our expression, eager and compiled, at channel counts of the 7B vocoder's stages.
+  # our expression, eager and compiled, at channel counts of the 7B vocoder's stages. (Its compile
+  # lands in Inductor's cache: a later server with the activations starts warmer.)
+  free_gpus
   timeout 300 python3 benchmarks/antialias_speed.py --device cuda --batch 16 --channels 768 96 24 --length 2000 \
     > $R/aa.txt 2>&1
   # Inductor's code for it (how many kernels, what each reads and writes), one channel count.
   TORCH_LOGS=output_code timeout 200 python3 benchmarks/antialias_speed.py --device cuda --batch 16 --channels 96 \
     --length 2000 --repeats 1 > $R/aa_inductor.log 2>&1
-  say "activation alone: $(grep RESULT $R/aa.txt | cut -c8- | tr '\n' ' '); kernels: $(grep -o 'triton_[a-z_0-9]*' $R/aa_inductor.log | sort -u | tr '\n' ' ')"
+  say "activation alone: $(grep RESULT $R/aa.txt | cut -c8- | tr '\n' ' '); kernels: $(grep -oE 'def triton_(poi|red|per)_[a-z_0-9]+' $R/aa_inductor.log | cut -c5- | sort -u | tr '\n' ' ')"
 }
 
 step_t2wprof() {
@@ -227,14 +231,15 @@ first_window() {  # FRAMES PORT [--stage-arg ...]: the one-GPU layout, token2wav
 step_fc24() { first_window 24 8019; }
 step_fc72() { first_window 72 8017; }
 
+W144=(--stage-arg 'token2wav.generator_args.first_chunk_frames=[48,48,72,96]'
+      --stage-arg token2wav.generator_args.chunk_frames=144)
 step_w144() {
   # Growing windows: 48, 48, 72, 96, then 144 new frames (the configs: 48, 48, then 72). A window
   # also computes 48 past + 24 future frames, so 72-frame windows pay 2x per new frame, 144-frame
   # ones 1.5x; c=16 is token2wav-bound (busy 0.89) and its DiT runs beside the talker at c=1.
   # benchmarks/window_schedule.py: no c=1 stall from the larger windows.
   free_gpus
-  serve w144 8022 $CFG --stage-arg 'token2wav.generator_args.first_chunk_frames=[48,48,72,96]' \
-    --stage-arg token2wav.generator_args.chunk_frames=144
+  serve w144 8022 $CFG "${W144[@]}"
   wait_ready w144 8022 && bench w144 8022
   stop w144
 }
@@ -282,9 +287,7 @@ step_t2wboth() {
   # compiled (c=16 RTF 0.650 -> 0.616) and growing windows up to 144 frames (0.650 -> 0.565).
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
-  serve t2wboth 8029 $CFG --stage-arg token2wav.generator_args.compile_vocoder=activations \
-    --stage-arg 'token2wav.generator_args.first_chunk_frames=[48,48,72,96]' \
-    --stage-arg token2wav.generator_args.chunk_frames=144
+  serve t2wboth 8029 $CFG --stage-arg token2wav.generator_args.compile_vocoder=activations "${W144[@]}"
   wait_ready t2wboth 8029 && bench t2wboth 8029
   stop t2wboth
   say "t2wboth: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_t2wboth.log | cut -c1-220 | tr '\n' ' ')"

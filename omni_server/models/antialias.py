@@ -37,6 +37,8 @@ def antialiased_snake(up: tuple[tuple[float, ...], tuple[float, ...]], down: tup
     constants of a closure: as tensor or int arguments torch.compile would make their sizes
     symbols, and one equal to a dimension of `x` would pin that dimension.)"""
     even_taps, odd_taps = up
+    if down_left + down_right != len(down) - 1:  # (n samples out of 2n at stride 2)
+        raise ValueError(f"unsupported downsampler padding: {down_left} + {down_right} for {len(down)} taps")
     # The downsampler's term k reads the interleaved signal at 2t + k - down_left: the even phase at
     # t + a for k - down_left = 2a, the odd phase at t + a for 2a + 1. Each phase is padded by
     # `before` and `after` samples for a's range; the interleaved signal's replicate padding repeats
