@@ -4,6 +4,7 @@ vocoder and / or torch.compile), at several batch sizes (streams advanced togeth
 
     python benchmarks/token2wav_speed.py --model /tmp/omni7b --batch 1 16
     python benchmarks/token2wav_speed.py --model var/models/tiny-qwen2_5-omni --device cpu --modes eager
+    python benchmarks/token2wav_speed.py --model /tmp/omni7b --batch 16 --modes config --sdpa CUDNN_ATTENTION
 
 Each stream gets `--codes` random codec ids (final) and is decoded window by window with
 `stream_step` until done (the default window sizes of configs/qwen2_5_omni.yaml); one warm-up
@@ -14,12 +15,14 @@ decode per mode and batch first (it also captures the graphs). Prints one RESULT
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
 
@@ -119,14 +122,21 @@ def main() -> None:
                         help="also time the DiT solves and the vocoder apart (one more decode, synchronised)")
     parser.add_argument("--profile", metavar="DIR",
                         help="torch-profiler table of one more decode per mode and batch, in DIR")
+    parser.add_argument("--sdpa", metavar="BACKEND", choices=[b for b in SDPBackend.__members__ if b != "ERROR"],
+                        help="the only attention backend PyTorch may pick (its compile included); the mode's name "
+                             "gets it as a suffix")
     args = parser.parse_args()
     windows = dict(WINDOWS, chunk_frames=args.chunk_frames, first_chunk_frames=args.first_chunk_frames)
 
     gen = torch.Generator().manual_seed(0)
+    if args.sdpa:  # (for the whole process: the graphs' compile and capture happen at construction)
+        stack = contextlib.ExitStack()
+        stack.enter_context(sdpa_kernel([SDPBackend.__members__[args.sdpa]]))
     for mode in args.modes:
         # TF32 is process-wide once on: keep it last (the default order).
         t0 = time.perf_counter()
         t2w = Token2Wav(args.model, args.device, **windows, **MODES[mode])
+        name = f"{mode}_{args.sdpa.lower()}" if args.sdpa else mode
         start_s = round(time.perf_counter() - t0, 1)  # (with warmup_graphs: the captures and compiles)
         for b in args.batch:
             codes = [torch.randint(0, 8192, (args.codes,), generator=gen) for _ in range(b)]
@@ -134,7 +144,7 @@ def main() -> None:
             steps, wall = decode(t2w, codes)
             audio_s = args.codes * t2w.dit.repeats * t2w.hop / t2w.sample_rate
             print("RESULT " + json.dumps({
-                "mode": mode, "batch": b, "device": args.device, "step_ms_p50": round(statistics.median(steps) * 1e3, 1),
+                "mode": name, "batch": b, "device": args.device, "step_ms_p50": round(statistics.median(steps) * 1e3, 1),
                 "steps": len(steps), "audio_s_per_stream": round(audio_s, 2), "rtf": round(wall / audio_s, 4),
                 "audio_s_per_wall_s": round(b * audio_s / wall, 2),
                 "graphs": len(t2w.graphs.graphs) if t2w.graphs is not None else 0,
@@ -142,7 +152,7 @@ def main() -> None:
                 "start_s": start_s, "windows": [*args.first_chunk_frames, args.chunk_frames],
                 **(split(t2w, codes) if args.split else {})}), flush=True)
         if args.profile:
-            profile(t2w, codes, Path(args.profile) / f"token2wav_{mode}_b{len(codes)}.txt")
+            profile(t2w, codes, Path(args.profile) / f"token2wav_{name}_b{len(codes)}.txt")
 
 
 if __name__ == "__main__":

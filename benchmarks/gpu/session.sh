@@ -203,6 +203,10 @@ step_t2wprof() {
   # The same with them compiled (compile_vocoder: activations), batch 1 too (c=1's first window).
   timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes config_act --split \
     --first-chunk-frames 48 48 --chunk-frames 72 --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
+  # The DiT's attention pinned to cuDNN's kernel (2026-12-01 eleventh run: PyTorch's memory-efficient
+  # one took 356 ms of the decode; the tenth run's table gave 268 ms to cuDNN's).
+  timeout 300 python3 benchmarks/token2wav_speed.py $common --first-chunk-frames 48 48 --chunk-frames 72 \
+    --sdpa CUDNN_ATTENTION --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
   say "token2wav split: $(grep RESULT $R/t2wprof.txt | cut -c8- | tr '\n' ' ')"
 }
 
