@@ -347,12 +347,13 @@ step_qwen3() {
   fi
   # (jit_monitor_verbose: vLLM logs each live kernel compile with its specialisation; 2026-12-01 one
   # fused-MoE kernel compiled during the c=16 burst, and the talker's first output came 1.15 s in.)
-  # OMNI_PROFILE: tables of 30 talker steps inside the second c=1 request (frames 140-170 of 3 x 126;
-  # the median of three requests is one the profiler did not slow): where a ~18 ms frame goes.
+  # OMNI_PROFILE: tables of 30 talker steps inside the bench's unmeasured warm-up request (its steps
+  # 40-70 of ~135): where a frame goes. (Writing them holds the talker ~13 s: inside a measured c=1
+  # request, as until 2026-12-01, that request paused 13.2 s.)
   local name=${1:-qwen3}; shift || true
   CKPT=$m3 VOCODER=code2wav TALKER_MAX=${QWEN3_FRAMES:-125} serve $name 8021 ${CFG3:-configs/qwen3_omni.yaml} \
     --stage-arg thinker.jit_monitor_verbose=true --stage-arg talker.jit_monitor_verbose=true \
-    --stage-arg talker.env.OMNI_PROFILE=dir=$R/prof_$name,batch=1,skip=140,steps=30 "$@"
+    --stage-arg talker.env.OMNI_PROFILE=dir=$R/prof_$name,batch=1,skip=40,steps=30 "$@"
   wait_ready $name 8021 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log
                              bench $name 8021 ${MODEL3:-qwen3-omni}; }
   stop $name
