@@ -348,12 +348,14 @@ step_qwen3() {
   # (jit_monitor_verbose: vLLM logs each live kernel compile with its specialisation; 2026-12-01 one
   # fused-MoE kernel compiled during the c=16 burst, and the talker's first output came 1.15 s in.)
   # OMNI_PROFILE: tables of 30 talker steps inside the bench's unmeasured warm-up request (its steps
-  # 40-70 of ~135): where a frame goes. (Writing them holds the talker ~13 s: inside a measured c=1
+  # 31-61 of ~135 at 125 frames): where a frame goes. (Writing them holds the talker ~13 s: inside a measured c=1
   # request, as until 2026-12-01, that request paused 13.2 s.)
   local name=${1:-qwen3}; shift || true
+  local frames=${QWEN3_FRAMES:-125}
+  local skip=$(( frames / 4 )) steps=$(( frames / 3 < 30 ? frames / 3 : 30 ))
   CKPT=$m3 VOCODER=code2wav TALKER_MAX=${QWEN3_FRAMES:-125} serve $name 8021 ${CFG3:-configs/qwen3_omni.yaml} \
     --stage-arg thinker.jit_monitor_verbose=true --stage-arg talker.jit_monitor_verbose=true \
-    --stage-arg talker.env.OMNI_PROFILE=dir=$R/prof_$name,batch=1,skip=40,steps=30 "$@"
+    --stage-arg talker.env.OMNI_PROFILE=dir=$R/prof_$name,batch=1,skip=$skip,steps=$steps "$@"
   wait_ready $name 8021 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log
                              bench $name 8021 ${MODEL3:-qwen3-omni}; }
   stop $name
