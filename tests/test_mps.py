@@ -127,13 +127,21 @@ def test_auto_goes_on_without_mps_and_true_does_not(fake_mps, monkeypatch, caplo
         _on_gpu_host(_pipeline("true"), fake_mps).start_mps()
 
 
+def _environ_after_exec(pid: int) -> dict[bytes, bytes]:
+    # Popen returns once exec passes its point of no return; the kernel sets the new image's
+    # environment a moment later, so until then /proc/PID/environ reads empty.
+    deadline = time.monotonic() + 10
+    while not (raw := Path(f"/proc/{pid}/environ").read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return dict(kv.split(b"=", 1) for kv in raw.split(b"\0") if b"=" in kv)
+
+
 def test_stage_processes_get_the_daemons_variables(fake_mps):
     launcher = _on_gpu_host(_pipeline("true"), fake_mps)
     daemon = launcher.start_mps()
     try:
         launcher.start((1, 0), hold=True)  # (it imports, then waits for `release`: never builds here)
-        pid = launcher.procs[(1, 0)].pid
-        env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        env = _environ_after_exec(launcher.procs[(1, 0)].pid)
         assert env[b"CUDA_MPS_PIPE_DIRECTORY"] == str(fake_mps / "mps" / "pipe").encode()
         assert env[b"PATH"] == os.environ["PATH"].encode()  # (the rest of serve's environment too)
     finally:
