@@ -4,7 +4,7 @@ vocoder and / or torch.compile), at several batch sizes (streams advanced togeth
 
     python benchmarks/token2wav_speed.py --model /tmp/omni7b --batch 1 16
     python benchmarks/token2wav_speed.py --model var/models/tiny-qwen2_5-omni --device cpu --modes eager
-    python benchmarks/token2wav_speed.py --model /tmp/omni7b --batch 16 --modes config --sdpa CUDNN_ATTENTION
+    python benchmarks/token2wav_speed.py --model /tmp/omni7b --batch 16 --modes config --sdpa cudnn
 
 Each stream gets `--codes` random codec ids (final) and is decoded window by window with
 `stream_step` until done (the default window sizes of configs/qwen2_5_omni.yaml); one warm-up
@@ -15,15 +15,13 @@ decode per mode and batch first (it also captures the graphs). Prints one RESULT
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
+from omni_server.models.qwen2_5_omni.dit import BACKENDS
 from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
 
 WINDOWS = dict(chunk_frames=72, first_chunk_frames=72, past_frames=48, future_frames=24, vocoder_context_frames=20)
@@ -122,21 +120,18 @@ def main() -> None:
                         help="also time the DiT solves and the vocoder apart (one more decode, synchronised)")
     parser.add_argument("--profile", metavar="DIR",
                         help="torch-profiler table of one more decode per mode and batch, in DIR")
-    parser.add_argument("--sdpa", metavar="BACKEND", choices=[b for b in SDPBackend.__members__ if b != "ERROR"],
-                        help="the only attention backend PyTorch may pick (its compile included); the mode's name "
-                             "gets it as a suffix")
+    parser.add_argument("--sdpa", metavar="BACKEND", choices=sorted(BACKENDS),
+                        help="the DiT's attention kernel (token2wav's dit_attention); the mode's name gets "
+                             "_BACKEND_attention as a suffix")
     args = parser.parse_args()
     windows = dict(WINDOWS, chunk_frames=args.chunk_frames, first_chunk_frames=args.first_chunk_frames)
 
     gen = torch.Generator().manual_seed(0)
-    if args.sdpa:  # (for the whole process: the graphs' compile and capture happen at construction)
-        stack = contextlib.ExitStack()
-        stack.enter_context(sdpa_kernel([SDPBackend.__members__[args.sdpa]]))
     for mode in args.modes:
         # TF32 is process-wide once on: keep it last (the default order).
         t0 = time.perf_counter()
-        t2w = Token2Wav(args.model, args.device, **windows, **MODES[mode])
-        name = f"{mode}_{args.sdpa.lower()}" if args.sdpa else mode
+        t2w = Token2Wav(args.model, args.device, **windows, **MODES[mode], dit_attention=args.sdpa)
+        name = f"{mode}_{args.sdpa}_attention" if args.sdpa else mode
         start_s = round(time.perf_counter() - t0, 1)  # (with warmup_graphs: the captures and compiles)
         for b in args.batch:
             codes = [torch.randint(0, 8192, (args.codes,), generator=gen) for _ in range(b)]

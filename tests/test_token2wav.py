@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from omni_server.models.antialias import AntiAliasedSnake
+from omni_server.models.qwen2_5_omni.dit import BACKENDS, block_masks, run_layer, windows
 from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
 from omni_server.models.tiny_checkpoints import TINY_OMNI
 
@@ -461,11 +462,9 @@ def test_compile_needs_graphs_captured_at_start(model_dir):
 
 
 def test_dit_compiled_block_by_block_equals_its_layers(model_dir):
-    # compile "blocks": one compiled `_run_block` for every layer (a module's parameters are inputs
-    # to compiled code), at most one compile per distinct layer, none on later calls.
+    # compile "blocks": one compiled `run_layer` for every layer (a module's parameters are inputs
+    # to compiled code, and the layers differ only in the mask they are given), no compile on later calls.
     from torch._dynamo.utils import counters
-
-    from omni_server.models.qwen2_5_omni.token2wav import _run_block
 
     t = Token2Wav(model_dir)
     seen = []
@@ -476,15 +475,47 @@ def test_dit_compiled_block_by_block_equals_its_layers(model_dir):
         t._sample_mels([torch.zeros(frames // t.dit.repeats, dtype=torch.long)] * 2, [t.voices[0]] * 2,
                        [torch.randn(frames, t.dit.mel_dim)] * 2, t._time_grid(2, -1.0), 0.5)
         args = seen[0]
-        block = torch.compile(_run_block, dynamic=True)
+        block = torch.compile(run_layer, dynamic=True)
         before = counters["stats"]["unique_graphs"]
         got = body(*args, block=block)
         compiled = counters["stats"]["unique_graphs"] - before
         again = body(*args, block=block)
         want = body(*args)
-    assert 1 <= compiled <= len(t.dit.transformer_blocks)
+    assert len(set(windows(t.dit))) > 1 and compiled == 1
     assert counters["stats"]["unique_graphs"] - before == compiled  # the second call compiled nothing
     assert torch.equal(got, again) and (got - want).abs().max().item() < 1e-4
+
+
+def test_dit_layers_with_masks_made_once_equal_transformers_layers(model_dir):
+    # run_layer with block_masks' mask is transformers' DiTDecoderLayer with its block_diff, for
+    # every kind of layer, also where padding keys are hidden; the masks' rows are aligned.
+    t = Token2Wav(model_dir)
+    frames, rows = 2 * t.dit.block_size + 4, 3  # (not a multiple of the alignment)
+    torch.manual_seed(0)
+    h = torch.randn(rows, frames, t.dit.config.hidden_size)
+    temb = torch.randn(rows, t.dit.config.hidden_size)
+    cos, sin = t.dit.rotary_embed(h, torch.arange(frames)[None].expand(rows, -1))
+    block_diff = t.dit._create_block_diff(h[:, :, :1])[:, :1].clone()
+    block_diff[1, :, :, frames - 3:] = float(frames + t.dit.block_size)  # row 1's last 3 keys: padding
+    masks = block_masks(block_diff, t._mask_kinds, h.dtype)
+    assert len(masks) == len(set(windows(t.dit))) >= 2
+    for mask in masks:
+        assert mask.shape == (rows, 1, frames, frames) and all(s % 8 == 0 for s in mask.stride()[:-1])
+    with torch.inference_mode():
+        for layer, kind in zip(t.dit.transformer_blocks, t._layer_kind):
+            want = layer(h, temb, position_embeddings=(cos, sin), block_diff=block_diff)
+            for backend in (None, BACKENDS["math"]):
+                got = run_layer(layer, h, temb, cos, sin, masks[kind], backend)
+                assert (got - want).abs().max().item() < 1e-5
+
+
+def test_dit_attention_pins_a_backend(model_dir):
+    with pytest.raises(ValueError, match="dit_attention must be null"):
+        Token2Wav(model_dir, dit_attention="fast")
+    request = {"codes": torch.arange(30) % 100, "voice": Token2Wav(model_dir).voices[0], "seed": 3}
+    a = Token2Wav(model_dir).batch([request])[0]
+    b = Token2Wav(model_dir, dit_attention="math").batch([request])[0]
+    assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

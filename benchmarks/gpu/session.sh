@@ -206,7 +206,7 @@ step_t2wprof() {
   # The DiT's attention pinned to cuDNN's kernel (2026-12-01 eleventh run: PyTorch's memory-efficient
   # one took 356 ms of the decode; the tenth run's table gave 268 ms to cuDNN's).
   timeout 300 python3 benchmarks/token2wav_speed.py $common --first-chunk-frames 48 48 --chunk-frames 72 \
-    --sdpa CUDNN_ATTENTION --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
+    --sdpa cudnn --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
   say "token2wav split: $(grep RESULT $R/t2wprof.txt | cut -c8- | tr '\n' ' ')"
 }
 

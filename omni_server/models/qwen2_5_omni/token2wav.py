@@ -1,6 +1,7 @@
 """Qwen2.5-Omni token2wav: talker codec codes -> 24 kHz waveform (DiT flow matching + BigVGAN).
 
-The networks are transformers' own modules; only the DiT's `sample` loop is restated here, because
+The networks are transformers' own modules; only the DiT's `sample` loop is restated here (and its
+layers' forward, dit.py, to make their attention masks once per solve), because
 transformers draws its starting noise from the global RNG.  A serving process decodes many requests
 concurrently, so the noise comes from a per-call generator instead: a request's seed alone decides
 its waveform, and no call disturbs any other RNG user.  The loop is otherwise the same sequence of
@@ -36,6 +37,7 @@ from omni_server.models.checkpoint import load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
 from omni_server.models.polyphase import use_polyphase_upsampling
 from omni_server.models.windows import window_at
+from .dit import BACKENDS, block_masks, run_layer, windows
 from .speakers import load_speakers
 
 log = logging.getLogger(__name__)
@@ -81,13 +83,19 @@ class Token2Wav:
                  first_chunk_frames: int | list[int] | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
                  dit_dtype: str = "float32", polyphase_upsampling: bool = False, compile: bool | str = False,
-                 compile_vocoder: bool | str = True):
+                 compile_vocoder: bool | str = True, dit_attention: str | None = None):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
         self.device = torch.device(device)
         if dit_dtype not in DIT_DTYPES:
             raise ValueError(f"dit_dtype must be one of {sorted(DIT_DTYPES)}, got {dit_dtype!r}")
+        if dit_attention is not None and dit_attention not in BACKENDS:
+            raise ValueError(f"dit_attention must be null (PyTorch's choice) or one of {sorted(BACKENDS)}, "
+                             f"got {dit_attention!r}")
+        # The one attention kernel the DiT may use (null: PyTorch picks per call among those that
+        # take the inputs; on the H200 its pick varied between runs, 268 vs 356 ms a batch-16 step).
+        self._attention_backend = None if dit_attention is None else BACKENDS[dit_attention]
         if tf32 and self.device.type == "cuda":
             # float32 weights and activations, TF32 tensor-core matmuls and convolutions (~10 bits of
             # mantissa in the products): several times the DiT's fp32 throughput. Process-wide, which
@@ -100,6 +108,10 @@ class Token2Wav:
             torch.backends.cudnn.deterministic = True
         model = load_module(Qwen2_5OmniToken2WavModel, config, model_dir, WEIGHTS_PREFIX, self.device)
         self.dit = model.code2wav_dit_model
+        # Each layer's mask kind (blocks behind, ahead): the masks are made once per solve, per kind.
+        kinds = windows(self.dit)
+        self._mask_kinds = sorted(set(kinds))
+        self._layer_kind = [self._mask_kinds.index(k) for k in kinds]
         self.vocoder = model.code2wav_bigvgan_model
         if polyphase_upsampling:  # the same output to rounding, without a transposed convolution
             use_polyphase_upsampling(self.vocoder)
@@ -157,9 +169,9 @@ class Token2Wav:
         # only (an eager run of the compiled code precedes each capture, all of them in the
         # warm-up); anything outside the graphs runs the plain modules, so no serving step compiles.
         # compile "blocks": the DiT's layers compiled one block at a time, so its 22 layers share
-        # the code of their few distinct blocks (3 for the 7B: they differ in attention reach);
-        # the CPU host compiled the 7B shape's DiT in 25.6 s instead of 79.3 s, and ran it at 0.49
-        # instead of 0.41 s per call (no fusion across blocks). compile_vocoder false: the DiT only
+        # one compiled block (they differ only in the attention mask they are given, dit.py); the
+        # CPU host compiled the 7B shape's DiT (then 3 blocks) in 25.6 s instead of 79.3 s, and ran
+        # it at 0.49 instead of 0.41 s per call (no fusion across blocks). compile_vocoder false: the DiT only
         # (the vocoder took most of the compile on the CPU host: 111 s cold, 36 s from the cache).
         # compile_vocoder "activations": the vocoder's anti-aliased Snake activations only, each
         # (pad, upsample, Snake, pad, downsample: ~10 kernels) one expression compiled once for all
@@ -178,7 +190,7 @@ class Token2Wav:
             raise ValueError("compile_vocoder \"activations\" needs CUDA graphs captured at start (a CUDA device, "
                              "cuda_graphs and warmup_graphs)")
         if compile == "blocks":
-            dit_layers = functools.partial(self._dit_body, block=torch.compile(_run_block, dynamic=True))
+            dit_layers = functools.partial(self._dit_body, block=torch.compile(run_layer, dynamic=True))
         else:
             dit_layers = torch.compile(self._dit_body, dynamic=True) if compile else self._dit_body
         if compile_vocoder == "activations":
@@ -535,13 +547,14 @@ class Token2Wav:
         `layers`: `_dit_body` or a compiled one."""
         dit, rows = self.dit, fixed.shape[0]
         layers = self._dit_body if layers is None else layers
+        masks = block_masks(block_diff, self._mask_kinds, fixed.dtype)  # once per solve, not per layer call
 
         def velocity(t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
             # (The casts are no-ops in float32.)
             temb = dit.time_embed(t.repeat(rows)).to(fixed.dtype)
             state = state.to(fixed.dtype)
             h = dit.input_embed.proj(torch.cat([state.repeat(rows // state.shape[0], 1, 1), fixed], dim=-1))
-            out = layers(h, temb, cos, sin, block_diff).float()
+            out = layers(h, temb, cos, sin, masks).float()
             if not cfg:
                 return out
             guided, null = torch.chunk(out, 2, dim=0)
@@ -559,20 +572,15 @@ class Token2Wav:
         return x
 
     def _dit_body(self, h: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  block_diff: torch.Tensor, block: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-        """The DiT's transformer layers and output projection (one velocity evaluation's bulk).
-        `block`: `_run_block` or a compiled one."""
-        dit, run = self.dit, _run_block if block is None else block
-        for layer in dit.transformer_blocks:
-            h = run(layer, h, temb, cos, sin, block_diff)
+                  masks: list[torch.Tensor], block: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """The DiT's transformer layers and output projection (one velocity evaluation's bulk), each
+        layer with its kind's mask (`block_masks`). `block`: `run_layer` or a compiled one (the
+        layer is an argument, so one compiled copy serves every layer: torch.compile takes a
+        module's parameters as inputs, not constants)."""
+        dit, run = self.dit, run_layer if block is None else block
+        for layer, kind in zip(dit.transformer_blocks, self._layer_kind):
+            h = run(layer, h, temb, cos, sin, masks[kind], self._attention_backend)
         return dit.proj_out(dit.norm_out(h, temb))
-
-
-def _run_block(layer: torch.nn.Module, h: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               block_diff: torch.Tensor) -> torch.Tensor:
-    """One DiT layer; the layer is an argument so that one compiled copy serves every layer alike
-    (torch.compile takes a module's parameters as inputs, not constants)."""
-    return layer(h, temb, position_embeddings=(cos, sin), block_diff=block_diff)
 
 
 DIT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,0 +1,75 @@
+"""The Qwen2.5-Omni DiT's layers, run with attention masks made once per ODE solve.
+
+transformers' `DiTDecoderLayer` turns the block-difference matrix into its boolean attention mask on
+every call: 22 layers x 4 evaluations x 8 solver steps a window. Under torch.compile with dynamic
+shapes that became a kernel per call, padding a float copy of the mask to the attention kernel's
+alignment (151 of 2,520 ms of GPU time in a batch-16 token2wav step on the H200, BENCHMARKS.md
+eleventh run). The layers differ only in how many blocks they see behind and ahead (three kinds in
+the 7B), so `block_masks` makes each kind's additive mask once, its rows padded to that alignment,
+and `run_layer` restates the layer's forward with the mask passed in: the same modules and the
+same operations in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Rows of an additive mask start at multiples of this many elements (PyTorch's SDPA kernels want an
+# aligned attention bias, and copy one that is not).
+_ALIGN = 8
+
+# `dit_attention` values: the attention kernel the DiT must use (null: PyTorch's choice).
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
+
+
+def windows(dit: torch.nn.Module) -> list[tuple[int, int]]:
+    """Each layer's (blocks behind, blocks ahead) it attends to."""
+    return [(int(layer.look_backward_block), int(layer.look_ahead_block)) for layer in dit.transformer_blocks]
+
+
+def block_masks(block_diff: torch.Tensor, kinds: Sequence[tuple[int, int]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """One additive mask (0 where a frame attends, -inf elsewhere) per (behind, ahead) kind, from
+    `block_diff` ([rows, 1, F, F]: key block - query block). Each is a [rows, 1, F, F] view whose rows
+    start at aligned offsets."""
+    rows, _, frames, _ = block_diff.shape
+    padded = -(-frames // _ALIGN) * _ALIGN
+    masks = []
+    for behind, ahead in kinds:
+        out = torch.empty(rows, 1, frames, padded, dtype=dtype, device=block_diff.device)
+        seen = (block_diff >= -float(behind)) & (block_diff <= float(ahead))
+        out[..., :frames] = torch.zeros((), dtype=dtype, device=block_diff.device).masked_fill(~seen, float("-inf"))
+        masks.append(out[..., :frames])
+    return masks
+
+
+def run_layer(layer: torch.nn.Module, h: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              mask: torch.Tensor, backend: SDPBackend | None = None) -> torch.Tensor:
+    """`DiTDecoderLayer.forward` with its attention mask given (`block_masks`)."""
+    norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = layer.attn_norm(h, emb=temb)
+    h = h + gate_msa.unsqueeze(1) * _attention(layer.attn, norm, cos, sin, mask, backend)
+    norm = layer.ff_norm(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+    return h + gate_mlp.unsqueeze(1) * layer.ff(norm)
+
+
+def _attention(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+               backend: SDPBackend | None) -> torch.Tensor:
+    """`DiTAttention.forward` (transformers' sdpa path) with an additive mask."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import apply_rotary_pos_emb, deinterleave_head_dim
+
+    rows, heads = x.shape[0], attn.heads
+    query, key, value = (proj(x).view(rows, -1, heads, attn.inner_dim // heads).transpose(1, 2)
+                         for proj in (attn.to_q, attn.to_k, attn.to_v))
+    # The checkpoint was trained with RoPE on the first head only, in the interleaved layout.
+    query[:, :1], key[:, :1] = apply_rotary_pos_emb(deinterleave_head_dim(query[:, :1]),
+                                                    deinterleave_head_dim(key[:, :1]), cos, sin)
+    if backend is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    else:
+        with sdpa_kernel([backend]):
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    out = out.transpose(1, 2).reshape(rows, -1, attn.inner_dim).to(query.dtype)
+    return attn.to_out[1](attn.to_out[0](out))
