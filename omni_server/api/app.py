@@ -196,7 +196,12 @@ def create_app(state: ServerState) -> FastAPI:
         req = await _submit(state, orch, request_id, prompt_ids, sampling, outputs, options, media)
         run = _Run(state, orch, req, body, prompt_ids, audio_format)
         if body.stream:
-            return StreamingResponse(run.sse(), media_type="text/event-stream")
+            # The first output is awaited here: a request the stages refuse (a bad JSON schema, say)
+            # gets an error status, not a 200 stream holding an error event.
+            first = await _until_disconnect(request, run.first(), orch, request_id)
+            if isinstance(first, Response):
+                return first
+            return StreamingResponse(run.sse(first), media_type="text/event-stream")
         return await _until_disconnect(request, run.collect(), orch, request_id)
 
     @app.post("/v1/audio/speech", dependencies=[Depends(require_key)])
@@ -422,6 +427,11 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None,
             if body.logprobs:
                 spec.logprobs = body.top_logprobs or 0
             spec.ignore_eos = body.ignore_eos
+            fmt = body.response_format
+            if fmt is not None and fmt.type == "json_object":
+                spec.json_object = True
+            elif fmt is not None and fmt.type == "json_schema":
+                spec.json_schema = json.dumps(fmt.json_schema.json_schema)
         spec.max_tokens = min(spec.max_tokens, cap)
         out[s.id] = spec
     return out
@@ -537,6 +547,11 @@ class _Run:
         # The text tokens' log-probabilities (body.logprobs), and how many a stream has sent.
         self.logprobs: list[TokenLogprob] | None = [] if body.logprobs else None
         self.logprobs_sent = 0
+        self._stream = self._events()
+
+    async def first(self) -> tuple[str, Any] | None:
+        """The first event of `_events` (None: there was none), for `sse`."""
+        return await anext(self._stream, None)
 
     async def _events(self) -> AsyncIterator[tuple[str, Any]]:
         """("text", piece) as text becomes available and ("audio", (waveform, rate)) per audio
@@ -611,7 +626,7 @@ class _Run:
 
     async def collect(self) -> ChatCompletion:
         texts, pieces = [], []
-        async for kind, value in self._events():
+        async for kind, value in self._stream:
             (texts if kind == "text" else pieces).append(value)
         text = "".join(texts)
         content = text if self.state.text_stage is not None else None
@@ -638,7 +653,14 @@ class _Run:
         return self._chunk(DeltaMessage(audio=AudioDelta(id=audio_id, data=base64.b64encode(data).decode(),
                                                          expires_at=expires_at)))
 
-    async def sse(self) -> AsyncIterator[str]:
+    async def _stream_from(self, first: tuple[str, Any] | None) -> AsyncIterator[tuple[str, Any]]:
+        if first is not None:
+            yield first
+            async for event in self._stream:
+                yield event
+
+    async def sse(self, first: tuple[str, Any] | None) -> AsyncIterator[str]:
+        """The stream after `first` (the first event, from `first()`)."""
         finished = False
         try:
             yield self._chunk(DeltaMessage(role="assistant", content=""))
@@ -646,7 +668,7 @@ class _Run:
             # encoded piece by piece; see audio.StreamEncoder) interleave, all under one audio id.
             audio_id, encoder = f"audio_{uuid.uuid4().hex}", None
             expires_at = int(time.time()) + AUDIO_TTL_S
-            async for kind, value in self._events():
+            async for kind, value in self._stream_from(first):
                 if kind == "text" and self.audio_format is None:
                     yield self._chunk(DeltaMessage(content=value), logprobs=self._new_logprobs())
                 elif kind == "text":

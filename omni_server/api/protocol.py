@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Lenient(BaseModel):
@@ -77,6 +77,28 @@ class AudioOutputParam(_Lenient):
     format: str = "wav"
 
 
+class JSONSchemaFormat(_Lenient):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # `schema` shadows a pydantic BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """`response_format` of a chat request: free text, any JSON object, or JSON matching a schema
+    (enforced while decoding: the text stage only samples tokens the grammar allows)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object ({name, schema})")
+        return self
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -105,6 +127,7 @@ class ChatCompletionRequest(_Lenient):
     # Output kinds; None = every output the pipeline has (text and audio for a speech pipeline).
     modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)
     audio: AudioOutputParam | None = None
+    response_format: ResponseFormat | None = None
     # Extensions (vLLM-compatible names), passed by the openai client through `extra_body`.
     ignore_eos: bool = False
     return_token_ids: bool = False

@@ -153,6 +153,10 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
         args.setdefault("gpu_memory_utilization", FIXED_KV_UTILIZATION)
     if stage.tokenizer:
         args.setdefault("tokenizer", stage.tokenizer)
+    if isinstance(args.get("structured_outputs_config"), dict):  # (EngineArgs takes only the object)
+        from vllm.config import StructuredOutputsConfig
+
+        args["structured_outputs_config"] = StructuredOutputsConfig(**args["structured_outputs_config"])
     on_cpu = current_platform.device_type == "cpu"
     args["worker_cls"] = (
         "omni_server.stage.cpu_worker.CPUOmniWorker" if on_cpu else "omni_server.stage.gpu_worker.GPUOmniWorker"
@@ -215,7 +219,9 @@ class ARStage(Stage):
         sched = self.core.scheduler
         if not sched.has_requests():
             return False
-        if sched.waiting or sched.has_finished_requests() or self.core.batch_queue:
+        # (skipped_waiting: requests a schedule passed over, e.g. their structured-output grammar
+        # still compiling on vLLM's thread; they need the next steps to be admitted.)
+        if sched.waiting or sched.skipped_waiting or sched.has_finished_requests() or self.core.batch_queue:
             return True  # (a batch in flight must be collected even if nothing new can run)
         # Else nothing to do until input or credit arrives.
         return any(not self._held(r) for r in sched.running)
@@ -355,6 +361,12 @@ class ARStage(Stage):
             extra[MROPE_POSITIONS] = positions
         drawn = {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
                  "repetition_penalty": spec.repetition_penalty, "seed": spec.seed}
+        structured = None
+        if spec.json_object or spec.json_schema is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            # vLLM checks it (and a tokenizer) when the request is processed: a bad schema fails the request with 400.
+            structured = StructuredOutputsParams(json=spec.json_schema, json_object=spec.json_object or None)
         if self.stage.omni_sampler and sampling.takes(spec.temperature, spec.top_k, spec.presence_penalty,
                                                       spec.frequency_penalty, spec.logprobs):
             drawn, extra[sampling.SPEC] = sampling.vllm_params(**drawn)
@@ -364,7 +376,7 @@ class ARStage(Stage):
             stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, detokenize=False,
             # Suppressed tokens can never be sampled (a -inf bias; vLLM clamps only OpenAI-API biases).
             logit_bias={t: float("-inf") for t in spec.suppress_token_ids} or None,
-            extra_args=extra or None,
+            structured_outputs=structured, extra_args=extra or None,
         )
 
     def finish_early(self, request_id: str) -> None:
