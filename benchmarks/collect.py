@@ -157,6 +157,9 @@ def collect(out: Path) -> dict:
         "w144_ready_s": _ready_s(out / "serve_w144.log"),
         **_served(out, "t2wboth", "t2wboth"),
         "t2wboth_ready_s": _ready_s(out / "serve_t2wboth.log"),
+        # the 7B config with the DiT's attention kernel pinned (step `attn`, DIT_ATTN: default cudnn)
+        **_served(out, "attn", "attn"),
+        "attn_ready_s": _ready_s(out / "serve_attn.log"),
         # the 7B config with token2wav limited to part of the SMs under MPS (step `mpspct`)
         **_served(out, "mpspct", "mpspct"),
         # the 7B config with the thinker at MPS's below-normal priority (step `thinkerlow`)

@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm t2wboth aa t2wprof qwen3", ~900 s on
-# one GPU; also: tests full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: tests attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -295,6 +295,19 @@ step_t2wboth() {
   wait_ready t2wboth 8029 && bench t2wboth 8029
   stop t2wboth
   say "t2wboth: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_t2wboth.log | cut -c1-220 | tr '\n' ' ')"
+}
+
+step_attn() {
+  # The 7B config with the DiT's attention pinned to one SDPA kernel (DIT_ATTN, default cudnn):
+  # PyTorch picked cuDNN's in the tenth run (268 ms of a batch-16 decode) and the memory-efficient
+  # one in the eleventh (356 ms), with the same code; token2wav alone with cuDNN's pinned: DiT
+  # 1.779 -> 1.708 s of a batch-16 decode (2026-12-01, session 18's run).
+  free_gpus
+  export VLLM_CACHE_ROOT=/tmp/vc
+  serve attn 8032 $CFG --stage-arg token2wav.generator_args.dit_attention=${DIT_ATTN:-cudnn}
+  wait_ready attn 8032 && bench attn 8032
+  stop attn
+  say "attn: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_attn.log | cut -c1-220 | tr '\n' ' ')"
 }
 
 step_mpspct() {
