@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -516,6 +518,16 @@ def test_dit_attention_pins_a_backend(model_dir):
     a = Token2Wav(model_dir).batch([request])[0]
     b = Token2Wav(model_dir, dit_attention="math").batch([request])[0]
     assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4
+
+
+def test_dit_attention_falls_back_where_its_kernel_cannot_run(model_dir, caplog):
+    """A config's kernel choice (the 7B configs: cuDNN's, measured on the H200) must not stop a host
+    without it from starting: PyTorch's choice instead, with a warning. (CPU: no cuDNN attention.)"""
+    with caplog.at_level(logging.WARNING):
+        t = Token2Wav(model_dir, dit_attention="cudnn")
+    assert t._attention_backend is None
+    assert "dit_attention cudnn cannot run here" in caplog.text
+    assert Token2Wav(model_dir, dit_attention="math")._attention_backend is BACKENDS["math"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

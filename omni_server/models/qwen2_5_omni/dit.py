@@ -26,6 +26,21 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIE
             "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 
 
+def backend_error(backend: SDPBackend, heads: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device) -> str | None:
+    """Why `backend` cannot run the DiT's attention here (None: it can): one small call shaped like
+    the DiT's (an additive mask over 24 aligned frames), since each kernel takes only some GPUs,
+    dtypes and head sizes."""
+    q = torch.zeros(2, heads, 24, head_dim, dtype=dtype, device=device)
+    mask = torch.zeros(2, 1, 24, 24, dtype=dtype, device=device)
+    try:
+        with torch.inference_mode(), sdpa_kernel([backend]):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    except RuntimeError as e:
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return None
+
+
 def windows(dit: torch.nn.Module) -> list[tuple[int, int]]:
     """Each layer's (blocks behind, blocks ahead) it attends to."""
     return [(int(layer.look_backward_block), int(layer.look_ahead_block)) for layer in dit.transformer_blocks]

@@ -37,7 +37,7 @@ from omni_server.models.checkpoint import load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
 from omni_server.models.polyphase import use_polyphase_upsampling
 from omni_server.models.windows import window_at
-from .dit import BACKENDS, block_masks, run_layer, windows
+from .dit import BACKENDS, backend_error, block_masks, run_layer, windows
 from .speakers import load_speakers
 
 log = logging.getLogger(__name__)
@@ -220,6 +220,14 @@ class Token2Wav:
             self.dit.rotary_embed.float()
             self._voice_codes = {name: tuple(c.to(self.dit_dtype) for c in codes)
                                  for name, codes in self._voice_codes.items()}
+        if self._attention_backend is not None:
+            attn = self.dit.transformer_blocks[0].attn
+            why = backend_error(self._attention_backend, attn.heads, attn.inner_dim // attn.heads,
+                                self.dit_dtype, self.device)
+            if why is not None:  # the same numbers either way: fall back rather than fail to start
+                log.warning("token2wav: dit_attention %s cannot run here (%s); PyTorch picks the kernel",
+                            dit_attention, why)
+                self._attention_backend = None
         if self.graphs is not None and warmup_graphs:
             self._warm_graphs()  # (compiles too: an eager run precedes each capture)
 
