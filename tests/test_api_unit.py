@@ -122,3 +122,18 @@ def test_logprobs_need_a_text_output_and_logprobs_true(tiny_models, tmp_path):
             r = c.post("/v1/chat/completions", json={**CHAT, **body}, headers=AUTH)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert c.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 503  # (no stages up)
+
+
+def test_transcription_needs_a_stage_that_takes_audio(tiny_models, tmp_path):
+    text = CONFIG.replace("output: text}", "output: text, engine_args: {limit_mm_per_prompt: {image: 1}}}")
+    cfg = load_config_text(text % (MODELS / "tiny-qwen2_5-omni", tmp_path))
+    with TestClient(create_app(ServerState(cfg, lambda: Orchestrator(cfg, tmp_path)))) as c:
+        r = c.post("/v1/audio/transcriptions", data={"model": "m"}, files={"file": ("a.wav", b"RIFF", "audio/wav")},
+                   headers=AUTH)
+    assert r.status_code == 400 and "takes no audio input" in r.json()["error"]["message"]
+
+
+def test_transcription_upload_counts_toward_the_body_limit(client):
+    r = client.post("/v1/audio/transcriptions", data={"model": "m"}, files={"file": ("a.wav", b"x" * 5000, "audio/wav")},
+                    headers=AUTH)
+    assert r.status_code == 413

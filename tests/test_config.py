@@ -668,3 +668,14 @@ def test_shipped_code2wav_windows_end_where_the_talker_sends():
         ends.append(end)
     assert ends[:4] == [5, 15, 35, 60]
     assert all(e % stage.stream_chunk == 0 for e in ends)
+
+
+def test_transcription_language_prompt_takes_only_the_language_field():
+    from pydantic import ValidationError
+
+    from omni_server.config.schema import ServerConfig
+
+    assert ServerConfig(transcription_language_prompt="Write down the {language} speech.")
+    for bad in ("Transcribe {lang} audio.", "Transcribe {0}.", "Transcribe {language"):
+        with pytest.raises(ValidationError, match="may hold {language}"):
+            ServerConfig(transcription_language_prompt=bad)

@@ -11,12 +11,12 @@ import os
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Form, HTTPException, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omni_server.api import audio, errors, image, video
+from omni_server.api import audio, errors, image, transcription, video
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import (
     AudioDelta,
@@ -239,6 +239,60 @@ def create_app(state: ServerState) -> FastAPI:
             return first
         return StreamingResponse(speech_out.raw(first), media_type=audio.content_type(fmt))
 
+    @app.post("/v1/audio/transcriptions", dependencies=[Depends(require_key)])
+    async def transcriptions(request: Request, file: UploadFile, model: Annotated[str, Form()],
+                             language: Annotated[str | None, Form(max_length=32)] = None,
+                             prompt: Annotated[str | None, Form(max_length=4096)] = None,
+                             response_format: Annotated[str, Form()] = "json",
+                             temperature: Annotated[float, Form(ge=0, le=2)] = 0.0,
+                             stream: Annotated[bool, Form()] = False,
+                             max_tokens: Annotated[int | None, Form(ge=1)] = None):
+        """The uploaded audio transcribed by the text stage: the audio and an instruction as one
+        chat turn (`transcription`), greedy unless `temperature` says otherwise."""
+        _check_model(state, model)
+        if state.text_stage is None:
+            raise APIError(400, f"model `{state.cfg.model}` has no text output", param="model")
+        if not _takes_audio(state):
+            raise APIError(400, f"model `{state.cfg.model}` takes no audio input (stage 0's limit_mm_per_prompt)",
+                           param="file")
+        if response_format in transcription.TIMED_FORMATS:
+            raise APIError(400, f"response_format {response_format} needs timestamps, which this model does "
+                                f"not produce; use one of {', '.join(transcription.FORMATS)}", param="response_format")
+        if response_format not in transcription.FORMATS:
+            raise APIError(400, f"response_format must be one of {', '.join(transcription.FORMATS)}",
+                           param="response_format")
+        limits = state.cfg.server
+        try:
+            wave = await asyncio.to_thread(audio.decode_audio, await file.read(), target_rate=AUDIO_SAMPLE_RATE,
+                                           max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
+        except audio.AudioError as e:
+            raise APIError(400, f"file: {e}", param="file") from None
+        import torch
+
+        prompt_ids = state.text.render_chat(transcription.messages(limits, language, prompt))
+        _check_prompt(state, prompt_ids)
+        # (A chat body for the shared sampling and output code; its messages are not read.)
+        body = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": "-"}], modalities=["text"],
+                                     temperature=temperature, max_tokens=max_tokens)
+        sampling = _sampling(state, body)
+        orch = _orch(state)
+        request_id = f"transcribe-{uuid.uuid4().hex}"
+        req = await _submit(state, orch, request_id, prompt_ids, sampling, {"text"}, {},
+                            {"audio.0": torch.from_numpy(wave)})
+        run = _Run(state, orch, req, body, prompt_ids)
+        if stream:
+            first = await _until_disconnect(request, run.first(), orch, request_id)
+            if isinstance(first, Response):
+                return first
+            return StreamingResponse(run.transcript_sse(first), media_type="text/event-stream")
+        done = await _until_disconnect(request, run.collect(), orch, request_id)
+        if isinstance(done, Response):
+            return done
+        text = done.choices[0].message.content or ""
+        if response_format == "text":
+            return Response(text, media_type="text/plain; charset=utf-8")
+        return {"text": text, "usage": transcription.usage(done.usage.prompt_tokens, done.usage.completion_tokens)}
+
     @app.get("/v1/audio/voices", dependencies=[Depends(require_key)])
     async def voices() -> VoiceList:
         names = state.voices()
@@ -310,6 +364,16 @@ def _check_prompt(state: ServerState, prompt_ids: list[int]) -> None:
     limit = state.prompt_limit
     if limit is not None and len(prompt_ids) > limit:
         raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param="messages")
+
+
+def _takes_audio(state: ServerState) -> bool:
+    """Whether stage 0 takes an audio input (its engine's limit_mm_per_prompt, when it sets one)."""
+    limits = state.cfg.stages[0].engine_args.get("limit_mm_per_prompt")
+    if limits is None:
+        return True
+    cap = limits.get("audio", 0)
+    cap = cap.get("count", 0) if isinstance(cap, dict) else cap
+    return bool(cap)
 
 
 def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:
@@ -641,6 +705,24 @@ class _Run:
                             token_ids=self.token_ids if self.body.return_token_ids else None)],
             usage=self._usage(), omni_outputs=self._omni_outputs(),
             prompt_token_ids=self.prompt_ids if self.body.return_token_ids else None)
+
+    async def transcript_sse(self, first: tuple[str, Any] | None) -> AsyncIterator[str]:
+        """A transcription's stream after `first`: OpenAI's `transcript.text.delta` events, then
+        `transcript.text.done` with the whole text and the usage."""
+        finished, texts = False, []
+        try:
+            async for _, piece in self._stream_from(first):
+                texts.append(piece)
+                yield _sse({"type": "transcript.text.delta", "delta": piece})
+            yield _sse({"type": "transcript.text.done", "text": "".join(texts),
+                        "usage": transcription.usage(self.n_prompt, self.completion_tokens)})
+            finished = True
+        except APIError as e:
+            finished = True
+            yield _sse({"type": "error", **errors.error_body(e.status, e.message)})
+        finally:
+            if not finished:
+                await self.orch.abort(self.req.request_id)
 
     def _chunk(self, delta: DeltaMessage, finish: str | None = None, logprobs: ChoiceLogprobs | None = None,
                **extra) -> str:

@@ -173,6 +173,21 @@ class ServerConfig(_Strict):
     # the default is 128 frames of 1280 x 720, ~350 MB).
     max_video_frames: int = Field(128, ge=1)
     max_video_pixels: int = Field(128 * 1280 * 720, ge=1)
+    # /v1/audio/transcriptions asks the text stage for a transcript with one user turn: the audio,
+    # then this instruction (`transcription_language_prompt` when the request names a language:
+    # {language} becomes its name); after a system message when one is given.
+    transcription_prompt: str = "Transcribe the audio into text."
+    transcription_language_prompt: str = "Transcribe the {language} audio into text."
+    transcription_system_prompt: str | None = None
+
+    @field_validator("transcription_language_prompt")
+    @classmethod
+    def _language_placeholder(cls, v: str) -> str:
+        try:
+            v.format(language="English")
+        except (KeyError, IndexError, ValueError):
+            raise ValueError("may hold {language} and no other {...} field (write {{ }} for a brace)") from None
+        return v
     # Requests in flight beyond this are answered 429 with Retry-After (bounded memory under overload).
     max_concurrent_requests: int = Field(256, ge=1)
     # A ready stage that answers nothing (not even the api's 1 s pings) this long is marked down.

@@ -1,0 +1,46 @@
+"""`/v1/audio/transcriptions`: an uploaded audio file becomes one chat turn (the audio, then an
+instruction to transcribe it) answered by the pipeline's text stage alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_server.config.schema import ServerConfig
+
+# OpenAI's `language` is an ISO-639-1 code; the instruction reads better with the language's name.
+# (Codes not listed go into the instruction as given.)
+LANGUAGES = {
+    "ar": "Arabic", "de": "German", "en": "English", "es": "Spanish", "fr": "French", "hi": "Hindi",
+    "id": "Indonesian", "it": "Italian", "ja": "Japanese", "ko": "Korean", "nl": "Dutch", "pl": "Polish",
+    "pt": "Portuguese", "ru": "Russian", "th": "Thai", "tr": "Turkish", "uk": "Ukrainian",
+    "vi": "Vietnamese", "yue": "Cantonese", "zh": "Chinese",
+}
+# Formats with per-segment timestamps, which a chat model does not produce.
+TIMED_FORMATS = ("verbose_json", "srt", "vtt", "diarized_json")
+FORMATS = ("json", "text")
+
+
+def instruction(server: ServerConfig, language: str | None, prompt: str | None) -> str:
+    """The text that follows the audio in the user turn."""
+    if language:
+        name = LANGUAGES.get(language.strip().lower(), language.strip())
+        text = server.transcription_language_prompt.format(language=name)
+    else:
+        text = server.transcription_prompt
+    if prompt:  # OpenAI's `prompt`: earlier text or spellings to follow
+        text += f"\nText that may precede it, or words it may contain: {prompt}"
+    return text
+
+
+def messages(server: ServerConfig, language: str | None, prompt: str | None) -> list[dict[str, Any]]:
+    """The chat (as the chat template reads it) for one transcription."""
+    turn = {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": instruction(server, language, prompt)}]}
+    if server.transcription_system_prompt is None:
+        return [turn]
+    return [{"role": "system", "content": server.transcription_system_prompt}, turn]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI's token usage of a transcription."""
+    return {"type": "tokens", "input_tokens": prompt_tokens, "output_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,90 @@
+"""`/v1/audio/transcriptions` through the embedded default pipeline and the official openai client:
+the upload and its instruction become one chat turn, so a greedy transcription is exactly the
+greedy text of the same turn sent to /v1/chat/completions (whose audio path equals transformers,
+tests/test_e2e_speech.py)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.media import tone_wav
+
+MODEL = "omni-tiny"
+WAV_B64, _ = tone_wav(1.0)
+WAV = base64.b64decode(WAV_B64)
+
+
+@pytest.fixture(scope="module")
+def client(speech_server):
+    return openai.OpenAI(base_url=f"{speech_server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def _chat_text(client, instruction: str, max_tokens: int) -> tuple[str, object]:
+    content = [{"type": "input_audio", "input_audio": {"data": WAV_B64, "format": "wav"}},
+               {"type": "text", "text": instruction}]
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          modalities=["text"], temperature=0, max_tokens=max_tokens)
+    return resp.choices[0].message.content, resp.usage
+
+
+def test_transcription_is_the_greedy_chat_turn(client):
+    got = client.audio.transcriptions.create(model=MODEL, file=("tone.wav", WAV, "audio/wav"),
+                                             extra_body={"max_tokens": 12})
+    want, usage = _chat_text(client, "Transcribe the audio into text.", 12)
+    assert got.text == want and got.text
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+
+
+def test_language_names_the_language(client):
+    got = client.audio.transcriptions.create(model=MODEL, file=("tone.wav", WAV, "audio/wav"), language="en",
+                                             extra_body={"max_tokens": 8})
+    assert got.text == _chat_text(client, "Transcribe the English audio into text.", 8)[0]
+
+
+def test_text_format_is_the_bare_text(client):
+    text = client.audio.transcriptions.create(model=MODEL, file=("tone.wav", WAV, "audio/wav"),
+                                              response_format="text", extra_body={"max_tokens": 8})
+    assert isinstance(text, str) and text == _chat_text(client, "Transcribe the audio into text.", 8)[0]
+
+
+def test_streamed_transcription_equals_the_whole(client):
+    whole = client.audio.transcriptions.create(model=MODEL, file=("tone.wav", WAV, "audio/wav"),
+                                               extra_body={"max_tokens": 12})
+    events = list(client.audio.transcriptions.create(model=MODEL, file=("tone.wav", WAV, "audio/wav"), stream=True,
+                                                     extra_body={"max_tokens": 12}))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == whole.text
+    assert events[-1].type == "transcript.text.done" and events[-1].text == whole.text
+    assert events[-1].usage.output_tokens == whole.usage.output_tokens
+
+
+@pytest.mark.parametrize("form,files,status,says", [
+    ({"model": "nope"}, {"file": ("a.wav", WAV, "audio/wav")}, 404, "nope"),
+    ({"model": MODEL}, {"file": ("a.txt", b"not audio at all", "text/plain")}, 400, "file: could not decode audio"),
+    ({"model": MODEL}, {}, 400, "file"),
+    ({"model": MODEL, "response_format": "srt"}, {"file": ("a.wav", WAV, "audio/wav")}, 400, "timestamps"),
+    ({"model": MODEL, "response_format": "xml"}, {"file": ("a.wav", WAV, "audio/wav")}, 400, "response_format"),
+    ({"model": MODEL, "temperature": "-1"}, {"file": ("a.wav", WAV, "audio/wav")}, 400, "temperature"),
+    ({"model": MODEL, "stream": "true", "response_format": "srt"}, {"file": ("a.wav", WAV, "audio/wav")}, 400,
+     "timestamps"),
+])
+def test_bad_transcription_requests_are_openai_errors(speech_server, form, files, status, says):
+    r = httpx.post(f"{speech_server.base_url}/v1/audio/transcriptions", data=form, files=files, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert says in err["message"] and "Traceback" not in err["message"], err
+
+
+def test_openai_client_raises_on_a_bad_file(client):
+    with pytest.raises(openai.BadRequestError, match="could not decode audio"):
+        client.audio.transcriptions.create(model=MODEL, file=("a.wav", b"RIFF....garbage", "audio/wav"))
+
+
+def test_json_body_is_refused_with_400(speech_server):
+    r = httpx.post(f"{speech_server.base_url}/v1/audio/transcriptions", json={"model": MODEL}, timeout=30)
+    assert r.status_code == 400 and json.loads(r.text)["error"]["type"] == "invalid_request_error"
