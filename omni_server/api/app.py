@@ -523,6 +523,22 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+async def _typed_events(events: AsyncIterator[dict], orch: Orchestrator, request_id: str) -> AsyncIterator[str]:
+    """SSE of OpenAI's typed events (`{"type": ...}`): a failure becomes an `error` event (the status
+    line is gone), and a client that leaves mid-stream has its request aborted."""
+    finished = False
+    try:
+        async for event in events:
+            yield _sse(event)
+        finished = True
+    except APIError as e:
+        finished = True
+        yield _sse({"type": "error", **errors.error_body(e.status, e.message)})
+    finally:
+        if not finished:
+            await orch.abort(request_id)
+
+
 def _delta_error(delta) -> APIError:
     return APIError(delta.error_code if delta.error_code in (400, 503) else 500, delta.error)
 
@@ -574,22 +590,15 @@ class _SpeechStream:
             if not finished:  # client went away
                 await self.orch.abort(self.req.request_id)
 
-    async def sse(self) -> AsyncIterator[str]:
-        finished = False
-        try:
-            async for data in self._pieces:
-                if data:
-                    yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-            yield _sse({"type": "speech.audio.done", "usage": {
-                "input_tokens": self.n_input, "output_tokens": self.n_output,
-                "total_tokens": self.n_input + self.n_output}})
-            finished = True
-        except APIError as e:
-            finished = True
-            yield _sse({"type": "error", **errors.error_body(e.status, e.message)})
-        finally:
-            if not finished:
-                await self.orch.abort(self.req.request_id)
+    def sse(self) -> AsyncIterator[str]:
+        return _typed_events(self._events(), self.orch, self.req.request_id)
+
+    async def _events(self) -> AsyncIterator[dict]:
+        async for data in self._pieces:
+            if data:
+                yield {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
+        yield {"type": "speech.audio.done", "usage": {
+            "input_tokens": self.n_input, "output_tokens": self.n_output, "total_tokens": self.n_input + self.n_output}}
 
 
 class _Run:
@@ -706,23 +715,18 @@ class _Run:
             usage=self._usage(), omni_outputs=self._omni_outputs(),
             prompt_token_ids=self.prompt_ids if self.body.return_token_ids else None)
 
-    async def transcript_sse(self, first: tuple[str, Any] | None) -> AsyncIterator[str]:
+    def transcript_sse(self, first: tuple[str, Any] | None) -> AsyncIterator[str]:
         """A transcription's stream after `first`: OpenAI's `transcript.text.delta` events, then
         `transcript.text.done` with the whole text and the usage."""
-        finished, texts = False, []
-        try:
-            async for _, piece in self._stream_from(first):
-                texts.append(piece)
-                yield _sse({"type": "transcript.text.delta", "delta": piece})
-            yield _sse({"type": "transcript.text.done", "text": "".join(texts),
-                        "usage": transcription.usage(self.n_prompt, self.completion_tokens)})
-            finished = True
-        except APIError as e:
-            finished = True
-            yield _sse({"type": "error", **errors.error_body(e.status, e.message)})
-        finally:
-            if not finished:
-                await self.orch.abort(self.req.request_id)
+        return _typed_events(self._transcript_events(first), self.orch, self.req.request_id)
+
+    async def _transcript_events(self, first: tuple[str, Any] | None) -> AsyncIterator[dict]:
+        texts = []
+        async for _, piece in self._stream_from(first):
+            texts.append(piece)
+            yield {"type": "transcript.text.delta", "delta": piece}
+        yield {"type": "transcript.text.done", "text": "".join(texts),
+               "usage": transcription.usage(self.n_prompt, self.completion_tokens)}
 
     def _chunk(self, delta: DeltaMessage, finish: str | None = None, logprobs: ChoiceLogprobs | None = None,
                **extra) -> str:
