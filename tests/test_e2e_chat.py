@@ -114,6 +114,23 @@ def test_logprobs_equal_transformers(client):
     assert plain.choices[0].logprobs is None
 
 
+def test_logit_bias_forbids_and_forces_tokens(client):
+    def ids(**kw):
+        kw = {"temperature": 0, **kw}
+        resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6,
+                                              extra_body={"return_token_ids": True, **kw.pop("extra", {})}, **kw)
+        return resp.choices[0].model_extra["token_ids"]
+
+    plain = ids()
+    assert ids(tool_choice="none", logit_bias={}) == plain
+    forbidden = ids(logit_bias={str(plain[0]): -100})
+    assert plain[0] not in forbidden and forbidden != plain
+    forced = 1000 + plain[0] % 1000
+    assert ids(logit_bias={str(forced): 100}) == [forced] * 6
+    # (also when the sampler draws: temperature 1, top-k)
+    assert ids(logit_bias={str(forced): 100}, temperature=1.0, seed=3, extra={"top_k": 5}) == [forced] * 6
+
+
 def _wait_until_dropped(server, request_id: str, stages: list[int], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -157,6 +174,11 @@ def test_disconnect_non_stream_aborts(text_server):
     ({"model": MODEL, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": MODEL, "messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs
     ({"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"model": MODEL, "messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
 ])
 def test_bad_requests_get_openai_errors(text_server, body, status, param):
     r = httpx.post(f"{text_server.base_url}/v1/chat/completions", json=body, timeout=30)

@@ -491,6 +491,8 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None,
             if body.logprobs:
                 spec.logprobs = body.top_logprobs or 0
             spec.ignore_eos = body.ignore_eos
+            if body.logit_bias:
+                spec.logit_bias = _check_bias(state, body.logit_bias)
             fmt = body.response_format
             if fmt is not None and fmt.type == "json_object":
                 spec.json_object = True
@@ -498,6 +500,16 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None,
                 spec.json_schema = json.dumps(fmt.json_schema.json_schema)
         spec.max_tokens = min(spec.max_tokens, cap)
         out[s.id] = spec
+    return out
+
+
+def _check_bias(state: ServerState, bias: dict[str, float]) -> dict[int, float]:
+    vocab = len(state.text.tokenizer)
+    out = {int(t): b for t, b in bias.items()}
+    bad = sorted(t for t in out if t >= vocab)
+    if bad:
+        raise APIError(400, f"logit_bias: token ids {bad[:5]} are not in the vocabulary (size {vocab})",
+                       param="logit_bias")
     return out
 
 

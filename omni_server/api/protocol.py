@@ -128,9 +128,40 @@ class ChatCompletionRequest(_Lenient):
     modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)
     audio: AudioOutputParam | None = None
     response_format: ResponseFormat | None = None
+    # Token id (as a string, OpenAI's form) -> bias added to its logit, -100..100 (-100: never).
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    # Not supported (the models' templates here take no tools): refused, not silently ignored.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     # Extensions (vLLM-compatible names), passed by the openai client through `extra_body`.
     ignore_eos: bool = False
     return_token_ids: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids, got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases are -100..100, got {bias} for token {token}")
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("tool calling is not supported by this server")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v: Any) -> Any:
+        if v not in (None, "none"):
+            raise ValueError("tool calling is not supported by this server")
+        return v
 
     @field_validator("stop")
     @classmethod

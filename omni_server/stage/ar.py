@@ -179,6 +179,14 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
     return EngineArgs(**args)
 
 
+def _logit_bias(spec: SamplingSpec) -> dict[int, float]:
+    """The request's biases, OpenAI's -100 made -inf (never sampled, as OpenAI means it), and the
+    stage's suppressed tokens at -inf (vLLM clamps only its own API's biases)."""
+    bias = {t: float("-inf") if b <= -100 else b for t, b in spec.logit_bias.items()}
+    bias.update((t, float("-inf")) for t in spec.suppress_token_ids)
+    return bias
+
+
 class ARStage(Stage):
     def __init__(self, cfg: PipelineConfig, stage_id: int, sockets: StageSockets):
         from vllm.v1.engine.core import EngineCore
@@ -374,8 +382,7 @@ class ARStage(Stage):
             max_tokens=spec.max_tokens, min_tokens=spec.min_tokens, **drawn,
             presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty, logprobs=spec.logprobs,
             stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, detokenize=False,
-            # Suppressed tokens can never be sampled (a -inf bias; vLLM clamps only OpenAI-API biases).
-            logit_bias={t: float("-inf") for t in spec.suppress_token_ids} or None,
+            logit_bias=_logit_bias(spec) or None,
             structured_outputs=structured, extra_args=extra or None,
         )
 

@@ -44,6 +44,8 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     ignore_eos: bool = False
     # Token ids that must never be sampled.
     suppress_token_ids: list[int] = []
+    # Token id -> bias added to its logit (OpenAI's logit_bias; -100 reads as never).
+    logit_bias: dict[int, float] = {}
     # Structured output: any JSON object, or JSON matching this JSON Schema (its JSON text).
     json_object: bool = False
     json_schema: str | None = None
