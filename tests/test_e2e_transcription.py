@@ -1,4 +1,5 @@
-"""`/v1/audio/transcriptions` through the embedded default pipeline and the official openai client:
+"""`/v1/audio/transcriptions` and `/v1/audio/translations` through the embedded default pipeline and
+the official openai client:
 the upload and its instruction become one chat turn, so a greedy transcription is exactly the
 greedy text of the same turn sent to /v1/chat/completions (whose audio path equals transformers,
 tests/test_e2e_speech.py)."""
@@ -61,6 +62,21 @@ def test_streamed_transcription_equals_the_whole(client):
     assert len(deltas) > 1 and "".join(deltas) == whole.text
     assert events[-1].type == "transcript.text.done" and events[-1].text == whole.text
     assert events[-1].usage.output_tokens == whole.usage.output_tokens
+
+
+def test_translation_is_the_greedy_chat_turn(client):
+    got = client.audio.translations.create(model=MODEL, file=("tone.wav", WAV, "audio/wav"),
+                                           extra_body={"max_tokens": 10})
+    assert got.text and got.text == _chat_text(client, "Translate the speech in the audio into English text.", 10)[0]
+    text = client.audio.translations.create(model=MODEL, file=("tone.wav", WAV, "audio/wav"), response_format="text",
+                                            prompt="Weather report.", extra_body={"max_tokens": 10})
+    assert text == _chat_text(client, "Translate the speech in the audio into English text.\n"
+                                      "Text that may precede it, or words it may contain: Weather report.", 10)[0]
+
+
+def test_translation_refuses_timed_formats(client):
+    with pytest.raises(openai.BadRequestError, match="timestamps"):
+        client.audio.translations.create(model=MODEL, file=("tone.wav", WAV, "audio/wav"), response_format="vtt")
 
 
 @pytest.mark.parametrize("form,files,status,says", [

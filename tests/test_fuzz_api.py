@@ -33,6 +33,6 @@ def test_no_server_errors(text_server):
 
 def test_no_server_errors_from_speech_routes(speech_server):
     """The speech pipeline's own routes, where requests reach the talker and the vocoder (and the
-    transcription route, whose uploads reach the thinker)."""
+    transcription and translation routes, whose uploads reach the thinker)."""
     seen = _fuzz(speech_server.base_url, lambda path: path.startswith("/v1/audio/"), 25)
-    assert seen == {"/v1/audio/speech", "/v1/audio/voices", "/v1/audio/transcriptions"}
+    assert seen == {"/v1/audio/speech", "/v1/audio/voices", "/v1/audio/transcriptions", "/v1/audio/translations"}

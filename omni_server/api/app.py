@@ -249,49 +249,20 @@ def create_app(state: ServerState) -> FastAPI:
                              max_tokens: Annotated[int | None, Form(ge=1)] = None):
         """The uploaded audio transcribed by the text stage: the audio and an instruction as one
         chat turn (`transcription`), greedy unless `temperature` says otherwise."""
-        _check_model(state, model)
-        if state.text_stage is None:
-            raise APIError(400, f"model `{state.cfg.model}` has no text output", param="model")
-        if not _takes_audio(state):
-            raise APIError(400, f"model `{state.cfg.model}` takes no audio input (stage 0's limit_mm_per_prompt)",
-                           param="file")
-        if response_format in transcription.TIMED_FORMATS:
-            raise APIError(400, f"response_format {response_format} needs timestamps, which this model does "
-                                f"not produce; use one of {', '.join(transcription.FORMATS)}", param="response_format")
-        if response_format not in transcription.FORMATS:
-            raise APIError(400, f"response_format must be one of {', '.join(transcription.FORMATS)}",
-                           param="response_format")
-        limits = state.cfg.server
-        try:
-            wave = await asyncio.to_thread(audio.decode_audio, await file.read(), target_rate=AUDIO_SAMPLE_RATE,
-                                           max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
-        except audio.AudioError as e:
-            raise APIError(400, f"file: {e}", param="file") from None
-        import torch
+        turn = transcription.messages(state.cfg.server, transcription.instruction(state.cfg.server, language, prompt))
+        return await _audio_to_text(state, request, "transcribe", file, model, turn, response_format, temperature,
+                                    stream, max_tokens)
 
-        prompt_ids = state.text.render_chat(transcription.messages(limits, language, prompt))
-        _check_prompt(state, prompt_ids)
-        # (A chat body for the shared sampling and output code; its messages are not read.)
-        body = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": "-"}], modalities=["text"],
-                                     temperature=temperature, max_tokens=max_tokens)
-        sampling = _sampling(state, body)
-        orch = _orch(state)
-        request_id = f"transcribe-{uuid.uuid4().hex}"
-        req = await _submit(state, orch, request_id, prompt_ids, sampling, {"text"}, {},
-                            {"audio.0": torch.from_numpy(wave)})
-        run = _Run(state, orch, req, body, prompt_ids)
-        if stream:
-            first = await _until_disconnect(request, run.first(), orch, request_id)
-            if isinstance(first, Response):
-                return first
-            return StreamingResponse(run.transcript_sse(first), media_type="text/event-stream")
-        done = await _until_disconnect(request, run.collect(), orch, request_id)
-        if isinstance(done, Response):
-            return done
-        text = done.choices[0].message.content or ""
-        if response_format == "text":
-            return Response(text, media_type="text/plain; charset=utf-8")
-        return {"text": text, "usage": transcription.usage(done.usage.prompt_tokens, done.usage.completion_tokens)}
+    @app.post("/v1/audio/translations", dependencies=[Depends(require_key)])
+    async def translations(request: Request, file: UploadFile, model: Annotated[str, Form()],
+                           prompt: Annotated[str | None, Form(max_length=4096)] = None,
+                           response_format: Annotated[str, Form()] = "json",
+                           temperature: Annotated[float, Form(ge=0, le=2)] = 0.0,
+                           max_tokens: Annotated[int | None, Form(ge=1)] = None):
+        """The uploaded audio's speech as English text (OpenAI's translations: no streaming)."""
+        turn = transcription.messages(state.cfg.server, transcription.translation(state.cfg.server, prompt))
+        return await _audio_to_text(state, request, "translate", file, model, turn, response_format, temperature,
+                                    False, max_tokens)
 
     @app.get("/v1/audio/voices", dependencies=[Depends(require_key)])
     async def voices() -> VoiceList:
@@ -364,6 +335,56 @@ def _check_prompt(state: ServerState, prompt_ids: list[int]) -> None:
     limit = state.prompt_limit
     if limit is not None and len(prompt_ids) > limit:
         raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param="messages")
+
+
+async def _audio_to_text(state: ServerState, request: Request, kind: str, file: UploadFile, model: str,
+                         turn: list[dict[str, Any]], response_format: str, temperature: float, stream: bool,
+                         max_tokens: int | None):
+    """An uploaded audio file and the chat `turn` that asks about it (its audio placeholder the
+    upload), answered by the text stage alone: OpenAI's transcription / translation responses."""
+    _check_model(state, model)
+    if state.text_stage is None:
+        raise APIError(400, f"model `{state.cfg.model}` has no text output", param="model")
+    if not _takes_audio(state):
+        raise APIError(400, f"model `{state.cfg.model}` takes no audio input (stage 0's limit_mm_per_prompt)",
+                       param="file")
+    if response_format in transcription.TIMED_FORMATS:
+        raise APIError(400, f"response_format {response_format} needs timestamps, which this model does "
+                            f"not produce; use one of {', '.join(transcription.FORMATS)}", param="response_format")
+    if response_format not in transcription.FORMATS:
+        raise APIError(400, f"response_format must be one of {', '.join(transcription.FORMATS)}",
+                       param="response_format")
+    limits = state.cfg.server
+    try:
+        wave = await asyncio.to_thread(audio.decode_audio, await file.read(), target_rate=AUDIO_SAMPLE_RATE,
+                                       max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
+    except audio.AudioError as e:
+        raise APIError(400, f"file: {e}", param="file") from None
+    import torch
+
+    prompt_ids = state.text.render_chat(turn)
+    _check_prompt(state, prompt_ids)
+    # (A chat body for the shared sampling and output code; its messages are not read.)
+    body = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": "-"}], modalities=["text"],
+                                 temperature=temperature, max_tokens=max_tokens)
+    sampling = _sampling(state, body)
+    orch = _orch(state)
+    request_id = f"{kind}-{uuid.uuid4().hex}"
+    req = await _submit(state, orch, request_id, prompt_ids, sampling, {"text"}, {},
+                        {"audio.0": torch.from_numpy(wave)})
+    run = _Run(state, orch, req, body, prompt_ids)
+    if stream:
+        first = await _until_disconnect(request, run.first(), orch, request_id)
+        if isinstance(first, Response):
+            return first
+        return StreamingResponse(run.transcript_sse(first), media_type="text/event-stream")
+    done = await _until_disconnect(request, run.collect(), orch, request_id)
+    if isinstance(done, Response):
+        return done
+    text = done.choices[0].message.content or ""
+    if response_format == "text":
+        return Response(text, media_type="text/plain; charset=utf-8")
+    return {"text": text, "usage": transcription.usage(done.usage.prompt_tokens, done.usage.completion_tokens)}
 
 
 def _takes_audio(state: ServerState) -> bool:

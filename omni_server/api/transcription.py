@@ -1,5 +1,6 @@
-"""`/v1/audio/transcriptions`: an uploaded audio file becomes one chat turn (the audio, then an
-instruction to transcribe it) answered by the pipeline's text stage alone."""
+"""`/v1/audio/transcriptions` and `/v1/audio/translations`: an uploaded audio file becomes one chat
+turn (the audio, then an instruction to transcribe or translate it) answered by the pipeline's text
+stage alone."""
 
 from __future__ import annotations
 
@@ -21,20 +22,29 @@ FORMATS = ("json", "text")
 
 
 def instruction(server: ServerConfig, language: str | None, prompt: str | None) -> str:
-    """The text that follows the audio in the user turn."""
+    """The text that follows the audio in a transcription's user turn."""
     if language:
         name = LANGUAGES.get(language.strip().lower(), language.strip())
         text = server.transcription_language_prompt.format(language=name)
     else:
         text = server.transcription_prompt
+    return _with_prompt(text, prompt)
+
+
+def translation(server: ServerConfig, prompt: str | None) -> str:
+    """The text that follows the audio in a translation's user turn."""
+    return _with_prompt(server.translation_prompt, prompt)
+
+
+def _with_prompt(text: str, prompt: str | None) -> str:
     if prompt:  # OpenAI's `prompt`: earlier text or spellings to follow
         text += f"\nText that may precede it, or words it may contain: {prompt}"
     return text
 
 
-def messages(server: ServerConfig, language: str | None, prompt: str | None) -> list[dict[str, Any]]:
-    """The chat (as the chat template reads it) for one transcription."""
-    turn = {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": instruction(server, language, prompt)}]}
+def messages(server: ServerConfig, text: str) -> list[dict[str, Any]]:
+    """The chat (as the chat template reads it): the audio, then `text`, after the system prompt."""
+    turn = {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": text}]}
     if server.transcription_system_prompt is None:
         return [turn]
     return [{"role": "system", "content": server.transcription_system_prompt}, turn]

@@ -175,10 +175,12 @@ class ServerConfig(_Strict):
     max_video_pixels: int = Field(128 * 1280 * 720, ge=1)
     # /v1/audio/transcriptions asks the text stage for a transcript with one user turn: the audio,
     # then this instruction (`transcription_language_prompt` when the request names a language:
-    # {language} becomes its name); after a system message when one is given.
+    # {language} becomes its name); after a system message when one is given (translations too).
     transcription_prompt: str = "Transcribe the audio into text."
     transcription_language_prompt: str = "Transcribe the {language} audio into text."
     transcription_system_prompt: str | None = None
+    # /v1/audio/translations: the same turn with this instruction (OpenAI's translations are to English).
+    translation_prompt: str = "Translate the speech in the audio into English text."
 
     @field_validator("transcription_language_prompt")
     @classmethod
