@@ -125,7 +125,7 @@ def test_logprobs_need_a_text_output_and_logprobs_true(tiny_models, tmp_path):
 
 
 def test_transcription_needs_a_stage_that_takes_audio(tiny_models, tmp_path):
-    text = CONFIG.replace("output: text}", "output: text, engine_args: {limit_mm_per_prompt: {image: 1}}}")
+    text = CONFIG.replace("output: text}", "output: text, engine_args: {limit_mm_per_prompt: {image: 1, audio: 0}}}")
     cfg = load_config_text(text % (MODELS / "tiny-qwen2_5-omni", tmp_path))
     with TestClient(create_app(ServerState(cfg, lambda: Orchestrator(cfg, tmp_path)))) as c:
         r = c.post("/v1/audio/transcriptions", data={"model": "m"}, files={"file": ("a.wav", b"RIFF", "audio/wav")},

@@ -176,6 +176,7 @@ def test_disconnect_non_stream_aborts(text_server):
     ({"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # a digit, not ASCII
+    ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),  # past int()'s limit
     ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),

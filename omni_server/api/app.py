@@ -388,13 +388,11 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
 
 
 def _takes_audio(state: ServerState) -> bool:
-    """Whether stage 0 takes an audio input (its engine's limit_mm_per_prompt, when it sets one)."""
-    limits = state.cfg.stages[0].engine_args.get("limit_mm_per_prompt")
-    if limits is None:
-        return True
-    cap = limits.get("audio", 0)
-    cap = cap.get("count", 0) if isinstance(cap, dict) else cap
-    return bool(cap)
+    """Whether stage 0 takes an audio input (vLLM's limit_mm_per_prompt: a kind it does not list is
+    not limited)."""
+    cap = (state.cfg.stages[0].engine_args.get("limit_mm_per_prompt") or {}).get("audio")
+    cap = cap.get("count") if isinstance(cap, dict) else cap
+    return cap is None or bool(cap)
 
 
 def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:

@@ -143,8 +143,8 @@ class ChatCompletionRequest(_Lenient):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (v or {}).items():
-            if not (token.isascii() and token.isdigit()):
-                raise ValueError(f"keys are token ids, got {token!r}")
+            if not (token.isascii() and token.isdigit() and len(token) <= 10):
+                raise ValueError(f"keys are token ids, got {token[:24]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases are -100..100, got {bias} for token {token}")
         return v
