@@ -196,12 +196,7 @@ def create_app(state: ServerState) -> FastAPI:
         req = await _submit(state, orch, request_id, prompt_ids, sampling, outputs, options, media)
         run = _Run(state, orch, req, body, prompt_ids, audio_format)
         if body.stream:
-            # The first output is awaited here: a request the stages refuse (a bad JSON schema, say)
-            # gets an error status, not a 200 stream holding an error event.
-            first = await _until_disconnect(request, run.first(), orch, request_id)
-            if isinstance(first, Response):
-                return first
-            return StreamingResponse(run.sse(first), media_type="text/event-stream")
+            return await _streamed(request, run, run.sse)
         return await _until_disconnect(request, run.collect(), orch, request_id)
 
     @app.post("/v1/audio/speech", dependencies=[Depends(require_key)])
@@ -374,10 +369,7 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
                         {"audio.0": torch.from_numpy(wave)})
     run = _Run(state, orch, req, body, prompt_ids)
     if stream:
-        first = await _until_disconnect(request, run.first(), orch, request_id)
-        if isinstance(first, Response):
-            return first
-        return StreamingResponse(run.transcript_sse(first), media_type="text/event-stream")
+        return await _streamed(request, run, run.transcript_sse)
     done = await _until_disconnect(request, run.collect(), orch, request_id)
     if isinstance(done, Response):
         return done
@@ -388,11 +380,15 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
 
 
 def _takes_audio(state: ServerState) -> bool:
-    """Whether stage 0 takes an audio input (vLLM's limit_mm_per_prompt: a kind it does not list is
-    not limited)."""
-    cap = (state.cfg.stages[0].engine_args.get("limit_mm_per_prompt") or {}).get("audio")
-    cap = cap.get("count") if isinstance(cap, dict) else cap
+    cap = _media_cap(state, "audio")
     return cap is None or bool(cap)
+
+
+def _media_cap(state: ServerState, kind: str) -> int | None:
+    """How many `kind` inputs stage 0's engine takes per prompt (its limit_mm_per_prompt, which
+    vLLM also takes as {count: N, ...}); None: not limited (vLLM limits only the kinds it lists)."""
+    cap = (state.cfg.stages[0].engine_args.get("limit_mm_per_prompt") or {}).get(kind)
+    return cap.get("count") if isinstance(cap, dict) else cap
 
 
 def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:
@@ -427,16 +423,13 @@ async def _decode_media(state: ServerState, body: ChatCompletionRequest) -> dict
     import torch
 
     limits = state.cfg.server
-    # What the first stage's engine takes per prompt (vLLM refuses more, after the decoding).
-    allowed = state.cfg.stages[0].engine_args.get("limit_mm_per_prompt") or {}
     out: dict[str, Any] = {}
     counts = {"input_audio": 0, "image_url": 0, "video_url": 0}
     for part in (p for m in body.messages for p in m.media_parts()):
         i = counts[part.type]
         counts[part.type] += 1
         kind = _PLACEHOLDER[part.type]
-        cap = allowed.get(kind)
-        cap = cap.get("count") if isinstance(cap, dict) else cap  # (vLLM also takes {count: N, ...})
+        cap = _media_cap(state, kind)  # (vLLM would refuse more, after the decoding)
         if isinstance(cap, int) and counts[part.type] > cap:
             raise APIError(400, f"this pipeline takes at most {cap} {kind} input(s) per request "
                                 f"(stage 0's limit_mm_per_prompt)", param="messages")
@@ -548,6 +541,16 @@ async def _until_disconnect(request: Request, work: Awaitable[Any], orch: Orches
         task.cancel()
         await orch.abort(request_id)
         raise
+
+
+async def _streamed(request: Request, run: _Run, sse: Callable[[Any], AsyncIterator[str]]) -> Response:
+    """`run` as an event stream, `sse(first output)`. The first output is awaited before the status
+    line: a request the stages refuse (a bad JSON schema, say) gets an error status, not a 200
+    stream holding an error event."""
+    first = await _until_disconnect(request, run.first(), run.orch, run.req.request_id)
+    if isinstance(first, Response):
+        return first
+    return StreamingResponse(sse(first), media_type="text/event-stream")
 
 
 def _sse(payload: dict) -> str:
