@@ -157,6 +157,9 @@ def collect(out: Path) -> dict:
         "w144_ready_s": _ready_s(out / "serve_w144.log"),
         **_served(out, "t2wboth", "t2wboth"),
         "t2wboth_ready_s": _ready_s(out / "serve_t2wboth.log"),
+        # t2wboth with windows growing on to 216 frames (step `t2wbig`)
+        **_served(out, "t2wbig", "t2wbig"),
+        "t2wbig_ready_s": _ready_s(out / "serve_t2wbig.log"),
         # the 7B config with the DiT's attention kernel pinned (step `attn`, DIT_ATTN: default cudnn)
         **_served(out, "attn", "attn"),
         "attn_ready_s": _ready_s(out / "serve_attn.log"),

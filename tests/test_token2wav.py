@@ -531,24 +531,27 @@ def test_dit_attention_falls_back_where_its_kernel_cannot_run(model_dir, caplog)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("mode, vocoder", [(True, True), ("blocks", True), ("blocks", False), ("blocks", "activations")])
-def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder):
+@pytest.mark.parametrize("mode, vocoder, growing", [(True, True, False), ("blocks", True, False), ("blocks", False, False),
+                                                    ("blocks", "activations", False), ("blocks", "activations", True)])
+def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder, growing):
     """The graphs capture the compiled DiT and vocoder (or the DiT only: `compile_vocoder` false;
     or the vocoder's activations only) (warmed, so no compile inside a capture), with the polyphase
-    upsampler too, and replay what the eager float32 modules compute."""
+    upsampler too, and replay what the eager float32 modules compute; `growing`: with the 7B
+    configs' windows (48, 48, 72, 96, then 144 new frames), each size its own graphs."""
+    windows = dict(first_chunk_frames=[48, 48, 72, 96], chunk_frames=144) if growing else {}
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # (an earlier case compiled the same DiT blocks: without this it reuses them)
     before = counters["stats"]["unique_graphs"]
     compiled = Token2Wav(model_dir, device="cuda", compile=mode, compile_vocoder=vocoder, polyphase_upsampling=True,
-                         warmup_graphs=True)
+                         warmup_graphs=True, **windows)
     assert (compiled.vocoder_graphs.fn != compiled._vocoder_body) == (vocoder is True)  # (a bound method equals its twin)
     fused = [m for m in compiled.vocoder.modules() if isinstance(m, AntiAliasedSnake)]
     assert bool(fused) == (vocoder == "activations")
     assert all(hasattr(m.fn, "_torchdynamo_orig_callable") for m in fused)  # (their function compiled)
     warmed = counters["stats"]["unique_graphs"]
     assert warmed > before  # compiled in the warm-up
-    eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False)
+    eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False, **windows)
     a, b = compiled.stream_all(LONG, seed=4), eager.stream_all(LONG, seed=4)
     compiled.stream_all(LONG[:37], seed=5)  # a shorter last window: outside the graphs, eager
     assert counters["stats"]["unique_graphs"] == warmed  # nothing compiled while decoding

@@ -297,6 +297,19 @@ step_t2wboth() {
   say "t2wboth: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_t2wboth.log | cut -c1-220 | tr '\n' ' ')"
 }
 
+step_t2wbig() {
+  # t2wboth with windows growing one step further (48, 48, 72, 96, 144, then 216 new frames: 1.33x
+  # per new frame instead of 1.5x): how far the c=16 RTF goes before first audio / stalls pay.
+  free_gpus
+  export VLLM_CACHE_ROOT=/tmp/vc
+  serve t2wbig 8030 $CFG --stage-arg token2wav.generator_args.compile_vocoder=activations \
+    --stage-arg 'token2wav.generator_args.first_chunk_frames=[48,48,72,96,144]' \
+    --stage-arg token2wav.generator_args.chunk_frames=216
+  wait_ready t2wbig 8030 && bench t2wbig 8030
+  stop t2wbig
+  say "t2wbig: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_t2wbig.log | cut -c1-220 | tr '\n' ' ')"
+}
+
 step_attn() {
   # The 7B config with the DiT's attention pinned to one SDPA kernel (DIT_ATTN, default cudnn):
   # PyTorch picked cuDNN's in the tenth run (268 ms of a batch-16 decode) and the memory-efficient
