@@ -26,7 +26,9 @@ from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
 
 WINDOWS = dict(chunk_frames=72, first_chunk_frames=72, past_frames=48, future_frames=24, vocoder_context_frames=20)
 # The 7B configs' token2wav settings.
-CONFIG = dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks", compile_vocoder=False,
+# (Their windows, 48, 48, 72, 96, then 144 new frames, and dit_attention cudnn: pass --first-chunk-frames
+# 48 48 72 96 --chunk-frames 144 --sdpa cudnn.)
+CONFIG = dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks", compile_vocoder="activations",
               polyphase_upsampling=True, warmup_graphs=True, max_graph_batch=16)
 # (tf32 sets process-wide flags: the modes after graphs_tf32 keep them, as a config with tf32 would.)
 MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "graphs_tf32": dict(cuda_graphs=True, tf32=True),
@@ -47,10 +49,10 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
          # ... the DiT only (block by block), the vocoder's graphs of the plain modules: the shortest compile
          "graphs_bf16_compiled_dit_blocks": dict(cuda_graphs=True, tf32=True, dit_dtype="bfloat16", compile="blocks",
                                                  compile_vocoder=False, warmup_graphs=True),
-         # ... with polyphase upsampling: the 7B configs' token2wav settings
-         "config": CONFIG,
-         # ... with the vocoder's anti-aliased activations compiled (one fused expression each)
-         "config_act": CONFIG | dict(compile_vocoder="activations")}
+         # ... with polyphase upsampling: the 7B configs' token2wav settings before 2026-12-02's thirteenth run
+         "config_dit_only": CONFIG | dict(compile_vocoder=False),
+         # ... with the vocoder's anti-aliased activations compiled (one fused expression for all): the 7B configs'
+         "config": CONFIG}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

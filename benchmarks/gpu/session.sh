@@ -3,8 +3,8 @@
 # Writes everything under /tmp/res (progress.log = one line per step, with seconds since start);
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
-# Steps run in the order STEPS names them (default "main warm t2wboth aa t2wprof qwen3", ~900 s on
-# one GPU; also: tests attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
+# one GPU; also: tests aa t2wboth t2wbig attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -26,7 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 say "setup done, $NGPU GPU(s)"
-STEPS=${STEPS:-main warm t2wboth aa t2wprof qwen3}
+STEPS=${STEPS:-main warm prof t2wprof qwen3}
 M=${M:-/tmp/omni7b}
 CFG=${CFG:-configs/qwen2_5_omni.yaml}
 TALKER_MAX=${TALKER_MAX:-500}
@@ -188,25 +188,16 @@ step_aa() {
 }
 
 step_t2wprof() {
-  # Token2wav alone with the 7B config's settings at batch 16 (c=16's token2wav-bound step): how a
-  # decode splits between the DiT's solves and the vocoder, a profiler table of its kernels, and the
-  # same with growing windows (48, 48, 72, 96, then 144 new frames: 1.5x the new frames' share of
-  # the DiT's work over 72-frame windows).
+  # Token2wav alone with the 7B config's settings at batch 16 (c=16's token2wav-bound step) and 1
+  # (c=1's windows): how a decode splits between the DiT's solves and the vocoder, and a profiler
+  # table of its kernels; then the config before 2026-12-02 (72-frame windows, the vocoder's
+  # activations eager) for the same split.
   free_gpus
   : > $R/t2wprof.txt
-  local common="--model $M --codes 300 --batch 16 --modes config --split"
-  timeout 300 python3 benchmarks/token2wav_speed.py $common --first-chunk-frames 48 48 --chunk-frames 72 \
-    --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
-  timeout 300 python3 benchmarks/token2wav_speed.py $common --first-chunk-frames 48 48 72 96 --chunk-frames 144 \
-    >> $R/t2wprof.txt 2>&1
-  # (2026-12-01 tenth run: the vocoder 0.97 of 2.74 s, ~80% of it its anti-aliased activations.)
-  # The same with them compiled (compile_vocoder: activations), batch 1 too (c=1's first window).
-  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes config_act --split \
-    --first-chunk-frames 48 48 --chunk-frames 72 --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
-  # The DiT's attention pinned to cuDNN's kernel (2026-12-01 eleventh run: PyTorch's memory-efficient
-  # one took 356 ms of the decode; the tenth run's table gave 268 ms to cuDNN's).
-  timeout 300 python3 benchmarks/token2wav_speed.py $common --first-chunk-frames 48 48 --chunk-frames 72 \
-    --sdpa cudnn --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
+  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes config --split \
+    --first-chunk-frames 48 48 72 96 --chunk-frames 144 --sdpa cudnn --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
+  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 16 --modes config_dit_only --split \
+    --first-chunk-frames 48 48 --chunk-frames 72 --sdpa cudnn >> $R/t2wprof.txt 2>&1
   say "token2wav split: $(grep RESULT $R/t2wprof.txt | cut -c8- | tr '\n' ' ')"
 }
 
