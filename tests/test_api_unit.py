@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -82,6 +85,11 @@ def test_overload_is_429_with_retry_after(client):
     assert r.json()["error"]["type"] == "rate_limit_error"
     del orch.requests["busy-0"]
     assert client.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 503  # under the limit
+    # The limit counts every choice: n=2 needs 2 slots, and one is free.
+    r = client.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=AUTH)
+    assert r.status_code == 429 and "n=2" in r.json()["error"]["message"], r.text
+    del orch.requests["busy-1"]
+    assert client.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=AUTH).status_code == 503
 
 
 SPEECH = """
@@ -112,6 +120,63 @@ def test_a_request_seed_seeds_every_stage(tiny_models, tmp_path):
     assert {spec.seed for spec in unseeded.values()} == {None}
 
 
+def test_choice_i_samples_with_seed_plus_i(tiny_models, tmp_path):
+    """n > 1: every seeded stage of choice i draws from seed + i (choice 0 as an n = 1 request);
+    unseeded stages stay unseeded, and nothing else changes."""
+    from omni_server.api.app import _choice_sampling, _sampling
+    from omni_server.api.protocol import ChatCompletionRequest
+
+    m = MODELS / "tiny-qwen2_5-omni"
+    cfg = load_config_text(SPEECH % (m, m, m, tmp_path))
+    state = ServerState(cfg, lambda: Orchestrator(cfg, tmp_path))
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], seed=7, n=3)
+    seeded = _sampling(state, body)
+    assert _choice_sampling(seeded, 0) == seeded
+    third = _choice_sampling(seeded, 2)
+    assert {i: spec.seed for i, spec in third.items()} == {0: 9, 1: 9, 2: 9}
+    assert third[1].temperature == 0.9 and third[1].top_k == 40
+    assert {spec.seed for spec in seeded.values()} == {7}  # (copies: choice 0's untouched)
+    unseeded = _sampling(state, body.model_copy(update={"seed": None}))
+    assert {spec.seed for spec in _choice_sampling(unseeded, 2).values()} == {None}
+
+
+def test_a_refused_choice_aborts_the_choices_already_submitted(tiny_models, tmp_path):
+    """All or none: when the pipeline refuses choice 1, choice 0 (submitted) is aborted, and the
+    request is the refusal's 503 (n=2: the limit here)."""
+    from omni_server.api.app import _submit
+    from omni_server.api.errors import APIError
+    from omni_server.orchestrator.orchestrator import RequestState, StageUnavailable
+
+    class Refuses:
+        def __init__(self):
+            self.requests, self.submitted, self.aborted = {}, [], []
+
+        async def submit(self, request_id, *args):
+            if self.submitted:
+                raise StageUnavailable("stage 0 is down")
+            self.submitted.append(request_id)
+            return RequestState(request_id, {0})
+
+        async def abort(self, request_id, outcome="aborted"):
+            self.aborted.append(request_id)
+
+    cfg = load_config_text(CONFIG % (MODELS / "tiny-qwen2_5-omni", tmp_path))
+    orch = Refuses()
+    with pytest.raises(APIError) as err:
+        asyncio.run(_submit(ServerState(cfg, lambda: orch), orch, ["c-0", "c-1"], [1], [{}] * 2, {"text"}, {}))
+    assert err.value.status == 503 and orch.submitted == orch.aborted == ["c-0"]
+
+
+def test_choice_omni_outputs_only_when_set():
+    """n = 1 choices read as before (no `omni_outputs` key); n > 1 ones carry their own."""
+    from omni_server.api.protocol import Choice, ResponseMessage
+
+    plain = Choice(message=ResponseMessage(content="x"), finish_reason="stop")
+    assert "omni_outputs" not in plain.model_dump(mode="json") and "omni_outputs" not in plain.model_dump_json()
+    own = plain.model_copy(update={"index": 1, "omni_outputs": {"talker": {"token_ids": [1, 2]}}})
+    assert own.model_dump(mode="json")["omni_outputs"] == {"talker": {"token_ids": [1, 2]}}
+
+
 def test_logprobs_need_a_text_output_and_logprobs_true(tiny_models, tmp_path):
     """Checked before the pipeline is asked: top_logprobs alone, or logprobs from a pipeline whose
     output has no text tokens, is a 400 naming the field."""
@@ -137,3 +202,102 @@ def test_transcription_upload_counts_toward_the_body_limit(client):
     r = client.post("/v1/audio/transcriptions", data={"model": "m"}, files={"file": ("a.wav", b"x" * 5000, "audio/wav")},
                     headers=AUTH)
     assert r.status_code == 413
+
+
+HELLO = [1021]  # "Hello" (tiny checkpoint)
+
+
+class _Deltas:
+    """An orchestrator stand-in: each request's deltas come from its own queue (an error delta
+    ends it, as the orchestrator does after dropping it everywhere); aborts are recorded."""
+
+    def __init__(self):
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.aborted: list[str] = []
+
+    async def deltas(self, req):
+        while not req.done:
+            delta = await self.queues[req.request_id].get()
+            req.done = delta.finished or delta.error is not None
+            yield 0, delta
+
+    async def abort(self, request_id, outcome="aborted"):
+        self.aborted.append(request_id)
+
+
+def _bounded(main):
+    """`main()` on a fresh loop, failing rather than hanging past 30 s (in the same task)."""
+
+    async def bounded():
+        async with asyncio.timeout(30):
+            return await main()
+
+    return asyncio.run(bounded())
+
+
+def _completion(tmp_path, n: int, orch: _Deltas, **body):
+    """A chat completion of n choices over `orch`, as the chat route builds it."""
+    from omni_server.api.app import _Completion, _Run
+    from omni_server.api.protocol import ChatCompletionRequest
+    from omni_server.orchestrator.orchestrator import RequestState
+
+    cfg = load_config_text(CONFIG % (MODELS / "tiny-qwen2_5-omni", tmp_path))
+    state = ServerState(cfg, lambda: orch)
+    request = ChatCompletionRequest(**CHAT, n=n, **body)
+    runs = []
+    for i in range(n):
+        orch.queues[f"c-{i}"] = asyncio.Queue()
+        runs.append(_Run(state, orch, RequestState(f"c-{i}", {0}), request, [1, 2, 3], index=i))
+    return _Completion("c", runs)
+
+
+def test_a_choice_failing_mid_stream_ends_the_stream_and_aborts_the_others(tiny_models, tmp_path):
+    """The merged stream: each choice's chunks under its index; one choice's error is an error
+    event, then [DONE], and the other choice is aborted."""
+    from omni_server.wire.messages import RequestDelta
+
+    async def main():
+        orch = _Deltas()
+        completion = _completion(tmp_path, 2, orch, stream=True)
+        for i in range(2):
+            orch.queues[f"c-{i}"].put_nowait(RequestDelta(f"c-{i}", new_token_ids=HELLO))
+        stream = completion.sse(await completion.first())
+        events = [await anext(stream) for _ in range(4)]  # two role chunks, two text chunks
+        orch.queues["c-1"].put_nowait(RequestDelta("c-1", error="stage 0 died", error_code=503))
+        events += [e async for e in stream]
+        return orch, [json.loads(e[6:]) if e != "data: [DONE]\n\n" else "[DONE]" for e in events]
+
+    orch, events = _bounded(main)
+    chunks = [e["choices"][0] for e in events[:4]]
+    assert sorted((c["index"], "role" in c["delta"]) for c in chunks) == [(0, False), (0, True), (1, False), (1, True)]
+    assert events[4]["error"]["message"] == "stage 0 died" and events[5:] == ["[DONE]"]
+    assert orch.aborted == ["c-0"]  # (c-1 was dropped by the orchestrator with its error)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_aborts_every_choice(tiny_models, tmp_path, stream):
+    """Cancelled while gathering (a non-streamed request) or mid-stream: every request is aborted,
+    once, and no task is left behind."""
+    from omni_server.wire.messages import RequestDelta
+
+    async def main():
+        orch = _Deltas()
+        completion = _completion(tmp_path, 3, orch, stream=stream)
+        for i in range(3):
+            orch.queues[f"c-{i}"].put_nowait(RequestDelta(f"c-{i}", new_token_ids=HELLO))
+        if stream:
+            sse = completion.sse(await completion.first())
+            for _ in range(6):  # role and text chunks: every choice now waits for its next delta
+                await anext(sse)
+            await sse.aclose()  # (what the server does when the client goes)
+        else:
+            task = asyncio.ensure_future(completion.collect())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await asyncio.sleep(0.05)
+        return orch, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    orch, left = _bounded(main)
+    assert sorted(orch.aborted) == ["c-0", "c-1", "c-2"] and left == []

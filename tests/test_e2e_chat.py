@@ -166,7 +166,9 @@ def test_disconnect_non_stream_aborts(text_server):
     ({"model": "nope", "messages": MESSAGES}, 404, "model"),
     ({"model": MODEL}, 400, "messages"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
-    ({"model": MODEL, "messages": MESSAGES, "n": 2}, 400, "n"),
+    ({"model": MODEL, "messages": MESSAGES, "n": 9}, 400, "n"),  # (at most 8 choices)
+    ({"model": MODEL, "messages": MESSAGES, "n": 0}, 400, "n"),
+    ({"model": MODEL, "messages": MESSAGES, "seed": 2**63}, 400, "seed"),  # (int64, as vLLM's server)
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": 10**6}, 400, "max_tokens"),
     ({"model": MODEL, "messages": MESSAGES, "temperature": -1}, 400, "temperature"),

@@ -486,6 +486,8 @@ def test_bad_audio_requests_are_400(client, speech_server):
         client.audio.speech.create(model=MODEL, input="x", voice="Nobody")
     with pytest.raises(openai.BadRequestError, match="speed"):
         client.audio.speech.create(model=MODEL, input="x", voice="Ethan", speed=2.0)
+    with pytest.raises(openai.BadRequestError, match="seed"):  # (int64: a larger one was a 500)
+        client.audio.speech.create(model=MODEL, input="x", voice="Ethan", extra_body={"seed": 2**64})
     with pytest.raises(openai.NotFoundError):
         client.audio.speech.create(model="nope", input="x", voice="Ethan")
     r = httpx.get(f"{speech_server.base_url}/v1/audio/voices")

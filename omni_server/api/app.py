@@ -10,11 +10,13 @@ import logging
 import os
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
 
+import msgspec
 from fastapi import Depends, FastAPI, Form, HTTPException, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from omni_server.api import audio, errors, image, transcription, video
 from omni_server.api.errors import APIError
@@ -39,7 +41,7 @@ from omni_server.api.protocol import (
 )
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
-from omni_server.orchestrator.orchestrator import Orchestrator, StageUnavailable
+from omni_server.orchestrator.orchestrator import Orchestrator, RequestState, StageUnavailable
 from omni_server.wire.messages import (AUDIO_SAMPLE_RATE, REPLY_FROM_OPTION, STAGE_COUNTERS, STAGE_GAUGES,
                                        VOICE_OPTION, SamplingSpec)
 
@@ -192,12 +194,16 @@ def create_app(state: ServerState) -> FastAPI:
             audio_format = _check_format(body.audio.format if body.audio else "wav", "audio.format")
         sampling = _sampling(state, body)
         orch = _orch(state)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        req = await _submit(state, orch, request_id, prompt_ids, sampling, outputs, options, media)
-        run = _Run(state, orch, req, body, prompt_ids, audio_format)
+        # One pipeline request per choice, with ids derived from the completion's (n = 1: its own).
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        ids = [completion_id] if body.n == 1 else [f"{completion_id}-{i}" for i in range(body.n)]
+        reqs = await _submit(state, orch, ids, prompt_ids, [_choice_sampling(sampling, i) for i in range(body.n)],
+                             outputs, options, media)
+        completion = _Completion(completion_id, [_Run(state, orch, req, body, prompt_ids, audio_format, index=i)
+                                                 for i, req in enumerate(reqs)])
         if body.stream:
-            return await _streamed(request, run, run.sse)
-        return await _until_disconnect(request, run.collect(), orch, request_id)
+            return await _streamed(request, completion, completion.sse)
+        return await _until_disconnect(request, completion.collect(), completion.abort)
 
     @app.post("/v1/audio/speech", dependencies=[Depends(require_key)])
     async def speech(body: SpeechRequest, request: Request):
@@ -221,15 +227,15 @@ def create_app(state: ServerState) -> FastAPI:
         sampling[first].max_tokens, sampling[first].ignore_eos = 1, True
         orch = _orch(state)
         request_id = f"speech-{uuid.uuid4().hex}"
-        req = await _submit(state, orch, request_id, prompt_ids, sampling, {"audio"},
-                            {VOICE_OPTION: voice, REPLY_FROM_OPTION: str(len(prefix))})
+        [req] = await _submit(state, orch, [request_id], prompt_ids, [sampling], {"audio"},
+                              {VOICE_OPTION: voice, REPLY_FROM_OPTION: str(len(prefix))})
 
         speech_out = _SpeechStream(state, orch, req, fmt, n_input=len(reply))
         if body.stream_format == "sse":
             return StreamingResponse(speech_out.sse(), media_type="text/event-stream")
         # The bytes stream as the audio is made; the first piece is awaited here so that a request
         # failing before any audio gets a proper error status.
-        first = await _until_disconnect(request, speech_out.first(), orch, request_id)
+        first = await _until_disconnect(request, speech_out.first(), lambda: orch.abort(request_id))
         if isinstance(first, Response):
             return first
         return StreamingResponse(speech_out.raw(first), media_type=audio.content_type(fmt))
@@ -365,18 +371,18 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
     sampling = _sampling(state, body)
     orch = _orch(state)
     request_id = f"{kind}-{uuid.uuid4().hex}"
-    req = await _submit(state, orch, request_id, prompt_ids, sampling, {"text"}, {},
-                        {"audio.0": torch.from_numpy(wave)})
+    [req] = await _submit(state, orch, [request_id], prompt_ids, [sampling], {"text"}, {},
+                          {"audio.0": torch.from_numpy(wave)})
     run = _Run(state, orch, req, body, prompt_ids)
     if stream:
         return await _streamed(request, run, run.transcript_sse)
-    done = await _until_disconnect(request, run.collect(), orch, request_id)
+    done = await _until_disconnect(request, run.collect(), run.abort)
     if isinstance(done, Response):
         return done
-    text = done.choices[0].message.content or ""
+    text = done.message.content or ""
     if response_format == "text":
         return Response(text, media_type="text/plain; charset=utf-8")
-    return {"text": text, "usage": transcription.usage(done.usage.prompt_tokens, done.usage.completion_tokens)}
+    return {"text": text, "usage": transcription.usage(run.n_prompt, run.completion_tokens)}
 
 
 def _takes_audio(state: ServerState) -> bool:
@@ -454,16 +460,34 @@ async def _decode_media(state: ServerState, body: ChatCompletionRequest) -> dict
     return out
 
 
-async def _submit(state: ServerState, orch: Orchestrator, request_id: str, prompt_ids: list[int],
-                  sampling: dict[int, SamplingSpec], outputs: set[str], options: dict[str, str],
-                  media: dict[str, Any] | None = None):
-    if len(orch.requests) >= state.cfg.server.max_concurrent_requests:
-        raise APIError(429, f"server is at its limit of {state.cfg.server.max_concurrent_requests} "
-                            "concurrent requests; retry shortly", headers={"Retry-After": "1"})
+async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str], prompt_ids: list[int],
+                  samplings: list[dict[int, SamplingSpec]], outputs: set[str], options: dict[str, str],
+                  media: dict[str, Any] | None = None) -> list[RequestState]:
+    """One pipeline request per id (a chat's choices), all or none: the limit counts them all, and
+    if one is refused those already submitted are aborted."""
+    limit, n = state.cfg.server.max_concurrent_requests, len(request_ids)
+    free = limit - len(orch.requests)
+    if n > free:
+        says = (f"is at its limit of {limit} concurrent requests" if n == 1 else
+                f"has {max(free, 0)} of its {limit} concurrent request slots free, n={n} needs {n}")
+        raise APIError(429, f"server {says}; retry shortly", headers={"Retry-After": "1"})
+    reqs: list[RequestState] = []
     try:
-        return await orch.submit(request_id, prompt_ids, sampling, outputs, options, media)
+        for request_id, sampling in zip(request_ids, samplings):
+            reqs.append(await orch.submit(request_id, prompt_ids, sampling, outputs, options, media))
     except StageUnavailable as e:
         raise APIError(503, f"pipeline unavailable: {e}") from None
+    finally:
+        if len(reqs) < n:  # refused, failed or cancelled part way
+            for req in reqs:
+                await orch.abort(req.request_id)
+    return reqs
+
+
+def _choice_sampling(sampling: dict[int, SamplingSpec], index: int) -> dict[int, SamplingSpec]:
+    """Choice `index`'s sampling: every seeded stage's seed + index, so seeded choices differ from
+    each other yet the whole response is reproducible (choice 0 samples as an n = 1 request does)."""
+    return {i: s if s.seed is None else msgspec.structs.replace(s, seed=s.seed + index) for i, s in sampling.items()}
 
 
 def _sampling(state: ServerState, body: ChatCompletionRequest | None,
@@ -525,8 +549,9 @@ def _check_bias(state: ServerState, bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-async def _until_disconnect(request: Request, work: Awaitable[Any], orch: Orchestrator, request_id: str):
-    """Run a non-streaming request, aborting it in every stage if the client goes away."""
+async def _until_disconnect(request: Request, work: Awaitable[Any], abort: Callable[[], Awaitable[None]]):
+    """Run a non-streaming request; `abort()` drops its pipeline request(s) in every stage if the
+    client goes away."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -535,29 +560,31 @@ async def _until_disconnect(request: Request, work: Awaitable[Any], orch: Orches
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()
-                await orch.abort(request_id)
+                await abort()
                 return JSONResponse(errors.error_body(499, "client disconnected"), status_code=499)
     except asyncio.CancelledError:
         task.cancel()
-        await orch.abort(request_id)
+        await abort()
         raise
 
 
-async def _streamed(request: Request, run: _Run, sse: Callable[[Any], AsyncIterator[str]]) -> Response:
-    """`run` as an event stream, `sse(first output)`. The first output is awaited before the status
-    line: a request the stages refuse (a bad JSON schema, say) gets an error status, not a 200
-    stream holding an error event."""
-    first = await _until_disconnect(request, run.first(), run.orch, run.req.request_id)
+async def _streamed(request: Request, run: _Run | _Completion, sse: Callable[[Any], AsyncIterator[str]]) -> Response:
+    """`run` as an event stream, `sse(first output)`. The first output (of every choice) is awaited
+    before the status line: a request the stages refuse (a bad JSON schema, say) gets an error
+    status, not a 200 stream holding an error event."""
+    first = await _until_disconnect(request, run.first(), run.abort)
     if isinstance(first, Response):
         return first
-    return StreamingResponse(sse(first), media_type="text/event-stream")
+    # (`sse` aborts what has not ended when it stops early; the background abort covers a stream
+    # that never started, its client gone before the first chunk.)
+    return StreamingResponse(sse(first), media_type="text/event-stream", background=BackgroundTask(run.abort))
 
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _typed_events(events: AsyncIterator[dict], orch: Orchestrator, request_id: str) -> AsyncIterator[str]:
+async def _typed_events(events: AsyncIterator[dict], abort: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
     """SSE of OpenAI's typed events (`{"type": ...}`): a failure becomes an `error` event (the status
     line is gone), and a client that leaves mid-stream has its request aborted."""
     finished = False
@@ -570,7 +597,7 @@ async def _typed_events(events: AsyncIterator[dict], orch: Orchestrator, request
         yield _sse({"type": "error", **errors.error_body(e.status, e.message)})
     finally:
         if not finished:
-            await orch.abort(request_id)
+            await abort()
 
 
 def _delta_error(delta) -> APIError:
@@ -625,7 +652,7 @@ class _SpeechStream:
                 await self.orch.abort(self.req.request_id)
 
     def sse(self) -> AsyncIterator[str]:
-        return _typed_events(self._events(), self.orch, self.req.request_id)
+        return _typed_events(self._events(), lambda: self.orch.abort(self.req.request_id))
 
     async def _events(self) -> AsyncIterator[dict]:
         async for data in self._pieces:
@@ -636,11 +663,11 @@ class _SpeechStream:
 
 
 class _Run:
-    """One chat request's outputs, gathered for a JSON response or streamed as SSE."""
+    """One pipeline request's outputs (one chat choice, or a transcription), gathered or streamed."""
 
     def __init__(self, state: ServerState, orch: Orchestrator, req, body: ChatCompletionRequest,
-                 prompt_ids: list[int], audio_format: str | None = None):
-        self.state, self.orch, self.req, self.body = state, orch, req, body
+                 prompt_ids: list[int], audio_format: str | None = None, index: int = 0):
+        self.state, self.orch, self.req, self.body, self.index = state, orch, req, body, index
         # With audio out, the text is the audio's transcript (OpenAI's shape: content stays null).
         self.audio_format = audio_format
         self.prompt_ids = prompt_ids
@@ -650,14 +677,26 @@ class _Run:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.tokens: dict[int, list[int]] = {s.id: [] for s in state.cfg.stages if s.output == "tokens"}
-        self.created = int(time.time())
         # The text tokens' log-probabilities (body.logprobs), and how many a stream has sent.
         self.logprobs: list[TokenLogprob] | None = [] if body.logprobs else None
         self.logprobs_sent = 0
+        self.aborted = False
         self._stream = self._events()
 
+    @property
+    def ended(self) -> bool:
+        """No stage holds the request any more: it finished or failed (`done`), or was aborted here."""
+        return self.req.done or self.aborted
+
+    async def abort(self, outcome: str = "aborted") -> None:
+        """Drop the request in every stage unless it ended. (Its sends do not wait, so this also
+        runs in the clean-up of a cancelled stream.)"""
+        if not self.ended:
+            self.aborted = True
+            await self.orch.abort(self.req.request_id, outcome=outcome)
+
     async def first(self) -> tuple[str, Any] | None:
-        """The first event of `_events` (None: there was none), for `sse`."""
+        """The first event of `_events` (None: there was none), for `_streamed`."""
         return await anext(self._stream, None)
 
     async def _events(self) -> AsyncIterator[tuple[str, Any]]:
@@ -681,7 +720,7 @@ class _Run:
                     self.finish_reason = "stop"
                     yield "text", piece + self.detok.flush()
                     if self.req.pending == {text_stage}:
-                        await self.orch.abort(self.req.request_id, outcome="ok")  # done: the stop string came
+                        await self.abort(outcome="ok")  # done: the stop string came
                         return
                     # Later stages (speech) still finish, on the text up to the stop.
                     await self.orch.finish(self.req.request_id, text_stage)
@@ -722,16 +761,12 @@ class _Run:
         return AudioResponse(id=f"audio_{uuid.uuid4().hex}", data=base64.b64encode(data).decode(),
                              expires_at=int(time.time()) + AUDIO_TTL_S, transcript=transcript)
 
-    def _usage(self) -> Usage:
-        return Usage(prompt_tokens=self.n_prompt, completion_tokens=self.completion_tokens,
-                     total_tokens=self.n_prompt + self.completion_tokens)
-
-    def _omni_outputs(self) -> dict[str, dict[str, Any]] | None:
+    def omni_outputs(self) -> dict[str, dict[str, Any]] | None:
         if not self.tokens:
             return None
         return {self.state.cfg.stage(i).name: {"token_ids": ids} for i, ids in self.tokens.items()}
 
-    async def collect(self) -> ChatCompletion:
+    async def collect(self) -> Choice:
         texts, pieces = [], []
         async for kind, value in self._stream:
             (texts if kind == "text" else pieces).append(value)
@@ -740,19 +775,14 @@ class _Run:
         message = ResponseMessage(content=content)
         if self.audio_format is not None:
             message = ResponseMessage(content=None, audio=await self._audio(text, pieces))
-        return ChatCompletion(
-            id=self.req.request_id, model=self.state.cfg.model,
-            choices=[Choice(message=message,
-                            finish_reason=self.finish_reason or "stop",
-                            logprobs=None if self.logprobs is None else ChoiceLogprobs(content=self.logprobs),
-                            token_ids=self.token_ids if self.body.return_token_ids else None)],
-            usage=self._usage(), omni_outputs=self._omni_outputs(),
-            prompt_token_ids=self.prompt_ids if self.body.return_token_ids else None)
+        return Choice(index=self.index, message=message, finish_reason=self.finish_reason or "stop",
+                      logprobs=None if self.logprobs is None else ChoiceLogprobs(content=self.logprobs),
+                      token_ids=self.token_ids if self.body.return_token_ids else None)
 
     def transcript_sse(self, first: tuple[str, Any] | None) -> AsyncIterator[str]:
         """A transcription's stream after `first`: OpenAI's `transcript.text.delta` events, then
         `transcript.text.done` with the whole text and the usage."""
-        return _typed_events(self._transcript_events(first), self.orch, self.req.request_id)
+        return _typed_events(self._transcript_events(first), self.abort)
 
     async def _transcript_events(self, first: tuple[str, Any] | None) -> AsyncIterator[dict]:
         texts = []
@@ -762,16 +792,13 @@ class _Run:
         yield {"type": "transcript.text.done", "text": "".join(texts),
                "usage": transcription.usage(self.n_prompt, self.completion_tokens)}
 
-    def _chunk(self, delta: DeltaMessage, finish: str | None = None, logprobs: ChoiceLogprobs | None = None,
-               **extra) -> str:
-        chunk = ChatCompletionChunk(id=self.req.request_id, created=self.created, model=self.state.cfg.model,
-                                    choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
-                                    **extra)
-        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+    def _choice(self, delta: DeltaMessage, finish: str | None = None,
+                logprobs: ChoiceLogprobs | None = None) -> ChunkChoice:
+        return ChunkChoice(index=self.index, delta=delta, finish_reason=finish, logprobs=logprobs)
 
-    def _audio_chunk(self, audio_id: str, data: bytes, expires_at: int) -> str:
-        return self._chunk(DeltaMessage(audio=AudioDelta(id=audio_id, data=base64.b64encode(data).decode(),
-                                                         expires_at=expires_at)))
+    def _audio_choice(self, audio_id: str, data: bytes, expires_at: int) -> ChunkChoice:
+        return self._choice(DeltaMessage(audio=AudioDelta(id=audio_id, data=base64.b64encode(data).decode(),
+                                                          expires_at=expires_at)))
 
     async def _stream_from(self, first: tuple[str, Any] | None) -> AsyncIterator[tuple[str, Any]]:
         if first is not None:
@@ -779,48 +806,121 @@ class _Run:
             async for event in self._stream:
                 yield event
 
-    async def sse(self, first: tuple[str, Any] | None) -> AsyncIterator[str]:
-        """The stream after `first` (the first event, from `first()`)."""
-        finished = False
-        try:
-            yield self._chunk(DeltaMessage(role="assistant", content=""))
-            # Audio goes out as it is made: transcript deltas and data deltas (the requested format,
-            # encoded piece by piece; see audio.StreamEncoder) interleave, all under one audio id.
-            audio_id, encoder = f"audio_{uuid.uuid4().hex}", None
-            expires_at = int(time.time()) + AUDIO_TTL_S
-            async for kind, value in self._stream_from(first):
-                if kind == "text" and self.audio_format is None:
-                    yield self._chunk(DeltaMessage(content=value), logprobs=self._new_logprobs())
-                elif kind == "text":
-                    yield self._chunk(DeltaMessage(audio=AudioDelta(id=audio_id, transcript=value)),
-                                      logprobs=self._new_logprobs())
-                else:
-                    wave, rate = value
-                    if encoder is None:
-                        encoder = audio.StreamEncoder(rate, self.audio_format)
-                    data = await asyncio.to_thread(encoder.push, wave)
-                    if data:
-                        yield self._audio_chunk(audio_id, data, expires_at)
-            if self.audio_format is not None:
+    async def chunks(self, first: tuple[str, Any] | None) -> AsyncIterator[ChunkChoice]:
+        """This choice's stream after `first` (the first event, from `first()`): its role, its text
+        and audio as they come, its finish."""
+        yield self._choice(DeltaMessage(role="assistant", content=""))
+        # Audio goes out as it is made: transcript deltas and data deltas (the requested format,
+        # encoded piece by piece; see audio.StreamEncoder) interleave, all under one audio id.
+        audio_id, encoder = f"audio_{uuid.uuid4().hex}", None
+        expires_at = int(time.time()) + AUDIO_TTL_S
+        async for kind, value in self._stream_from(first):
+            if kind == "text" and self.audio_format is None:
+                yield self._choice(DeltaMessage(content=value), logprobs=self._new_logprobs())
+            elif kind == "text":
+                yield self._choice(DeltaMessage(audio=AudioDelta(id=audio_id, transcript=value)),
+                                   logprobs=self._new_logprobs())
+            else:
+                wave, rate = value
                 if encoder is None:
-                    raise APIError(500, "the pipeline returned no audio")
-                data = await asyncio.to_thread(encoder.close)
+                    encoder = audio.StreamEncoder(rate, self.audio_format)
+                data = await asyncio.to_thread(encoder.push, wave)
                 if data:
-                    yield self._audio_chunk(audio_id, data, expires_at)
-            rest = self._new_logprobs()  # (tokens whose text was held back or empty)
-            yield self._chunk(DeltaMessage(), finish=self.finish_reason or "stop",
-                              logprobs=rest if rest is not None and rest.content else None,
-                              omni_outputs=self._omni_outputs())
+                    yield self._audio_choice(audio_id, data, expires_at)
+        if self.audio_format is not None:
+            if encoder is None:
+                raise APIError(500, "the pipeline returned no audio")
+            data = await asyncio.to_thread(encoder.close)
+            if data:
+                yield self._audio_choice(audio_id, data, expires_at)
+        rest = self._new_logprobs()  # (tokens whose text was held back or empty)
+        yield self._choice(DeltaMessage(), finish=self.finish_reason or "stop",
+                           logprobs=rest if rest is not None and rest.content else None)
+
+
+class _Completion:
+    """A chat completion: its n choices, each its own pipeline request (`_Run`), gathered into one
+    response or streamed as one SSE stream. Every request ends (finished or aborted) whatever
+    happens: a choice that fails, a client that leaves, a cancellation."""
+
+    def __init__(self, completion_id: str, runs: list[_Run]):
+        self.id, self.runs = completion_id, runs
+        self.state, self.body = runs[0].state, runs[0].body
+        self.created = int(time.time())
+
+    async def abort(self) -> None:
+        for run in self.runs:
+            await run.abort()
+
+    async def _each(self, work: Callable[[_Run], Awaitable[Any]]) -> list[Any]:
+        """`work(run)` for every choice at once; when one fails (or this is cancelled) the others
+        stop and every request that has not ended is aborted."""
+        tasks = [asyncio.ensure_future(work(run)) for run in self.runs]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await self.abort()
+            raise
+
+    async def first(self) -> list[tuple[str, Any] | None]:
+        return await self._each(_Run.first)
+
+    def _usage(self) -> Usage:
+        # OpenAI's count: the prompt once (every choice reads the same), the completions summed.
+        prompt, completion = self.runs[0].n_prompt, sum(run.completion_tokens for run in self.runs)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def collect(self) -> ChatCompletion:
+        choices = await self._each(_Run.collect)
+        omni = [run.omni_outputs() for run in self.runs]
+        if len(choices) > 1:  # each choice's own, under it
+            for choice, outputs in zip(choices, omni):
+                choice.omni_outputs = outputs
+        return ChatCompletion(id=self.id, created=self.created, model=self.state.cfg.model, choices=choices,
+                              usage=self._usage(), omni_outputs=omni[0] if len(choices) == 1 else None,
+                              prompt_token_ids=self.runs[0].prompt_ids if self.body.return_token_ids else None)
+
+    def _chunk(self, choices: list[ChunkChoice], **extra) -> str:
+        chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.state.cfg.model, choices=choices,
+                                    **extra)
+        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+    async def sse(self, firsts: list[tuple[str, Any] | None]) -> AsyncIterator[str]:
+        """The choices' streams after their first events (`first()`), merged as their chunks come;
+        each choice's finish chunk carries its `omni_outputs`; then the usage of all."""
+        try:
+            async with aclosing(_merged([run.chunks(first) for run, first in zip(self.runs, firsts)])) as choices:
+                async for choice in choices:
+                    omni = self.runs[choice.index].omni_outputs() if choice.finish_reason else None
+                    yield self._chunk([choice], omni_outputs=omni)
             opts = self.body.stream_options
             if opts is not None and opts.include_usage:
-                usage = ChatCompletionChunk(id=self.req.request_id, created=self.created,
-                                            model=self.state.cfg.model, choices=[], usage=self._usage())
-                yield f"data: {usage.model_dump_json(exclude_none=True)}\n\n"
-            finished = True
+                yield self._chunk([], usage=self._usage())
         except APIError as e:
-            finished = True
-            yield f"data: {json.dumps(errors.error_body(e.status, e.message))}\n\n"
+            yield _sse(errors.error_body(e.status, e.message))
         finally:
-            if not finished:  # client went away mid-stream (generator closed / cancelled)
-                await self.orch.abort(self.req.request_id)
+            await self.abort()  # (the client went away mid-stream, or a choice failed: the others)
         yield "data: [DONE]\n\n"
+
+
+async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of `streams` as they come (each stream's in its order). A failure in one ends all;
+    those still running are cancelled when this ends early."""
+    pending = {asyncio.ensure_future(anext(it)): it for it in streams}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                it = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(it))] = it
+                yield item
+    finally:
+        for task in pending:
+            task.cancel()
+        asyncio.gather(*pending, return_exceptions=True)  # (reads their outcomes: no "never retrieved" logs)

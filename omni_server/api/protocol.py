@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 
 class _Lenient(BaseModel):
@@ -99,6 +99,13 @@ class ResponseFormat(_Lenient):
         return self
 
 
+# A request's `seed`: int64, as vLLM's server takes it (a larger one would fail in the stages: a 500).
+Seed = Annotated[int | None, Field(ge=-(2**63), le=2**63 - 1)]
+
+# The most choices (`n`) one chat request may ask for.
+MAX_CHOICES = 8
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -113,9 +120,11 @@ class ChatCompletionRequest(_Lenient):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    # Choice i draws from seed + i, which the stages take up to 2**64 - 1.
+    seed: Seed = None
     stop: str | list[str] | None = Field(None, validate_default=True)
-    n: int = Field(1, ge=1, le=1)
+    # Choices: independent samples of the prompt, each its own pipeline request (hence a cap).
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
@@ -213,6 +222,16 @@ class Choice(BaseModel):
     finish_reason: str | None
     logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = None
+    # Extension, n > 1 only: this choice's `omni_outputs` (n = 1 keeps them on the completion).
+    omni_outputs: dict[str, dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omni_outputs_when_set(self, handler) -> dict[str, Any]:
+        # Left out when unset, so an n = 1 choice reads as it did before choices had their own.
+        out = handler(self)
+        if out.get("omni_outputs") is None:
+            out.pop("omni_outputs", None)
+        return out
 
 
 class ChatCompletion(BaseModel):
@@ -268,7 +287,7 @@ class SpeechRequest(_Lenient):
     # speech.audio.delta / speech.audio.done events.
     stream_format: Literal["audio", "sse"] = "audio"
     # Extension: seed of every sampling stage (talker, the vocoder's noise): same seed, same waveform.
-    seed: int | None = None
+    seed: Seed = None
 
 
 class VoiceList(BaseModel):
