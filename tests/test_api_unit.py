@@ -301,3 +301,36 @@ def test_a_client_that_leaves_aborts_every_choice(tiny_models, tmp_path, stream)
 
     orch, left = _bounded(main)
     assert sorted(orch.aborted) == ["c-0", "c-1", "c-2"] and left == []
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+def test_a_client_gone_before_the_first_chunk_aborts_every_choice(tiny_models, tmp_path, spec):
+    """The status line cannot be sent (the client left after the first outputs came): the stream's
+    generator never starts, so its own clean-up never runs; the response still aborts every choice
+    (ASGI 2.4 servers raise on the failed send, 2.3 ones report the disconnect)."""
+    from starlette.requests import ClientDisconnect
+
+    from omni_server.api.app import _AbortingStream
+    from omni_server.wire.messages import RequestDelta
+
+    async def main():
+        orch = _Deltas()
+        completion = _completion(tmp_path, 2, orch, stream=True)
+        for i in range(2):
+            orch.queues[f"c-{i}"].put_nowait(RequestDelta(f"c-{i}", new_token_ids=HELLO))
+        response = _AbortingStream(completion.sse(await completion.first()), completion.abort)
+
+        async def send(message):
+            raise OSError("connection reset")
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"spec_version": spec}}
+        try:
+            await response(scope, receive, send)
+        except (ClientDisconnect, OSError):
+            pass
+        return orch
+
+    assert sorted(_bounded(main).aborted) == ["c-0", "c-1"]

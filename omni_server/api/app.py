@@ -16,7 +16,6 @@ from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
 import msgspec
 from fastapi import Depends, FastAPI, Form, HTTPException, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 from omni_server.api import audio, errors, image, transcription, video
 from omni_server.api.errors import APIError
@@ -232,13 +231,13 @@ def create_app(state: ServerState) -> FastAPI:
 
         speech_out = _SpeechStream(state, orch, req, fmt, n_input=len(reply))
         if body.stream_format == "sse":
-            return StreamingResponse(speech_out.sse(), media_type="text/event-stream")
+            return _AbortingStream(speech_out.sse(), speech_out.abort)
         # The bytes stream as the audio is made; the first piece is awaited here so that a request
         # failing before any audio gets a proper error status.
-        first = await _until_disconnect(request, speech_out.first(), lambda: orch.abort(request_id))
+        first = await _until_disconnect(request, speech_out.first(), speech_out.abort)
         if isinstance(first, Response):
             return first
-        return StreamingResponse(speech_out.raw(first), media_type=audio.content_type(fmt))
+        return _AbortingStream(speech_out.raw(first), speech_out.abort, audio.content_type(fmt))
 
     @app.post("/v1/audio/transcriptions", dependencies=[Depends(require_key)])
     async def transcriptions(request: Request, file: UploadFile, model: Annotated[str, Form()],
@@ -575,9 +574,24 @@ async def _streamed(request: Request, run: _Run | _Completion, sse: Callable[[An
     first = await _until_disconnect(request, run.first(), run.abort)
     if isinstance(first, Response):
         return first
-    # (`sse` aborts what has not ended when it stops early; the background abort covers a stream
-    # that never started, its client gone before the first chunk.)
-    return StreamingResponse(sse(first), media_type="text/event-stream", background=BackgroundTask(run.abort))
+    return _AbortingStream(sse(first), run.abort)
+
+
+class _AbortingStream(StreamingResponse):
+    """An event stream that ends its pipeline requests however the response ends. `sse`'s own
+    clean-up runs only once its generator started, and a client gone before the first chunk never
+    starts it (on an ASGI 2.4 server the status line's send fails and the response raises)."""
+
+    def __init__(self, body: AsyncIterator[str | bytes], abort: Callable[[], Awaitable[None]],
+                 media_type: str = "text/event-stream"):
+        super().__init__(body, media_type=media_type)
+        self._abort = abort
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._abort()  # (a no-op for requests that ended)
 
 
 def _sse(payload: dict) -> str:
@@ -611,6 +625,7 @@ class _SpeechStream:
     def __init__(self, state: ServerState, orch: Orchestrator, req, fmt: str, n_input: int):
         self.state, self.orch, self.req, self.fmt = state, orch, req, fmt
         self.n_input, self.n_output = n_input, 0
+        self.aborted = False
         self._pieces = self._encoded()
 
     async def _encoded(self) -> AsyncIterator[bytes]:
@@ -632,6 +647,12 @@ class _SpeechStream:
     async def first(self) -> bytes:
         return await anext(self._pieces)
 
+    async def abort(self) -> None:
+        """Drop the request in every stage unless it ended (finished, failed, or aborted here)."""
+        if not (self.req.done or self.aborted):
+            self.aborted = True
+            await self.orch.abort(self.req.request_id)
+
     async def raw(self, first: bytes) -> AsyncIterator[bytes]:
         finished = False
         try:
@@ -649,10 +670,10 @@ class _SpeechStream:
             raise
         finally:
             if not finished:  # client went away
-                await self.orch.abort(self.req.request_id)
+                await self.abort()
 
     def sse(self) -> AsyncIterator[str]:
-        return _typed_events(self._events(), lambda: self.orch.abort(self.req.request_id))
+        return _typed_events(self._events(), self.abort)
 
     async def _events(self) -> AsyncIterator[dict]:
         async for data in self._pieces:
