@@ -26,6 +26,10 @@ def _thinker_dir():
 
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model" and card.owned_by == "omni-server"
+    with pytest.raises(openai.NotFoundError, match="nope/x"):
+        client.models.retrieve("nope/x")
 
 
 def test_greedy_chat_equals_transformers(client):

@@ -175,6 +175,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.cfg.model, created=state.created)])
 
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(require_key)])
+    async def model_card(model: str) -> ModelCard:
+        _check_model(state, model)  # (model ids may hold slashes: `Qwen/Qwen2.5-Omni-7B`)
+        return ModelCard(id=state.cfg.model, created=state.created)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
