@@ -52,5 +52,5 @@ def test_limits():
         _decode(url, max_total_pixels=5 * 64 * 48 - 1)
     with pytest.raises(VideoError, match="larger than the limit of 100 bytes"):
         _decode(url, max_bytes=100)
-    with pytest.raises(VideoError, match="not fetched"):
+    with pytest.raises(VideoError, match="must be a data:video"):  # (the api fetches http URLs first: api/fetch.py)
         _decode("https://example.com/a.mp4")

@@ -17,7 +17,7 @@ import msgspec
 from fastapi import Depends, FastAPI, Form, HTTPException, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omni_server.api import audio, errors, image, transcription, video
+from omni_server.api import audio, errors, fetch, image, transcription, video
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import (
     AudioDelta,
@@ -414,7 +414,7 @@ def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:
     return wanted
 
 
-_PLACEHOLDER = {"input_audio": "audio", "image_url": "image", "video_url": "video"}
+_PLACEHOLDER = {"input_audio": "audio", "audio_url": "audio", "image_url": "image", "video_url": "video"}
 
 
 def _template_message(m) -> dict[str, Any]:
@@ -429,39 +429,53 @@ def _template_message(m) -> dict[str, Any]:
 async def _decode_media(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
     """Decoded media parts as the first stage reads them: "audio.N" (16 kHz mono float32),
     "image.N" (RGB uint8) and "video.N" (RGB uint8 frames, `video.FPS` a second), numbered in prompt
-    order per kind."""
+    order per kind; http(s) URLs fetched where the deployment allows (api/fetch.py)."""
     import torch
 
     limits = state.cfg.server
     out: dict[str, Any] = {}
-    counts = {"input_audio": 0, "image_url": 0, "video_url": 0}
+    counts = {"audio": 0, "image": 0, "video": 0}
     for part in (p for m in body.messages for p in m.media_parts()):
-        i = counts[part.type]
-        counts[part.type] += 1
         kind = _PLACEHOLDER[part.type]
+        i = counts[kind]
+        counts[kind] += 1
         cap = _media_cap(state, kind)  # (vLLM would refuse more, after the decoding)
-        if isinstance(cap, int) and counts[part.type] > cap:
+        if isinstance(cap, int) and counts[kind] > cap:
             raise APIError(400, f"this pipeline takes at most {cap} {kind} input(s) per request "
                                 f"(stage 0's limit_mm_per_prompt)", param="messages")
         try:
-            if part.type == "input_audio":
-                wave = await asyncio.to_thread(
-                    audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
-                    max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
-                out[f"audio.{i}"] = torch.from_numpy(wave)
-            elif part.type == "image_url":
-                rgb = await asyncio.to_thread(image.decode_image_url, part.image_url.url,
-                                              max_bytes=limits.max_request_bytes, max_pixels=limits.max_image_pixels)
-                out[f"image.{i}"] = torch.from_numpy(rgb)
-            else:
-                frames = await asyncio.to_thread(video.decode_video_url, part.video_url.url,
-                                                 max_bytes=limits.max_request_bytes, max_pixels=limits.max_image_pixels,
-                                                 max_frames=limits.max_video_frames,
-                                                 max_total_pixels=limits.max_video_pixels)
-                out[f"video.{i}"] = torch.from_numpy(frames)
-        except (audio.AudioError, image.ImageError, video.VideoError) as e:
+            out[f"{kind}.{i}"] = torch.from_numpy(await _decode_part(limits, part))
+        except (audio.AudioError, image.ImageError, video.VideoError, fetch.FetchError) as e:
             raise APIError(400, f"{part.type} {i}: {e}", param="messages") from None
     return out
+
+
+async def _decode_part(limits, part) -> Any:
+    """One media part's array (see `_decode_media`)."""
+    if part.type == "input_audio":
+        return await asyncio.to_thread(audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
+                                       max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
+    url = getattr(part, part.type).url
+    data = None
+    if fetch.is_remote(url):
+        data = await fetch.fetch(url, kind=_PLACEHOLDER[part.type], domains=limits.media_url_domains,
+                                 private=limits.media_url_private, max_bytes=limits.max_request_bytes,
+                                 timeout_s=limits.media_url_timeout_s)
+    if part.type == "audio_url":
+        if data is None:
+            data = audio.audio_data_url(url, max_bytes=limits.max_request_bytes)
+        return await asyncio.to_thread(audio.decode_audio, data, target_rate=AUDIO_SAMPLE_RATE,
+                                       max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
+    if part.type == "image_url":
+        if data is None:
+            return await asyncio.to_thread(image.decode_image_url, url, max_bytes=limits.max_request_bytes,
+                                           max_pixels=limits.max_image_pixels)
+        return await asyncio.to_thread(image.decode_image, data, max_pixels=limits.max_image_pixels)
+    video_limits = dict(max_pixels=limits.max_image_pixels, max_frames=limits.max_video_frames,
+                        max_total_pixels=limits.max_video_pixels)
+    if data is None:
+        return await asyncio.to_thread(video.decode_video_url, url, max_bytes=limits.max_request_bytes, **video_limits)
+    return await asyncio.to_thread(video.decode_video, data, **video_limits)
 
 
 async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str], prompt_ids: list[int],

@@ -11,11 +11,14 @@ import binascii
 import functools
 import io
 import math
+import re
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import soundfile as sf
+
+from omni_server.api.data_url import payload
 
 if TYPE_CHECKING:
     import torch
@@ -236,6 +239,15 @@ def decode_audio(data: bytes, *, target_rate: int = 16000, max_bytes: int, max_s
         raise AudioError("audio contains no samples")
     wave = np.nan_to_num(wave, nan=0.0, posinf=1.0, neginf=-1.0)  # float WAV may carry NaN/inf
     return np.ascontiguousarray(_resample(wave, rate, target_rate), dtype=np.float32)
+
+
+_DATA_URL = re.compile(r"^data:audio/(wav|x-wav|wave|mpeg|mp3|flac|x-flac|ogg|opus);base64,", re.IGNORECASE)
+
+
+def audio_data_url(url: str, *, max_bytes: int) -> bytes:
+    """The file bytes of a base64 `data:audio/...` URL (an `audio_url` part)."""
+    return payload(url, _DATA_URL, kind="audio", accepted="data:audio/(wav|mpeg|flac|ogg);base64,...",
+                   max_bytes=max_bytes, error=AudioError)
 
 
 def decode_base64_audio(b64: str | bytes, *, target_rate: int = 16000, max_bytes: int,

@@ -1,5 +1,4 @@
-"""Media sent inline as base64 `data:` URLs: the one way the api takes images and videos (it never
-fetches a URL)."""
+"""Media sent inline as base64 `data:` URLs (http(s) URLs are api/fetch.py's)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ def payload(url: str, pattern: re.Pattern, *, kind: str, accepted: str, max_byte
     message the client can read (`kind`: "image" / "video"; `accepted`: the URL forms taken)."""
     m = pattern.match(url)
     if m is None:
-        if url.startswith(("http://", "https://")):
-            raise error(f"remote {kind} URLs are not fetched; send the {kind} as a data:{kind}/...;base64 URL")
         raise error(f"{kind}_url must be a {accepted} URL")
     data = url[m.end():]
     if len(data) * 3 // 4 > max_bytes:

@@ -1,4 +1,5 @@
-"""Images in chat requests: `data:` URLs decoded to RGB arrays, with size limits, never fetched."""
+"""Images in chat requests (`data:` URLs, or fetched bytes: api/fetch.py) decoded to RGB arrays, with
+size limits."""
 
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ class ImageError(ValueError):
 
 def decode_image_url(url: str, *, max_bytes: int, max_pixels: int) -> np.ndarray:
     """RGB uint8 [height, width, 3] of a base64 `data:image/...` URL."""
-    from PIL import Image
-
     data = payload(url, _DATA_URL, kind="image", accepted="data:image/(png|jpeg|webp|gif|bmp);base64,...",
                    max_bytes=max_bytes, error=ImageError)
+    return decode_image(data, max_pixels=max_pixels)
+
+
+def decode_image(data: bytes, *, max_pixels: int) -> np.ndarray:
+    """RGB uint8 [height, width, 3] of an image file's bytes."""
+    from PIL import Image
+
     try:
         with Image.open(io.BytesIO(data)) as img:
             # The header's size, checked before any pixel is decoded (decompression bombs).

@@ -29,7 +29,7 @@ class InputAudioPart(_Lenient):
 
 
 class ImageURL(_Lenient):
-    url: str  # data:image/...;base64,... (remote URLs are refused)
+    url: str  # data:image/...;base64,..., or http(s) where server.media_url_domains allows
     detail: str | None = None
 
 
@@ -39,7 +39,7 @@ class ImageURLPart(_Lenient):
 
 
 class VideoURL(_Lenient):
-    url: str  # data:video/...;base64,... (remote URLs are refused)
+    url: str  # data:video/...;base64,..., or http(s) where server.media_url_domains allows
 
 
 class VideoURLPart(_Lenient):
@@ -49,7 +49,20 @@ class VideoURLPart(_Lenient):
     video_url: VideoURL
 
 
-ContentPart = Annotated[Union[TextPart, InputAudioPart, ImageURLPart, VideoURLPart], Field(discriminator="type")]
+class AudioURL(_Lenient):
+    url: str  # data:audio/...;base64,..., or http(s) where server.media_url_domains allows
+
+
+class AudioURLPart(_Lenient):
+    """vLLM's extension of OpenAI's content parts: audio by URL (OpenAI's own is `input_audio`)."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
+MediaPart = InputAudioPart | AudioURLPart | ImageURLPart | VideoURLPart
+ContentPart = Annotated[Union[TextPart, InputAudioPart, AudioURLPart, ImageURLPart, VideoURLPart],
+                        Field(discriminator="type")]
 
 
 class ChatMessage(_Lenient):
@@ -64,10 +77,10 @@ class ChatMessage(_Lenient):
             return self.content
         return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
-    def media_parts(self) -> list[InputAudioPart | ImageURLPart | VideoURLPart]:
+    def media_parts(self) -> list[MediaPart]:
         if not isinstance(self.content, list):
             return []
-        return [p for p in self.content if isinstance(p, (InputAudioPart, ImageURLPart, VideoURLPart))]
+        return [p for p in self.content if not isinstance(p, TextPart)]
 
 
 class AudioOutputParam(_Lenient):

@@ -1,5 +1,5 @@
-"""Videos in chat requests: `data:video/...` URLs decoded to RGB frames sampled at a fixed rate,
-with size limits, never fetched.
+"""Videos in chat requests (`data:video/...` URLs, or fetched bytes: api/fetch.py) decoded to RGB
+frames sampled at a fixed rate, with size limits.
 
 Frames are taken at `FPS` (2 a second, as Qwen's own video tools sample) by the stream's own
 timestamps; the first stage tells its processor that rate, so the time positions the model sees
@@ -32,6 +32,11 @@ def decode_video_url(url: str, *, max_bytes: int, max_pixels: int, max_frames: i
     data = payload(url, _DATA_URL, kind="video",
                    accepted="data:video/(mp4|webm|quicktime|x-matroska|x-msvideo|mpeg);base64,...",
                    max_bytes=max_bytes, error=VideoError)
+    return decode_video(data, max_pixels=max_pixels, max_frames=max_frames, max_total_pixels=max_total_pixels)
+
+
+def decode_video(data: bytes, *, max_pixels: int, max_frames: int, max_total_pixels: int) -> np.ndarray:
+    """`decode_video_url` of a video file's bytes."""
     # OpenCV's FFmpeg reader opens files only: the bytes go to a private temporary file.
     fd, path = tempfile.mkstemp(suffix=".video")
     try:

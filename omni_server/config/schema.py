@@ -173,6 +173,24 @@ class ServerConfig(_Strict):
     # the default is 128 frames of 1280 x 720, ~350 MB).
     max_video_frames: int = Field(128, ge=1)
     max_video_pixels: int = Field(128 * 1280 * 720, ge=1)
+    # http(s) media URLs (image_url, video_url, audio_url parts): the hosts the api fetches from
+    # (a domain covers its subdomains; "*": any host). None: only data: URLs are taken. Hosts that
+    # resolve to non-public addresses (loopback, private, link-local) are refused unless
+    # media_url_private (request forgery into the server's own network). Bodies up to
+    # max_request_bytes, within media_url_timeout_s.
+    media_url_domains: list[str] | None = None
+    media_url_private: bool = False
+    media_url_timeout_s: float = Field(10.0, gt=0)
+
+    @field_validator("media_url_domains")
+    @classmethod
+    def _domains(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        out = [d.strip().strip(".").lower() for d in v]
+        if not all(out) or any("/" in d or ":" in d for d in out):
+            raise ValueError("must list host names (e.g. media.example.com), or \"*\" for any host")
+        return out
     # /v1/audio/transcriptions asks the text stage for a transcript with one user turn: the audio,
     # then this instruction (`transcription_language_prompt` when the request names a language:
     # {language} becomes its name); after a system message when one is given (translations too).

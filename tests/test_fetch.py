@@ -1,0 +1,106 @@
+"""Media URLs fetched by the api (omni_server/api/fetch.py) from a real local HTTP server: what is
+fetched, and every way a fetch is refused (off, another host, a non-public address, too large,
+redirected elsewhere, an error status, too slow)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from omni_server.api.fetch import FetchError, fetch
+
+BODY = bytes(range(256)) * 40  # 10,240 bytes
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path == "/file":
+            self._send(200, BODY)
+        elif self.path == "/chunked":  # no Content-Length: the size shows only while reading
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(0, len(BODY), 1000):
+                piece = BODY[i:i + 1000]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
+        elif self.path.startswith("/to/"):  # a redirect: /to/file -> /file, /to/http://h/x -> http://h/x
+            rest = self.path[len("/to/"):]
+            self.send_response(302)
+            self.send_header("Location", rest if rest.startswith("http") else "/" + rest)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif self.path == "/loop":
+            self.send_response(302)
+            self.send_header("Location", "/loop")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif self.path == "/slow":
+            time.sleep(1.5)
+            self._send(200, BODY)
+        else:
+            self._send(404, b"no")
+
+    def _send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def base():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _get(url: str, domains=("127.0.0.1",), private: bool = True, max_bytes: int = 1 << 20, timeout_s: float = 5.0):
+    return asyncio.run(fetch(url, kind="image", domains=None if domains is None else list(domains),
+                             private=private, max_bytes=max_bytes, timeout_s=timeout_s))
+
+
+def test_fetches_an_allowed_host(base):
+    assert _get(f"{base}/file") == BODY
+    assert _get(f"{base}/chunked") == BODY
+    assert _get(f"{base}/to/file") == BODY  # a redirect on the same host, followed
+    assert _get(f"{base}/file", domains=["*"]) == BODY
+
+
+@pytest.mark.parametrize("path, kw, says", [
+    ("/file", dict(domains=None), "not fetched by this server"),
+    ("/file", dict(domains=["example.com"]), "from 127.0.0.1 are not fetched"),
+    ("/file", dict(private=False), "non-public address"),  # the server's own network
+    ("/file", dict(domains=["*"], private=False), "non-public address"),
+    ("/file", dict(max_bytes=10_000), "larger than the limit of 10000 bytes"),  # by its Content-Length
+    ("/chunked", dict(max_bytes=10_000), "larger than the limit"),  # while reading
+    ("/nothing", {}, "HTTP 404"),
+    ("/loop", {}, "redirects more than 3 times"),
+    ("/to/http://localhost:1/x", {}, "from localhost are not fetched"),  # every hop is checked
+    ("/slow", dict(timeout_s=0.3), "timed out"),
+])
+def test_refusals(base, path, kw, says):
+    with pytest.raises(FetchError, match=says):
+        _get(base + path, **kw)
+
+
+def test_only_http_urls_with_a_host():
+    for url in ("ftp://127.0.0.1/x", "http:///x"):
+        with pytest.raises(FetchError, match="http"):
+            _get(url)
+
+
+def test_a_public_host_is_fetched_only_by_name():
+    """Domains cover their subdomains, never a look-alike."""
+    with pytest.raises(FetchError, match="not fetched"):
+        _get("http://evil-example.com/x", domains=["example.com"], private=False)
+    with pytest.raises(FetchError, match="not fetched"):
+        _get("http://example.com.evil.net/x", domains=["example.com"], private=False)
