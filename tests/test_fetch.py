@@ -5,6 +5,7 @@ redirected elsewhere, an error status, too slow)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,7 +18,10 @@ BODY = bytes(range(256)) * 40  # 10,240 bytes
 
 
 class _Handler(BaseHTTPRequestHandler):
+    hosts: list[str] = []  # each request's Host header
+
     def do_GET(self):  # noqa: N802 (http.server's name)
+        self.hosts.append(self.headers.get("Host", ""))
         if self.path == "/file":
             self._send(200, BODY)
         elif self.path == "/chunked":  # no Content-Length: the size shows only while reading
@@ -55,21 +59,36 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+class _Server(ThreadingHTTPServer):
+    # On the address `localhost` resolves to first (the fetcher connects to the first it resolves).
+    family, _, _, _, (LOCALHOST, *_) = socket.getaddrinfo("localhost", 0, type=socket.SOCK_STREAM)[0]
+    address_family = family
+
+
 @pytest.fixture(scope="module")
-def base():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+def server():
+    server = _Server((_Server.LOCALHOST, 0), _Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
+    yield server
     server.shutdown()
 
 
-def _get(url: str, domains=("127.0.0.1",), private: bool = True, max_bytes: int = 1 << 20, timeout_s: float = 5.0):
+@pytest.fixture(scope="module")
+def base(server):
+    host = f"[{_Server.LOCALHOST}]" if ":" in _Server.LOCALHOST else _Server.LOCALHOST
+    return f"http://{host}:{server.server_address[1]}"
+
+
+def _get(url: str, domains=("127.0.0.1", "::1", "localhost"), private: bool = True, max_bytes: int = 1 << 20, timeout_s: float = 5.0):
     return asyncio.run(fetch(url, kind="image", domains=None if domains is None else list(domains),
                              private=private, max_bytes=max_bytes, timeout_s=timeout_s))
 
 
-def test_fetches_an_allowed_host(base):
+def test_fetches_an_allowed_host(base, server):
     assert _get(f"{base}/file") == BODY
+    # By name: sent to the address the check resolved, the name in the Host header.
+    assert _get(f"http://localhost:{server.server_address[1]}/file") == BODY
+    assert _Handler.hosts[-1] == f"localhost:{server.server_address[1]}"
     assert _get(f"{base}/chunked") == BODY
     assert _get(f"{base}/to/file") == BODY  # a redirect on the same host, followed
     assert _get(f"{base}/file", domains=["*"]) == BODY
@@ -77,14 +96,14 @@ def test_fetches_an_allowed_host(base):
 
 @pytest.mark.parametrize("path, kw, says", [
     ("/file", dict(domains=None), "not fetched by this server"),
-    ("/file", dict(domains=["example.com"]), "from 127.0.0.1 are not fetched"),
+    ("/file", dict(domains=["example.com"]), "are not fetched .server.media_url_domains"),
     ("/file", dict(private=False), "non-public address"),  # the server's own network
     ("/file", dict(domains=["*"], private=False), "non-public address"),
     ("/file", dict(max_bytes=10_000), "larger than the limit of 10000 bytes"),  # by its Content-Length
     ("/chunked", dict(max_bytes=10_000), "larger than the limit"),  # while reading
     ("/nothing", {}, "HTTP 404"),
     ("/loop", {}, "redirects more than 3 times"),
-    ("/to/http://localhost:1/x", {}, "from localhost are not fetched"),  # every hop is checked
+    ("/to/http://example.com/x", {}, "from example.com are not fetched"),  # every hop is checked
     ("/slow", dict(timeout_s=0.3), "timed out"),
 ])
 def test_refusals(base, path, kw, says):

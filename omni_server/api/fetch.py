@@ -4,15 +4,15 @@ Off unless `server.media_url_domains` lists the hosts to fetch from ("*": any). 
 server's own network is a request-forgery risk, so every host a fetch reaches (redirects included,
 each checked again) must resolve only to public addresses, unless `server.media_url_private` is set
 (e.g. an internal media store). Bodies are read up to the request size limit, within a timeout.
-The check resolves the name before the request does: a name that changes its answer in between
-(DNS rebinding) is only kept out by naming trusted domains instead of "*".
+The request then goes to the address that was checked (the name kept for the Host header and TLS),
+so a name that answers differently the second time (DNS rebinding) cannot redirect it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
@@ -36,15 +36,15 @@ async def fetch(url: str, *, kind: str, domains: list[str] | None, private: bool
     try:
         async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, trust_env=False) as client:
             for _ in range(_REDIRECTS + 1):
-                await _check(url, kind, domains, private)
-                async with client.stream("GET", url) as r:
+                target, pins = _pinned(url, await _check(url, kind, domains, private))
+                async with client.stream("GET", target, **pins) as r:
                     if r.is_redirect and "location" in r.headers:
                         url = urljoin(url, r.headers["location"])
                         continue
                     if r.status_code != 200:
                         raise FetchError(f"fetching the {kind} URL failed: HTTP {r.status_code}")
-                    size = int(r.headers.get("content-length") or 0)
-                    if size > max_bytes:
+                    size = r.headers.get("content-length", "")
+                    if size.isdigit() and int(size) > max_bytes:
                         raise FetchError(f"{kind} at the URL is larger than the limit of {max_bytes} bytes")
                     body = bytearray()
                     async for chunk in r.aiter_bytes():
@@ -59,24 +59,33 @@ async def fetch(url: str, *, kind: str, domains: list[str] | None, private: bool
         raise FetchError(f"fetching the {kind} URL failed: {type(e).__name__}") from None
 
 
-async def _check(url: str, kind: str, domains: list[str], private: bool) -> None:
-    """`url` is http(s), its host one of `domains`, and (unless `private`) every address it
-    resolves to public."""
+def _pinned(url: str, address: str) -> tuple[str, dict]:
+    """GET arguments for `url` sent to `address` (an IP of its host): the URL with the address as
+    its host, the name in the Host header and as the TLS server name (certificates check it)."""
+    parts = urlsplit(url)
+    netloc = f"[{address}]" if ":" in address else address
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc)), dict(
+        headers={"Host": parts.netloc.rpartition("@")[2]}, extensions={"sni_hostname": parts.hostname})
+
+
+async def _check(url: str, kind: str, domains: list[str], private: bool) -> str:
+    """The address to fetch `url` from: `url` is http(s), its host one of `domains`, and (unless
+    `private`) every address it resolves to public."""
     parts = urlsplit(url)
     host = (parts.hostname or "").rstrip(".").lower()
     if parts.scheme not in ("http", "https") or not host:
         raise FetchError(f"{kind} URL must be http(s) with a host")
     if "*" not in domains and not any(host == d or host.endswith("." + d) for d in domains):
         raise FetchError(f"{kind} URLs from {host} are not fetched (server.media_url_domains)")
-    if private:
-        return
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         infos = await asyncio.get_running_loop().getaddrinfo(host, port)
     except (OSError, ValueError):
         raise FetchError(f"the {kind} URL's host {host} could not be resolved") from None
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%")[0])
-        if not address.is_global:
-            raise FetchError(f"{kind} URLs that resolve to a non-public address ({host}) are not fetched "
-                             "(server.media_url_private)")
+    addresses = [info[4][0] for info in infos]
+    if not private and not all(ipaddress.ip_address(a.split("%")[0]).is_global for a in addresses):
+        raise FetchError(f"{kind} URLs that resolve to a non-public address ({host}) are not fetched "
+                         "(server.media_url_private)")
+    return addresses[0]
