@@ -5,6 +5,7 @@ redirected elsewhere, an error status, too slow)."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import socket
 import threading
 import time
@@ -12,9 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from omni_server.api.fetch import FetchError, fetch
+from omni_server.api.fetch import FetchError, fetch, public
 
 BODY = bytes(range(256)) * 40  # 10,240 bytes
+GZIPPED = gzip.compress(bytes(1 << 20))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -46,11 +48,23 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/slow":
             time.sleep(1.5)
             self._send(200, BODY)
+        elif self.path == "/drip":  # a byte every 0.1 s: each read is quick, the whole is not
+            self.send_response(200)
+            self.send_header("Content-Length", "50")
+            self.end_headers()
+            for _ in range(50):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.1)
+        elif self.path == "/gzip":  # 1 MB of zeros compressed: held as the ~1 KB sent, never expanded
+            self._send(200, GZIPPED, {"Content-Encoding": "gzip"})
         else:
             self._send(404, b"no")
 
-    def _send(self, status: int, body: bytes) -> None:
+    def _send(self, status: int, body: bytes, headers: dict | None = None) -> None:
         self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -63,6 +77,9 @@ class _Server(ThreadingHTTPServer):
     # On the address `localhost` resolves to first (the fetcher connects to the first it resolves).
     family, _, _, _, (LOCALHOST, *_) = socket.getaddrinfo("localhost", 0, type=socket.SOCK_STREAM)[0]
     address_family = family
+
+    def handle_error(self, request, client_address):
+        pass  # (a client that gave up mid-body: the deadline tests)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +121,8 @@ def test_fetches_an_allowed_host(base, server):
     ("/nothing", {}, "HTTP 404"),
     ("/loop", {}, "redirects more than 3 times"),
     ("/to/http://example.com/x", {}, "from example.com are not fetched"),  # every hop is checked
-    ("/slow", dict(timeout_s=0.3), "timed out"),
+    ("/slow", dict(timeout_s=0.3), "took longer than 0.3 s"),
+    ("/drip", dict(timeout_s=1.0), "took longer than 1 s"),  # one deadline for the whole fetch
 ])
 def test_refusals(base, path, kw, says):
     with pytest.raises(FetchError, match=says):
@@ -115,6 +133,26 @@ def test_only_http_urls_with_a_host():
     for url in ("ftp://127.0.0.1/x", "http:///x"):
         with pytest.raises(FetchError, match="http"):
             _get(url)
+    for url in ("http://[::1/x", "http://127.0.0.1/a\x01b", "http://127.0.0.1/" + "a" * 70000):
+        with pytest.raises(FetchError, match="not a valid URL"):  # (not a 500)
+            _get(url)
+
+
+def test_a_compressed_body_is_held_as_sent(base):
+    assert _get(f"{base}/gzip", max_bytes=1 << 16) == GZIPPED  # (decoded, it would be 1 MB: refused)
+
+
+@pytest.mark.parametrize("address, ok", [
+    ("93.184.216.34", True), ("2606:2800:220:1:248:1893:25c8:1946", True),
+    ("127.0.0.1", False), ("10.1.2.3", False), ("169.254.169.254", False), ("::1", False),
+    ("fe80::1%eth0", False), ("fc00::1", False), ("fec0::1", False),
+    ("::ffff:10.0.0.1", False), ("::ffff:93.184.216.34", True),  # IPv4-mapped
+    ("64:ff9b::a00:1", False), ("64:ff9b::5db8:d822", True),  # NAT64 of 10.0.0.1 / a public one
+    ("2002:a00:1::", False),  # 6to4 of 10.0.0.1
+    ("::127.0.0.1", False),  # IPv4-compatible
+])
+def test_public_addresses(address, ok):
+    assert public(address) is ok
 
 
 def test_a_public_host_is_fetched_only_by_name():

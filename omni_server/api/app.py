@@ -496,9 +496,9 @@ async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str]
     except StageUnavailable as e:
         raise APIError(503, f"pipeline unavailable: {e}") from None
     finally:
-        if len(reqs) < n:  # refused, failed or cancelled part way
-            for req in reqs:
-                await orch.abort(req.request_id)
+        if len(reqs) < n:  # refused, failed or cancelled part way: also the one being submitted
+            for request_id in request_ids[:len(reqs) + 1]:  # (registered before its sends)
+                await orch.abort(request_id)
     return reqs
 
 

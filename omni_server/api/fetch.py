@@ -3,9 +3,11 @@
 Off unless `server.media_url_domains` lists the hosts to fetch from ("*": any). Fetching from the
 server's own network is a request-forgery risk, so every host a fetch reaches (redirects included,
 each checked again) must resolve only to public addresses, unless `server.media_url_private` is set
-(e.g. an internal media store). Bodies are read up to the request size limit, within a timeout.
-The request then goes to the address that was checked (the name kept for the Host header and TLS),
-so a name that answers differently the second time (DNS rebinding) cannot redirect it.
+(e.g. an internal media store); IPv4 addresses inside IPv6 ones (mapped, 6to4, NAT64, Teredo) are
+checked too. The request then goes to the address that was checked (the name kept for the Host
+header and TLS), so a name that answers differently the second time (DNS rebinding) cannot
+redirect it. Bodies are read undecoded up to the request size limit, and the whole fetch (name
+lookups, redirects, body) has one deadline.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 import httpx
 
 _REDIRECTS = 3
+# IPv6 prefixes that carry an IPv4 address in their last 32 bits: NAT64 (RFC 6052, RFC 8215) and
+# IPv4-compatible addresses (deprecated).
+_EMBEDDING = [ipaddress.ip_network(n) for n in ("64:ff9b::/96", "64:ff9b:1::/48", "::/96")]
 
 
 class FetchError(ValueError):
@@ -34,40 +39,54 @@ async def fetch(url: str, *, kind: str, domains: list[str] | None, private: bool
         raise FetchError(f"remote {kind} URLs are not fetched by this server (server.media_url_domains is "
                          f"not set); send the {kind} as a base64 data: URL")
     try:
-        async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, trust_env=False) as client:
-            for _ in range(_REDIRECTS + 1):
-                target, pins = _pinned(url, await _check(url, kind, domains, private))
-                async with client.stream("GET", target, **pins) as r:
-                    if r.is_redirect and "location" in r.headers:
-                        url = urljoin(url, r.headers["location"])
-                        continue
-                    if r.status_code != 200:
-                        raise FetchError(f"fetching the {kind} URL failed: HTTP {r.status_code}")
-                    size = r.headers.get("content-length", "")
-                    if size.isdigit() and int(size) > max_bytes:
-                        raise FetchError(f"{kind} at the URL is larger than the limit of {max_bytes} bytes")
-                    body = bytearray()
-                    async for chunk in r.aiter_bytes():
-                        body += chunk
-                        if len(body) > max_bytes:
-                            raise FetchError(f"{kind} at the URL is larger than the limit of {max_bytes} bytes")
-                    return bytes(body)
-            raise FetchError(f"the {kind} URL redirects more than {_REDIRECTS} times")
-    except httpx.TimeoutException:
-        raise FetchError(f"fetching the {kind} URL timed out after {timeout_s:g} s") from None
+        return await asyncio.wait_for(_get(url, kind, domains, private, max_bytes), timeout_s)
+    except asyncio.TimeoutError:
+        raise FetchError(f"fetching the {kind} URL took longer than {timeout_s:g} s") from None
     except httpx.HTTPError as e:
         raise FetchError(f"fetching the {kind} URL failed: {type(e).__name__}") from None
+    except (httpx.InvalidURL, ValueError) as e:  # (UnicodeError too: a host IDNA cannot encode)
+        if isinstance(e, FetchError):
+            raise
+        raise FetchError(f"the {kind} URL is not a valid URL") from None
+
+
+async def _get(url: str, kind: str, domains: list[str], private: bool, max_bytes: int) -> bytes:
+    too_large = FetchError(f"{kind} at the URL is larger than the limit of {max_bytes} bytes")
+    # identity: the bytes read are the bytes held (a compressed body could expand far past the cap).
+    async with httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=None,
+                                 headers={"Accept-Encoding": "identity"}) as client:
+        for _ in range(_REDIRECTS + 1):
+            target, pins = _pinned(url, await _check(url, kind, domains, private))
+            async with client.stream("GET", target, **pins) as r:
+                if r.is_redirect and "location" in r.headers:
+                    url = urljoin(url, r.headers["location"])
+                    continue
+                if r.status_code != 200:
+                    raise FetchError(f"fetching the {kind} URL failed: HTTP {r.status_code}")
+                size = r.headers.get("content-length", "")
+                if size.isdigit() and int(size) > max_bytes:
+                    raise too_large
+                body = bytearray()
+                async for chunk in r.aiter_raw():
+                    body += chunk
+                    if len(body) > max_bytes:
+                        raise too_large
+                return bytes(body)
+    raise FetchError(f"the {kind} URL redirects more than {_REDIRECTS} times")
 
 
 def _pinned(url: str, address: str) -> tuple[str, dict]:
     """GET arguments for `url` sent to `address` (an IP of its host): the URL with the address as
-    its host, the name in the Host header and as the TLS server name (certificates check it)."""
+    its host, the name (IDNA-encoded) in the Host header and as the TLS server name (certificates
+    are checked against it)."""
     parts = urlsplit(url)
+    name = parts.hostname.encode("idna").decode("ascii")
+    address = address.split("%")[0]  # (a link-local scope, only with media_url_private)
     netloc = f"[{address}]" if ":" in address else address
+    host = f"[{name}]" if ":" in name else name
     if parts.port:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc)), dict(
-        headers={"Host": parts.netloc.rpartition("@")[2]}, extensions={"sni_hostname": parts.hostname})
+        netloc, host = f"{netloc}:{parts.port}", f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc)), dict(headers={"Host": host}, extensions={"sni_hostname": name})
 
 
 async def _check(url: str, kind: str, domains: list[str], private: bool) -> str:
@@ -79,13 +98,26 @@ async def _check(url: str, kind: str, domains: list[str], private: bool) -> str:
         raise FetchError(f"{kind} URL must be http(s) with a host")
     if "*" not in domains and not any(host == d or host.endswith("." + d) for d in domains):
         raise FetchError(f"{kind} URLs from {host} are not fetched (server.media_url_domains)")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
         infos = await asyncio.get_running_loop().getaddrinfo(host, port)
-    except (OSError, ValueError):
+    except OSError:
         raise FetchError(f"the {kind} URL's host {host} could not be resolved") from None
     addresses = [info[4][0] for info in infos]
-    if not private and not all(ipaddress.ip_address(a.split("%")[0]).is_global for a in addresses):
+    if not private and not all(public(a) for a in addresses):
         raise FetchError(f"{kind} URLs that resolve to a non-public address ({host}) are not fetched "
                          "(server.media_url_private)")
     return addresses[0]
+
+
+def public(address: str) -> bool:
+    """Whether `address` is a public one, and so is any IPv4 address it carries."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if ip.version == 6:
+        if ip.is_site_local:  # (fec0::/10: deprecated, but routed privately where still used)
+            return False
+        carried = [ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None]
+        carried += [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) for net in _EMBEDDING if ip in net]
+        if any(v4 is not None and not v4.is_global for v4 in carried):
+            return False
+    return ip.is_global
