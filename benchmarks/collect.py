@@ -167,6 +167,8 @@ def collect(out: Path) -> dict:
         **_served(out, "mpspct", "mpspct"),
         # the 7B config with the thinker at MPS's below-normal priority (step `thinkerlow`)
         **_served(out, "thinkerlow", "thinkerlow"),
+        # the 7B config with token2wav at MPS's below-normal priority (step `t2wlow`)
+        **_served(out, "t2wlow", "t2wlow"),
         # the 7B config without its MPS daemon (step `nomps`; cuda_mps: auto in the config since 2026-12-01)
         **_served(out, "nomps", "nomps"),
         # the 7B config with token2wav's polyphase upsampling and compile (session step `t2wfast`),

@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: tests aa t2wboth t2wbig attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -332,6 +332,16 @@ step_thinkerlow() {
   serve thinkerlow 8030 $CFG --stage-arg thinker.env.CUDA_MPS_CLIENT_PRIORITY=1
   wait_ready thinkerlow 8030 && bench thinkerlow 8030
   stop thinkerlow
+}
+
+step_t2wlow() {
+  # The 7B config with token2wav at MPS's below-normal client priority: at c=16 the talker's batch
+  # step took 6.7-7.0 ms beside token2wav (~2 ms alone), 3.4 of the ~4.6 s to the last packet
+  # (2026-12-02 thirteenth run); token2wav has slack until each window's audio is due.
+  free_gpus
+  serve t2wlow 8033 $CFG --stage-arg token2wav.env.CUDA_MPS_CLIENT_PRIORITY=1
+  wait_ready t2wlow 8033 && bench t2wlow 8033
+  stop t2wlow
 }
 
 step_nomps() {
