@@ -87,7 +87,8 @@ def test_overload_is_429_with_retry_after(client):
     assert client.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 503  # under the limit
     # The limit counts every choice: n=2 needs 2 slots, and one is free.
     r = client.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=AUTH)
-    assert r.status_code == 429 and "n=2" in r.json()["error"]["message"], r.text
+    assert r.status_code == 429, r.text
+    assert "1 of its 2 concurrent request slots free, this request needs 2" in r.json()["error"]["message"]
     del orch.requests["busy-1"]
     assert client.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=AUTH).status_code == 503
 
@@ -163,7 +164,7 @@ def test_a_refused_choice_aborts_the_choices_already_submitted(tiny_models, tmp_
     cfg = load_config_text(CONFIG % (MODELS / "tiny-qwen2_5-omni", tmp_path))
     orch = Refuses()
     with pytest.raises(APIError) as err:
-        asyncio.run(_submit(ServerState(cfg, lambda: orch), orch, ["c-0", "c-1"], [1], [{}] * 2, {"text"}, {}))
+        asyncio.run(_submit(ServerState(cfg, lambda: orch), orch, ["c-0", "c-1"], [[1]] * 2, [{}] * 2, {"text"}, {}))
     # (c-1 too: the orchestrator registers a request before sending it, so a failed send leaves it.)
     assert err.value.status == 503 and orch.submitted == ["c-0"] and orch.aborted == ["c-0", "c-1"]
 

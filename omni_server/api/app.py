@@ -17,7 +17,7 @@ import msgspec
 from fastapi import Depends, FastAPI, Form, HTTPException, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omni_server.api import audio, errors, fetch, image, transcription, video
+from omni_server.api import audio, completions, errors, fetch, image, transcription, video
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import (
     AudioDelta,
@@ -28,11 +28,15 @@ from omni_server.api.protocol import (
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
+    CompletionChoice,
+    CompletionRequest,
     DeltaMessage,
+    LegacyLogprobs,
     ModelCard,
     ModelList,
     ResponseMessage,
     SpeechRequest,
+    TextCompletion,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -201,13 +205,38 @@ def create_app(state: ServerState) -> FastAPI:
         # One pipeline request per choice, with ids derived from the completion's (n = 1: its own).
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         ids = [completion_id] if body.n == 1 else [f"{completion_id}-{i}" for i in range(body.n)]
-        reqs = await _submit(state, orch, ids, prompt_ids, [_choice_sampling(sampling, i) for i in range(body.n)],
+        reqs = await _submit(state, orch, ids, [prompt_ids] * body.n, [_choice_sampling(sampling, i) for i in range(body.n)],
                              outputs, options, media)
         completion = _Completion(completion_id, [_Run(state, orch, req, body, prompt_ids, audio_format, index=i)
                                                  for i, req in enumerate(reqs)])
         if body.stream:
             return await _streamed(request, completion, completion.sse)
         return await _until_disconnect(request, completion.collect(), completion.abort)
+
+    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    async def text_completion(body: CompletionRequest, request: Request):
+        """OpenAI's legacy completion: raw prompts, the text stage alone, `n` choices per prompt."""
+        _check_model(state, body.model)
+        if state.text_stage is None:
+            raise APIError(400, f"model `{state.cfg.model}` has no text output", param="model")
+        completions.check(body)
+        prompts = completions.prompts(state.text, body.prompt)
+        for prompt_ids in prompts:
+            _check_prompt(state, prompt_ids)
+        chat = completions.chat_body(body)
+        sampling = _sampling(state, chat)
+        orch = _orch(state)
+        completion_id, n, total = f"cmpl-{uuid.uuid4().hex}", body.n, len(prompts) * body.n
+        ids = [completion_id] if total == 1 else [f"{completion_id}-{k}" for k in range(total)]
+        # Choice k answers prompt k // n, seeded as a chat's choice k % n.
+        reqs = await _submit(state, orch, ids, [prompts[k // n] for k in range(total)],
+                             [_choice_sampling(sampling, k % n) for k in range(total)], {"text"}, {})
+        echoes = [state.text.tokenizer.decode(prompts[k // n]) if body.echo else "" for k in range(total)]
+        done = _TextCompletion(completion_id, [_Run(state, orch, req, chat, prompts[k // n], index=k)
+                                               for k, req in enumerate(reqs)], echoes)
+        if body.stream:
+            return await _streamed(request, done, done.sse)
+        return await _until_disconnect(request, done.collect(), done.abort)
 
     @app.post("/v1/audio/speech", dependencies=[Depends(require_key)])
     async def speech(body: SpeechRequest, request: Request):
@@ -231,7 +260,7 @@ def create_app(state: ServerState) -> FastAPI:
         sampling[first].max_tokens, sampling[first].ignore_eos = 1, True
         orch = _orch(state)
         request_id = f"speech-{uuid.uuid4().hex}"
-        [req] = await _submit(state, orch, [request_id], prompt_ids, [sampling], {"audio"},
+        [req] = await _submit(state, orch, [request_id], [prompt_ids], [sampling], {"audio"},
                               {VOICE_OPTION: voice, REPLY_FROM_OPTION: str(len(prefix))})
 
         speech_out = _SpeechStream(state, orch, req, fmt, n_input=len(reply))
@@ -375,7 +404,7 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
     sampling = _sampling(state, body)
     orch = _orch(state)
     request_id = f"{kind}-{uuid.uuid4().hex}"
-    [req] = await _submit(state, orch, [request_id], prompt_ids, [sampling], {"text"}, {},
+    [req] = await _submit(state, orch, [request_id], [prompt_ids], [sampling], {"text"}, {},
                           {"audio.0": torch.from_numpy(wave)})
     run = _Run(state, orch, req, body, prompt_ids)
     if stream:
@@ -478,20 +507,21 @@ async def _decode_part(limits, part) -> Any:
     return await asyncio.to_thread(video.decode_video, data, **video_limits)
 
 
-async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str], prompt_ids: list[int],
+async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str], prompts: list[list[int]],
                   samplings: list[dict[int, SamplingSpec]], outputs: set[str], options: dict[str, str],
                   media: dict[str, Any] | None = None) -> list[RequestState]:
-    """One pipeline request per id (a chat's choices), all or none: the limit counts them all, and
-    if one is refused those already submitted are aborted."""
+    """One pipeline request per id (a chat's choices; a completion's prompts x choices), each with
+    its prompt and sampling, all or none: the limit counts them all, and if one is refused those
+    already submitted are aborted."""
     limit, n = state.cfg.server.max_concurrent_requests, len(request_ids)
     free = limit - len(orch.requests)
     if n > free:
         says = (f"is at its limit of {limit} concurrent requests" if n == 1 else
-                f"has {max(free, 0)} of its {limit} concurrent request slots free, n={n} needs {n}")
+                f"has {max(free, 0)} of its {limit} concurrent request slots free, this request needs {n}")
         raise APIError(429, f"server {says}; retry shortly", headers={"Retry-After": "1"})
     reqs: list[RequestState] = []
     try:
-        for request_id, sampling in zip(request_ids, samplings):
+        for request_id, prompt_ids, sampling in zip(request_ids, prompts, samplings):
             reqs.append(await orch.submit(request_id, prompt_ids, sampling, outputs, options, media))
     except StageUnavailable as e:
         raise APIError(503, f"pipeline unavailable: {e}") from None
@@ -934,7 +964,8 @@ class _Completion:
             async with aclosing(_merged([run.chunks(first) for run, first in zip(self.runs, firsts)])) as choices:
                 async for choice in choices:
                     omni = self.runs[choice.index].omni_outputs() if choice.finish_reason else None
-                    yield self._chunk([choice], omni_outputs=omni)
+                    if chunk := self._chunk([choice], omni_outputs=omni):
+                        yield chunk
             opts = self.body.stream_options
             if opts is not None and opts.include_usage:
                 yield self._chunk([], usage=self._usage())
@@ -943,6 +974,53 @@ class _Completion:
         finally:
             await self.abort()  # (the client went away mid-stream, or a choice failed: the others)
         yield "data: [DONE]\n\n"
+
+
+class _TextCompletion(_Completion):
+    """A legacy text completion (`/v1/completions`): its prompts x n choices (`_Run` k answers
+    prompt k // n) as one response or stream in the legacy shape; `echoes[k]`: the text before
+    choice k's own (its prompt's, with `echo`)."""
+
+    def __init__(self, completion_id: str, runs: list[_Run], echoes: list[str]):
+        super().__init__(completion_id, runs)
+        self.echoes = echoes
+        self.offsets = [len(e) for e in echoes]  # where each choice's next token starts in its text
+
+    def _usage(self) -> Usage:
+        # Each prompt counted once (not per choice), the completions summed.
+        prompt = sum(run.n_prompt for run in self.runs if run.index % self.body.n == 0)
+        completion = sum(run.completion_tokens for run in self.runs)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def _logprobs(self, index: int, logprobs: ChoiceLogprobs | None) -> LegacyLogprobs | None:
+        if logprobs is None:
+            return None
+        out = completions.legacy_logprobs(logprobs.content or [], self.offsets[index])
+        self.offsets[index] += sum(len(t) for t in out.tokens)
+        return out
+
+    async def collect(self) -> TextCompletion:
+        choices = await self._each(_Run.collect)
+        return TextCompletion(
+            id=self.id, created=self.created, model=self.state.cfg.model, usage=self._usage(),
+            choices=[CompletionChoice(index=c.index, text=self.echoes[c.index] + (c.message.content or ""),
+                                      logprobs=self._logprobs(c.index, c.logprobs), finish_reason=c.finish_reason,
+                                      token_ids=c.token_ids) for c in choices])
+
+    def _chunk(self, choices: list[ChunkChoice], **extra) -> str:
+        """The legacy chunk of a chat chunk (a choice's role chunk carries its echo, or nothing)."""
+        if not choices:  # the usage chunk
+            chunk = TextCompletion(id=self.id, created=self.created, model=self.state.cfg.model, choices=[],
+                                   usage=extra.get("usage"))
+            return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        [c] = choices
+        text = self.echoes[c.index] if c.delta.role else c.delta.content or ""
+        if not text and c.finish_reason is None and c.logprobs is None:
+            return ""
+        choice = CompletionChoice(index=c.index, text=text, logprobs=self._logprobs(c.index, c.logprobs),
+                                  finish_reason=c.finish_reason)
+        chunk = TextCompletion(id=self.id, created=self.created, model=self.state.cfg.model, choices=[choice])
+        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
 
 async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:

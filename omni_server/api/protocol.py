@@ -117,6 +117,8 @@ Seed = Annotated[int | None, Field(ge=-(2**63), le=2**63 - 1)]
 
 # The most choices (`n`) one chat request may ask for.
 MAX_CHOICES = 8
+# The most prompts one completion request may batch.
+MAX_PROMPTS = 64
 
 
 class StreamOptions(_Lenient):
@@ -164,12 +166,7 @@ class ChatCompletionRequest(_Lenient):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for token, bias in (v or {}).items():
-            if not (token.isascii() and token.isdigit() and len(token) <= 10):
-                raise ValueError(f"keys are token ids, got {token[:24]!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"biases are -100..100, got {bias} for token {token}")
-        return v
+        return logit_bias(v)
 
     @field_validator("tools", "functions")
     @classmethod
@@ -188,12 +185,27 @@ class ChatCompletionRequest(_Lenient):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
-        return stops
+        return stop_list(v)
+
+
+def logit_bias(v: dict[str, float] | None) -> dict[str, float] | None:
+    """`logit_bias` as OpenAI takes it: token ids (as strings) -> -100..100."""
+    for token, bias in (v or {}).items():
+        if not (token.isascii() and token.isdigit() and len(token) <= 10):
+            raise ValueError(f"keys are token ids, got {token[:24]!r}")
+        if not -100 <= bias <= 100:
+            raise ValueError(f"biases are -100..100, got {bias} for token {token}")
+    return v
+
+
+def stop_list(v: str | list[str] | None) -> list[str]:
+    """`stop` as a list: up to 4 non-empty strings."""
+    stops = [v] if isinstance(v, str) else list(v or [])
+    if len(stops) > 4:
+        raise ValueError("at most 4 stop sequences")
+    if any(not s for s in stops):
+        raise ValueError("stop sequences must be non-empty")
+    return stops
 
 
 class Usage(BaseModel):
@@ -287,6 +299,76 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     omni_outputs: dict[str, dict[str, Any]] | None = None
+
+
+class CompletionRequest(_Lenient):
+    """`POST /v1/completions` (OpenAI's legacy text completion): raw prompts, no chat template."""
+
+    model: str
+    # One prompt (text or token ids) or a batch of them (each answered with n choices).
+    prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # The sampled token's log-probability and this many alternatives (OpenAI allows up to 5).
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    seed: Seed = None
+    user: str | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+    _bias = field_validator("logit_bias")(classmethod(lambda cls, v: logit_bias(v)))
+    _stop_list = field_validator("stop")(classmethod(lambda cls, v: stop_list(v)))
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("must not be empty")
+        if isinstance(v, list) and len(v) > MAX_PROMPTS and not isinstance(v[0], int):
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+        if isinstance(v, list) and any(isinstance(p, list) and not p for p in v):
+            raise ValueError("a token-id prompt must not be empty")
+        return v
+
+
+class LegacyLogprobs(BaseModel):
+    """A completion's log-probabilities in the legacy format: per token its text, its
+    log-probability, the most likely alternatives (text -> log-probability), its offset in `text`."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: LegacyLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
 
 
 class SpeechRequest(_Lenient):

@@ -1,0 +1,109 @@
+"""`POST /v1/completions` (OpenAI's legacy text completion) through the real server and the official
+openai client: raw prompts (no chat template) continued by the text stage, equal to transformers'
+greedy continuation of the same token ids; batches of prompts x n choices; echo; legacy logprobs;
+streaming; and what it refuses."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import openai
+import pytest
+
+from tests import reference
+from tests.conftest import MODELS
+
+MODEL = "omni-tiny"
+THINKER = MODELS / "tiny-qwen2_5-omni"
+IDS = {"return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def client(text_server):
+    return openai.OpenAI(base_url=f"{text_server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(autouse=True)
+def stages_empty_after(text_server):
+    yield
+    deadline = time.monotonic() + 20
+    while text_server.stats(0)["request_ids"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not text_server.stats(0)["request_ids"]
+
+
+def _ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def test_greedy_continuation_equals_transformers(client):
+    prompt = "The weather in the city today is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body=IDS)
+    prompt_ids = reference.tokenizer(THINKER).encode(prompt, add_special_tokens=False)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    [choice] = r.choices
+    assert _ids(choice) == reference.thinker_greedy(THINKER, prompt_ids, 10)
+    assert choice.text == reference.tokenizer(THINKER).decode(_ids(choice), skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == len(_ids(choice))
+    # The same prompt as token ids; and echo puts it before the continuation.
+    assert _ids(client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=10, temperature=0,
+                                          extra_body=IDS).choices[0]) == _ids(choice)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + choice.text
+
+
+def test_prompts_times_choices(client):
+    """Two prompts x n=2: choice k answers prompt k // 2, seeded seed + k % 2, as alone."""
+    prompts, kw = ["Once upon a time", "The answer is"], dict(max_tokens=8, temperature=1.0, extra_body=IDS)
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, seed=11, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(model=MODEL, prompt=prompts[k // 2], seed=11 + k % 2, **kw).choices[0]
+             for k in range(4)]
+    assert [_ids(c) for c in r.choices] == [_ids(c) for c in alone]
+    assert _ids(r.choices[0]) != _ids(r.choices[1])
+    tok = reference.tokenizer(THINKER)
+    assert r.usage.prompt_tokens == sum(len(tok.encode(p, add_special_tokens=False)) for p in prompts)
+    assert r.usage.completion_tokens == sum(len(_ids(c)) for c in r.choices)
+
+
+def test_legacy_logprobs_and_stream(client):
+    kw = dict(model=MODEL, prompt=["Hello there", "Good morning"], max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**kw)
+    prompt_ids = reference.tokenizer(THINKER).encode("Hello there", add_special_tokens=False)
+    _, ref = reference.thinker_greedy_logprobs(THINKER, prompt_ids, 6, 2)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert lp.token_logprobs == pytest.approx([r[0] for r in ref], abs=1e-4)
+    tok = reference.tokenizer(THINKER)
+    for tops, token, logprob, (_, best) in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs, ref):
+        assert tops[token] == pytest.approx(logprob)  # the sampled one, with the 2 best (text -> logprob)
+        assert set(tops) == {token} | {tok.decode([i]) for i, _ in best}
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    # Streamed: per index the same text, logprobs and finish; then one usage chunk.
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text, tokens, finish = defaultdict(str), defaultdict(list), {}
+    for chunk in chunks[:-1]:
+        [c] = chunk.choices
+        text[c.index] += c.text
+        tokens[c.index] += c.logprobs.tokens if c.logprobs else []
+        if c.finish_reason:
+            finish[c.index] = c.finish_reason
+    for c in whole.choices:
+        assert text[c.index] == c.text and tokens[c.index] == c.logprobs.tokens
+        assert finish[c.index] == c.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(prompt="x", suffix="y"), "suffix"),
+    (dict(prompt="x", best_of=2), "best_of"),
+    (dict(prompt="x", echo=True, logprobs=1), "echo"),
+    (dict(prompt=[10**6]), "outside the vocabulary"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt="x", n=9), "n"),
+    (dict(prompt="x", stop=["a", "b", "c", "d", "e"]), "stop"),
+])
+def test_refused_requests_are_400(client, kw, says):
+    with pytest.raises(openai.BadRequestError, match=says):
+        client.completions.create(model=MODEL, **kw)
