@@ -222,7 +222,7 @@ def create_app(state: ServerState) -> FastAPI:
         completions.check(body)
         prompts = completions.prompts(state.text, body.prompt)
         for prompt_ids in prompts:
-            _check_prompt(state, prompt_ids)
+            _check_prompt(state, prompt_ids, param="prompt")
         chat = completions.chat_body(body)
         sampling = _sampling(state, chat)
         orch = _orch(state)
@@ -365,10 +365,10 @@ def _check_model(state: ServerState, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _check_prompt(state: ServerState, prompt_ids: list[int]) -> None:
+def _check_prompt(state: ServerState, prompt_ids: list[int], param: str = "messages") -> None:
     limit = state.prompt_limit
     if limit is not None and len(prompt_ids) > limit:
-        raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param="messages")
+        raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param=param)
 
 
 async def _audio_to_text(state: ServerState, request: Request, kind: str, file: UploadFile, model: str,
