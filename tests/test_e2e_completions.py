@@ -79,7 +79,13 @@ def test_legacy_logprobs_and_stream(client):
     for tops, token, logprob, (_, best) in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs, ref):
         assert tops[token] == pytest.approx(logprob)  # the sampled one, with the 2 best (text -> logprob)
         assert set(tops) == {token} | {tok.decode([i]) for i, _ in best}
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    # Each token's text where its offset says (a piece of a split character reads as U+FFFD; special
+    # tokens are not in the text).
+    text = whole.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    whole_tokens = [(o, t) for o, t in zip(lp.text_offset, lp.tokens)
+                    if "\ufffd" not in t and not (t.startswith("<|") and t.endswith("|>"))]
+    assert whole_tokens and all(text[o:o + len(t)] == t for o, t in whole_tokens)
     # Streamed: per index the same text, logprobs and finish; then one usage chunk.
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     text, tokens, finish = defaultdict(str), defaultdict(list), {}
@@ -95,6 +101,14 @@ def test_legacy_logprobs_and_stream(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_echo_returns_the_prompt_as_sent(client):
+    prompt = "Cafe\u0301 \u65e5\u672c"  # (a combining accent: the tokenizer would normalize it)
+    r = client.completions.create(model=MODEL, prompt=[prompt, "x"], max_tokens=3, temperature=0, echo=True)
+    assert r.choices[0].text.startswith(prompt) and r.choices[1].text.startswith("x")
+    r = client.completions.create(model=MODEL, prompt=[1021, 11], max_tokens=3, temperature=0, echo=True)
+    assert r.choices[0].text.startswith(reference.tokenizer(THINKER).decode([1021, 11]))
+
+
 @pytest.mark.parametrize("kw, says", [
     (dict(prompt="x", suffix="y"), "suffix"),
     (dict(prompt="x", best_of=2), "best_of"),
@@ -103,6 +117,8 @@ def test_legacy_logprobs_and_stream(client):
     (dict(prompt=[]), "prompt"),
     (dict(prompt="x", n=9), "n"),
     (dict(prompt="x", stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(prompt=["1", 2]), "prompt"),  # (not coerced to token ids)
+    (dict(prompt=["x"] * 40, n=8), "limit is 256 at a time"),  # (a 429 would never clear)
 ])
 def test_refused_requests_are_400(client, kw, says):
     with pytest.raises(openai.BadRequestError, match=says):

@@ -231,9 +231,9 @@ def create_app(state: ServerState) -> FastAPI:
         # Choice k answers prompt k // n, seeded as a chat's choice k % n.
         reqs = await _submit(state, orch, ids, [prompts[k // n] for k in range(total)],
                              [_choice_sampling(sampling, k % n) for k in range(total)], {"text"}, {})
-        echoes = [state.text.tokenizer.decode(prompts[k // n]) if body.echo else "" for k in range(total)]
+        echoes = completions.echoes(state.text, body.prompt, prompts) if body.echo else [""] * len(prompts)
         done = _TextCompletion(completion_id, [_Run(state, orch, req, chat, prompts[k // n], index=k)
-                                               for k, req in enumerate(reqs)], echoes)
+                                               for k, req in enumerate(reqs)], [echoes[k // n] for k in range(total)])
         if body.stream:
             return await _streamed(request, done, done.sse)
         return await _until_disconnect(request, done.collect(), done.abort)
@@ -514,6 +514,9 @@ async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str]
     its prompt and sampling, all or none: the limit counts them all, and if one is refused those
     already submitted are aborted."""
     limit, n = state.cfg.server.max_concurrent_requests, len(request_ids)
+    if n > limit:  # (never admitted, however long the client retries)
+        raise APIError(400, f"this request needs {n} pipeline requests (prompts x n); the server's "
+                            f"limit is {limit} at a time", param="n")
     free = limit - len(orch.requests)
     if n > free:
         says = (f"is at its limit of {limit} concurrent requests" if n == 1 else
@@ -984,7 +987,9 @@ class _TextCompletion(_Completion):
     def __init__(self, completion_id: str, runs: list[_Run], echoes: list[str]):
         super().__init__(completion_id, runs)
         self.echoes = echoes
-        self.offsets = [len(e) for e in echoes]  # where each choice's next token starts in its text
+        # Where each choice's tokens start in its text, and how many of them have logprobs out.
+        self.offsets = [self.state.text.offsets(len(e)) for e in echoes]
+        self.done = [0] * len(runs)
 
     def _usage(self) -> Usage:
         # Each prompt counted once (not per choice), the completions summed.
@@ -995,9 +1000,10 @@ class _TextCompletion(_Completion):
     def _logprobs(self, index: int, logprobs: ChoiceLogprobs | None) -> LegacyLogprobs | None:
         if logprobs is None:
             return None
-        out = completions.legacy_logprobs(logprobs.content or [], self.offsets[index])
-        self.offsets[index] += sum(len(t) for t in out.tokens)
-        return out
+        entries, start = logprobs.content or [], self.done[index]
+        self.done[index] += len(entries)
+        return completions.legacy_logprobs(entries, self.runs[index].token_ids[start:start + len(entries)],
+                                           self.offsets[index])
 
     async def collect(self) -> TextCompletion:
         choices = await self._each(_Run.collect)

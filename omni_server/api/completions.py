@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import ChatCompletionRequest, CompletionRequest, LegacyLogprobs, TokenLogprob
-from omni_server.api.text import TextCodec
+from omni_server.api.text import Offsets, TextCodec
 
 
 def check(req: CompletionRequest) -> None:
@@ -35,6 +35,15 @@ def prompts(text: TextCodec, prompt: str | list[str] | list[int] | list[list[int
     return out
 
 
+def echoes(text: TextCodec, prompt: str | list[str] | list[int] | list[list[int]], ids: list[list[int]]) -> list[str]:
+    """Each prompt's text as `echo` returns it: a text prompt as sent, token ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    return [text.tokenizer.decode(i) for i in ids]
+
+
 def chat_body(req: CompletionRequest) -> ChatCompletionRequest:
     """The chat body the shared sampling and output code reads (its messages are not read)."""
     return ChatCompletionRequest(
@@ -47,15 +56,15 @@ def chat_body(req: CompletionRequest) -> ChatCompletionRequest:
         stream_options=req.stream_options)
 
 
-def legacy_logprobs(entries: list[TokenLogprob], offset: int) -> LegacyLogprobs:
-    """The legacy shape of tokens' log-probabilities; `offset`: where the first token's text starts
-    in the choice's `text`. The alternatives include the sampled token, as OpenAI's do."""
+def legacy_logprobs(entries: list[TokenLogprob], token_ids: list[int], offsets: Offsets) -> LegacyLogprobs:
+    """The legacy shape of tokens' log-probabilities (`token_ids`: the sampled ids, in order;
+    `offsets`: where each one's text starts in the choice's `text`). The alternatives include the
+    sampled token, as OpenAI's do."""
     out = LegacyLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for e in entries:
+    for e, token_id in zip(entries, token_ids):
         out.tokens.append(e.token)
         out.token_logprobs.append(e.logprob)
         # (Tokens whose text is the same, e.g. pieces of one character, share a key: the sampled wins.)
         out.top_logprobs.append({t.token: t.logprob for t in e.top_logprobs} | {e.token: e.logprob})
-        out.text_offset.append(offset)
-        offset += len(e.token)
+        out.text_offset.append(offsets.push(token_id))
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator
 
 
 class _Lenient(BaseModel):
@@ -306,7 +306,7 @@ class CompletionRequest(_Lenient):
 
     model: str
     # One prompt (text or token ids) or a batch of them (each answered with n choices).
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     suffix: str | None = None
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default
     temperature: float | None = Field(None, ge=0.0, le=2.0)

@@ -44,6 +44,22 @@ class TextCodec:
     def detokenizer(self, stop: list[str]) -> "Detokenizer":
         return Detokenizer(self._backend, stop)
 
+    def offsets(self, start: int = 0) -> "Offsets":
+        return Offsets(self._backend, start)
+
+
+class Offsets:
+    """Where each token's text starts in the decoded text (a character split over tokens starts at
+    its first), counted from `start`."""
+
+    def __init__(self, backend, start: int):
+        self._backend, self._stream, self.end = backend, DecodeStream(skip_special_tokens=True), start
+
+    def push(self, token_id: int) -> int:
+        at = self.end
+        self.end += len(self._stream.step(self._backend, token_id) or "")
+        return at
+
 
 class Detokenizer:
     """Incremental detokenization with stop strings; never emits text past a stop string or a
