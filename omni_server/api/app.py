@@ -813,7 +813,7 @@ class _Run:
     def _add_logprobs(self, delta) -> None:
         top, text = self.body.top_logprobs or 0, self.state.text
         for ids, lps in zip(delta.logprob_token_ids, delta.logprobs):
-            entries = [TopLogprob(token=(t := text.token_text(i)), logprob=lp, bytes=list(t.encode()))
+            entries = [TopLogprob(token=text.token_text(i), logprob=lp, bytes=list(text.token_bytes(i)))
                        for i, lp in zip(ids[:top + 1], lps[:top + 1])]
             self.logprobs.append(TokenLogprob(**entries[0].model_dump(), top_logprobs=entries[1:]))
 

@@ -4,7 +4,7 @@ by the pipeline's text stage alone, in the legacy response shape (`text`, legacy
 from __future__ import annotations
 
 from omni_server.api.errors import APIError
-from omni_server.api.protocol import ChatCompletionRequest, CompletionRequest, LegacyLogprobs, TokenLogprob
+from omni_server.api.protocol import ChatCompletionRequest, CompletionRequest, LegacyLogprobs, TokenLogprob, TopLogprob
 from omni_server.api.text import Offsets, TextCodec
 
 
@@ -62,9 +62,18 @@ def legacy_logprobs(entries: list[TokenLogprob], token_ids: list[int], offsets: 
     sampled token, as OpenAI's do."""
     out = LegacyLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for e, token_id in zip(entries, token_ids):
-        out.tokens.append(e.token)
+        out.tokens.append(_legacy_token(e))
         out.token_logprobs.append(e.logprob)
-        # (Tokens whose text is the same, e.g. pieces of one character, share a key: the sampled wins.)
-        out.top_logprobs.append({t.token: t.logprob for t in e.top_logprobs} | {e.token: e.logprob})
+        out.top_logprobs.append({_legacy_token(t): t.logprob for t in e.top_logprobs} | {out.tokens[-1]: e.logprob})
         out.text_offset.append(offsets.push(token_id))
     return out
+
+
+def _legacy_token(entry: TokenLogprob | TopLogprob) -> str:
+    """A token as the legacy format writes it: its text, or "bytes:\\xNN..." for a piece of a
+    character (as OpenAI's)."""
+    try:
+        bytes(entry.bytes).decode("utf-8")
+        return entry.token
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in entry.bytes)

@@ -22,6 +22,8 @@ class TextCodec:
         self._backend = self.tokenizer.backend_tokenizer  # a `tokenizers.Tokenizer`
         # Token id -> text, for logprobs (up to 21 per output token); at most the vocabulary.
         self._token_texts: dict[int, str] = {}
+        # Byte-level BPE (Qwen's) spells a token's bytes as characters: this maps them back.
+        self._byte_of = {c: b for b, c in _bytes_to_chars().items()}
 
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -36,6 +38,15 @@ class TextCodec:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (part of a character's UTF-8 for a piece of one; a special token's
+        text as UTF-8)."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if piece is not None and token_id not in self.tokenizer.all_special_ids \
+                and all(c in self._byte_of for c in piece):
+            return bytes(self._byte_of[c] for c in piece)
+        return self.token_text(token_id).encode()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text (no special tokens added)."""
@@ -106,3 +117,10 @@ class Detokenizer:
         out = self.text[self._emitted:end]
         self._emitted = max(self._emitted, end)
         return out
+
+
+def _bytes_to_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character BPE vocabularies spell it with."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
