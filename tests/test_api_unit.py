@@ -336,3 +336,15 @@ def test_a_client_gone_before_the_first_chunk_aborts_every_choice(tiny_models, t
         return orch
 
     assert sorted(_bounded(main).aborted) == ["c-0", "c-1"]
+
+
+def test_a_prompt_over_the_limit_is_400_naming_its_field(tiny_models, tmp_path):
+    """Chat names `messages`, a completion `prompt` (checked before any stage is asked)."""
+    cfg = load_config_text(CONFIG.replace("max_concurrent_requests: 2}", "max_concurrent_requests: 2, max_prompt_tokens: 3}")
+                           % (MODELS / "tiny-qwen2_5-omni", tmp_path))
+    with TestClient(create_app(ServerState(cfg, lambda: Orchestrator(cfg, tmp_path)))) as c:
+        r = c.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3, 4]}, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "4 tokens, the limit is 3" in r.json()["error"]["message"]

@@ -21,10 +21,13 @@ GZIPPED = gzip.compress(bytes(1 << 20))
 
 class _Handler(BaseHTTPRequestHandler):
     hosts: list[str] = []  # each request's Host header
+    files: dict[str, bytes] = {}  # more paths to serve
 
     def do_GET(self):  # noqa: N802 (http.server's name)
         self.hosts.append(self.headers.get("Host", ""))
-        if self.path == "/file":
+        if self.path in self.files:
+            self._send(200, self.files[self.path])
+        elif self.path == "/file":
             self._send(200, BODY)
         elif self.path == "/chunked":  # no Content-Length: the size shows only while reading
             self.send_response(200)
@@ -161,3 +164,22 @@ def test_a_public_host_is_fetched_only_by_name():
         _get("http://evil-example.com/x", domains=["example.com"], private=False)
     with pytest.raises(FetchError, match="not fetched"):
         _get("http://example.com.evil.net/x", domains=["example.com"], private=False)
+
+
+def test_a_video_by_url_decodes_as_the_same_video_inline(base):
+    """The api's part decoder fetches an http video_url and decodes it as the data: URL's frames."""
+    import base64
+
+    import numpy as np
+
+    from omni_server.api.app import _decode_part
+    from omni_server.api.protocol import VideoURLPart
+    from omni_server.config.schema import ServerConfig
+    from tests.media import mp4
+
+    url, frames = mp4(6)
+    _Handler.files["/v.mp4"] = base64.b64decode(url.split(",", 1)[1])
+    limits = ServerConfig(media_url_domains=["127.0.0.1", "[::1]", "localhost"], media_url_private=True)
+    assert limits.media_url_domains == ["127.0.0.1", "::1", "localhost"]  # (an IPv6 address, bracketed or not)
+    part = VideoURLPart(type="video_url", video_url={"url": f"{base}/v.mp4"})
+    assert np.array_equal(asyncio.run(_decode_part(limits, part)), frames)

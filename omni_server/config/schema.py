@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -187,9 +188,10 @@ class ServerConfig(_Strict):
     def _domains(cls, v: list[str] | None) -> list[str] | None:
         if v is None:
             return None
-        out = [d.strip().strip(".").lower() for d in v]
-        if not all(out) or any("/" in d or ":" in d for d in out):
-            raise ValueError("must list host names (e.g. media.example.com), or \"*\" for any host")
+        out = [d.strip().strip(".").strip("[]").lower() for d in v]
+        for d in out:
+            if not d or "/" in d or (":" in d and not _is_ip(d)):
+                raise ValueError("must list host names or addresses (e.g. media.example.com), or \"*\" for any host")
         return out
     # /v1/audio/transcriptions asks the text stage for a transcript with one user turn: the audio,
     # then this instruction (`transcription_language_prompt` when the request names a language:
@@ -287,3 +289,11 @@ class PipelineConfig(_Strict):
                 need.add(i)
                 todo.extend(self.stage(i).inputs)
         return sorted(need)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
