@@ -204,8 +204,7 @@ def create_app(state: ServerState) -> FastAPI:
         orch = _orch(state)
         # One pipeline request per choice, with ids derived from the completion's (n = 1: its own).
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        ids = [completion_id] if body.n == 1 else [f"{completion_id}-{i}" for i in range(body.n)]
-        reqs = await _submit(state, orch, ids, [prompt_ids] * body.n, [_choice_sampling(sampling, i) for i in range(body.n)],
+        reqs = await _submit(state, orch, _request_ids(completion_id, body.n), [prompt_ids] * body.n, [_choice_sampling(sampling, i) for i in range(body.n)],
                              outputs, options, media)
         completion = _Completion(completion_id, [_Run(state, orch, req, body, prompt_ids, audio_format, index=i)
                                                  for i, req in enumerate(reqs)])
@@ -227,9 +226,8 @@ def create_app(state: ServerState) -> FastAPI:
         sampling = _sampling(state, chat)
         orch = _orch(state)
         completion_id, n, total = f"cmpl-{uuid.uuid4().hex}", body.n, len(prompts) * body.n
-        ids = [completion_id] if total == 1 else [f"{completion_id}-{k}" for k in range(total)]
         # Choice k answers prompt k // n, seeded as a chat's choice k % n.
-        reqs = await _submit(state, orch, ids, [prompts[k // n] for k in range(total)],
+        reqs = await _submit(state, orch, _request_ids(completion_id, total), [prompts[k // n] for k in range(total)],
                              [_choice_sampling(sampling, k % n) for k in range(total)], {"text"}, {})
         echoes = completions.echoes(state.text, body.prompt, prompts) if body.echo else [""] * len(prompts)
         done = _TextCompletion(completion_id, [_Run(state, orch, req, chat, prompts[k // n], index=k)
@@ -479,32 +477,28 @@ async def _decode_media(state: ServerState, body: ChatCompletionRequest) -> dict
     return out
 
 
+# A URL part's file bytes from its data: URL, per kind.
+_DATA_URL_BYTES = {"audio": audio.audio_data_url, "image": image.image_data_url, "video": video.video_data_url}
+
+
 async def _decode_part(limits, part) -> Any:
     """One media part's array (see `_decode_media`)."""
     if part.type == "input_audio":
         return await asyncio.to_thread(audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
                                        max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
-    url = getattr(part, part.type).url
-    data = None
+    url, kind = getattr(part, part.type).url, _PLACEHOLDER[part.type]
     if fetch.is_remote(url):
-        data = await fetch.fetch(url, kind=_PLACEHOLDER[part.type], domains=limits.media_url_domains,
-                                 private=limits.media_url_private, max_bytes=limits.max_request_bytes,
-                                 timeout_s=limits.media_url_timeout_s)
-    if part.type == "audio_url":
-        if data is None:
-            data = audio.audio_data_url(url, max_bytes=limits.max_request_bytes)
+        data = await fetch.fetch(url, kind=kind, domains=limits.media_url_domains, private=limits.media_url_private,
+                                 max_bytes=limits.max_request_bytes, timeout_s=limits.media_url_timeout_s)
+    else:
+        data = await asyncio.to_thread(_DATA_URL_BYTES[kind], url, max_bytes=limits.max_request_bytes)
+    if kind == "audio":
         return await asyncio.to_thread(audio.decode_audio, data, target_rate=AUDIO_SAMPLE_RATE,
                                        max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
-    if part.type == "image_url":
-        if data is None:
-            return await asyncio.to_thread(image.decode_image_url, url, max_bytes=limits.max_request_bytes,
-                                           max_pixels=limits.max_image_pixels)
+    if kind == "image":
         return await asyncio.to_thread(image.decode_image, data, max_pixels=limits.max_image_pixels)
-    video_limits = dict(max_pixels=limits.max_image_pixels, max_frames=limits.max_video_frames,
-                        max_total_pixels=limits.max_video_pixels)
-    if data is None:
-        return await asyncio.to_thread(video.decode_video_url, url, max_bytes=limits.max_request_bytes, **video_limits)
-    return await asyncio.to_thread(video.decode_video, data, **video_limits)
+    return await asyncio.to_thread(video.decode_video, data, max_pixels=limits.max_image_pixels,
+                                   max_frames=limits.max_video_frames, max_total_pixels=limits.max_video_pixels)
 
 
 async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str], prompts: list[list[int]],
@@ -533,6 +527,11 @@ async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str]
             for request_id in request_ids[:len(reqs) + 1]:  # (registered before its sends)
                 await orch.abort(request_id)
     return reqs
+
+
+def _request_ids(completion_id: str, count: int) -> list[str]:
+    """The pipeline request ids of a completion's choices (one choice: the completion's own)."""
+    return [completion_id] if count == 1 else [f"{completion_id}-{k}" for k in range(count)]
 
 
 def _choice_sampling(sampling: dict[int, SamplingSpec], index: int) -> dict[int, SamplingSpec]:
@@ -670,14 +669,33 @@ def _delta_error(delta) -> APIError:
     return APIError(delta.error_code if delta.error_code in (400, 503) else 500, delta.error)
 
 
-class _SpeechStream:
+class _Pipelined:
+    """One pipeline request seen from the api (`orch`, `req`), which it can drop."""
+
+    orch: Orchestrator
+    req: RequestState
+    aborted = False
+
+    @property
+    def ended(self) -> bool:
+        """No stage holds the request any more: it finished or failed (`done`), or was aborted here."""
+        return self.req.done or self.aborted
+
+    async def abort(self, outcome: str = "aborted") -> None:
+        """Drop the request in every stage unless it ended. (Its sends do not wait, so this also
+        runs in the clean-up of a cancelled stream.)"""
+        if not self.ended:
+            self.aborted = True
+            await self.orch.abort(self.req.request_id, outcome=outcome)
+
+
+class _SpeechStream(_Pipelined):
     """One /v1/audio/speech request's audio, encoded piece by piece as the audio stage sends it:
     as the raw body (`first` then `raw`) or as OpenAI's speech SSE events (`sse`)."""
 
     def __init__(self, state: ServerState, orch: Orchestrator, req, fmt: str, n_input: int):
         self.state, self.orch, self.req, self.fmt = state, orch, req, fmt
         self.n_input, self.n_output = n_input, 0
-        self.aborted = False
         self._pieces = self._encoded()
 
     async def _encoded(self) -> AsyncIterator[bytes]:
@@ -698,12 +716,6 @@ class _SpeechStream:
 
     async def first(self) -> bytes:
         return await anext(self._pieces)
-
-    async def abort(self) -> None:
-        """Drop the request in every stage unless it ended (finished, failed, or aborted here)."""
-        if not (self.req.done or self.aborted):
-            self.aborted = True
-            await self.orch.abort(self.req.request_id)
 
     async def raw(self, first: bytes) -> AsyncIterator[bytes]:
         finished = False
@@ -735,7 +747,7 @@ class _SpeechStream:
             "input_tokens": self.n_input, "output_tokens": self.n_output, "total_tokens": self.n_input + self.n_output}}
 
 
-class _Run:
+class _Run(_Pipelined):
     """One pipeline request's outputs (one chat choice, or a transcription), gathered or streamed."""
 
     def __init__(self, state: ServerState, orch: Orchestrator, req, body: ChatCompletionRequest,
@@ -753,20 +765,7 @@ class _Run:
         # The text tokens' log-probabilities (body.logprobs), and how many a stream has sent.
         self.logprobs: list[TokenLogprob] | None = [] if body.logprobs else None
         self.logprobs_sent = 0
-        self.aborted = False
         self._stream = self._events()
-
-    @property
-    def ended(self) -> bool:
-        """No stage holds the request any more: it finished or failed (`done`), or was aborted here."""
-        return self.req.done or self.aborted
-
-    async def abort(self, outcome: str = "aborted") -> None:
-        """Drop the request in every stage unless it ended. (Its sends do not wait, so this also
-        runs in the clean-up of a cancelled stream.)"""
-        if not self.ended:
-            self.aborted = True
-            await self.orch.abort(self.req.request_id, outcome=outcome)
 
     async def first(self) -> tuple[str, Any] | None:
         """The first event of `_events` (None: there was none), for `_streamed`."""

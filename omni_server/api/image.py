@@ -17,11 +17,10 @@ class ImageError(ValueError):
     """An image the server will not take; the message is safe to show to the client."""
 
 
-def decode_image_url(url: str, *, max_bytes: int, max_pixels: int) -> np.ndarray:
-    """RGB uint8 [height, width, 3] of a base64 `data:image/...` URL."""
-    data = payload(url, _DATA_URL, kind="image", accepted="data:image/(png|jpeg|webp|gif|bmp);base64,...",
+def image_data_url(url: str, *, max_bytes: int) -> bytes:
+    """The file bytes of a base64 `data:image/...` URL."""
+    return payload(url, _DATA_URL, kind="image", accepted="data:image/(png|jpeg|webp|gif|bmp);base64,...",
                    max_bytes=max_bytes, error=ImageError)
-    return decode_image(data, max_pixels=max_pixels)
 
 
 def decode_image(data: bytes, *, max_pixels: int) -> np.ndarray:

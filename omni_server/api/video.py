@@ -29,10 +29,15 @@ def decode_video_url(url: str, *, max_bytes: int, max_pixels: int, max_frames: i
     """RGB uint8 [frames, height, width, 3] of a base64 `data:video/...` URL, `FPS` frames per
     second of video (at least one). `max_pixels` bounds a frame, `max_total_pixels` the frames kept
     (what the api holds in memory: 3 bytes a pixel)."""
-    data = payload(url, _DATA_URL, kind="video",
+    return decode_video(video_data_url(url, max_bytes=max_bytes), max_pixels=max_pixels, max_frames=max_frames,
+                        max_total_pixels=max_total_pixels)
+
+
+def video_data_url(url: str, *, max_bytes: int) -> bytes:
+    """The file bytes of a base64 `data:video/...` URL."""
+    return payload(url, _DATA_URL, kind="video",
                    accepted="data:video/(mp4|webm|quicktime|x-matroska|x-msvideo|mpeg);base64,...",
                    max_bytes=max_bytes, error=VideoError)
-    return decode_video(data, max_pixels=max_pixels, max_frames=max_frames, max_total_pixels=max_total_pixels)
 
 
 def decode_video(data: bytes, *, max_pixels: int, max_frames: int, max_total_pixels: int) -> np.ndarray:
