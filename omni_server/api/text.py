@@ -22,8 +22,11 @@ class TextCodec:
         self._backend = self.tokenizer.backend_tokenizer  # a `tokenizers.Tokenizer`
         # Token id -> text, for logprobs (up to 21 per output token); at most the vocabulary.
         self._token_texts: dict[int, str] = {}
-        # Byte-level BPE (Qwen's) spells a token's bytes as characters: this maps them back.
+        # Byte-level BPE (Qwen's) spells a token's bytes as characters: this maps them back
+        # (token id -> bytes, cached like the texts).
         self._byte_of = {c: b for b, c in _bytes_to_chars().items()}
+        self._special = set(self.tokenizer.all_special_ids)
+        self._token_bytes: dict[int, bytes] = {}
 
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -42,11 +45,15 @@ class TextCodec:
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own bytes (part of a character's UTF-8 for a piece of one; a special token's
         text as UTF-8)."""
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if piece is not None and token_id not in self.tokenizer.all_special_ids \
-                and all(c in self._byte_of for c in piece):
-            return bytes(self._byte_of[c] for c in piece)
-        return self.token_text(token_id).encode()
+        out = self._token_bytes.get(token_id)
+        if out is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if piece is not None and token_id not in self._special and all(c in self._byte_of for c in piece):
+                out = bytes(self._byte_of[c] for c in piece)
+            else:
+                out = self.token_text(token_id).encode()
+            self._token_bytes[token_id] = out
+        return out
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text (no special tokens added)."""
