@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: spy talkerlow tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -342,6 +342,52 @@ step_t2wlow() {
   serve t2wlow 8033 $CFG --stage-arg token2wav.env.CUDA_MPS_CLIENT_PRIORITY=1
   wait_ready t2wlow 8033 && bench t2wlow 8033
   stop t2wlow
+}
+
+step_spy() {
+  # Where the stage processes' CPU time goes, at c=1 (4 s from 1 s into three requests in a row)
+  # and in the c=16 burst (4 s from 1 s in): CPU seconds per thread of each stage process
+  # (benchmarks/gpu/cpu_threads.py: a host-bound loop shows its thread near 1.0 of wall) and py-spy's
+  # samples of their Python stacks (non-blocking, idle frames kept: waits show as such; summed by
+  # benchmarks/gpu/spy_top.py). py-spy: a static binary in .gpu/extra (README).
+  free_gpus
+  export VLLM_CACHE_ROOT=/tmp/vc
+  serve spy 8035 $CFG
+  wait_ready spy 8035 || return
+  mkdir -p $R/spy
+  SPY_PIDS=""
+  local s p
+  for s in 0 1 2; do p=$(pgrep -f "omni_server.cli stage .*--stage $s " | head -1); SPY_PIDS="$SPY_PIDS $p"; done
+  echo "stage pids (thinker talker token2wav):$SPY_PIDS" > $R/spy/pids.txt
+  $B --base-url http://127.0.0.1:8035 --concurrency 1 --requests 1 --output $R/warm_spy.json > $R/bench_spy.log 2>&1
+  spy_during 1 3 1 4
+  spy_during 16 16 1 4
+  say "spy: $(python3 benchmarks/gpu/brief.py $R/spy_c1.json $R/spy_c16.json); $(grep -h 'pid' $R/spy/cpu_c*.txt | tr '\n' ' ')"
+  stop spy
+}
+spy_during() {  # CONCURRENCY REQUESTS START_S DURATION_S (whole seconds: py-spy's)
+  $B --base-url http://127.0.0.1:8035 --concurrency $1 --requests $2 --output $R/spy_c$1.json >> $R/bench_spy.log 2>&1 &
+  local bench_pid=$! s=0 p
+  sleep $3
+  python3 benchmarks/gpu/cpu_threads.py snap $SPY_PIDS > $R/spy/a_c$1.json
+  for p in $SPY_PIDS; do
+    [ -x /tmp/py-spy ] && /tmp/py-spy record --nonblocking --idle -r 500 -d $4 -f raw -o $R/spy/c$1_stage$s.txt \
+      -p $p > $R/spy/c$1_stage$s.log 2>&1 &
+    s=$((s + 1))
+  done
+  sleep $4
+  python3 benchmarks/gpu/cpu_threads.py snap $SPY_PIDS > $R/spy/b_c$1.json
+  wait $bench_pid; sleep 2
+  python3 benchmarks/gpu/cpu_threads.py diff $R/spy/a_c$1.json $R/spy/b_c$1.json > $R/spy/cpu_c$1.txt
+}
+
+step_talkerlow() {
+  # The 7B config with the talker at MPS's below-normal client priority: at c=1 first audio waits
+  # for 36 talker codes, each gated by a thinker step (6.2-6.4 ms beside the talker, 4.9 alone).
+  free_gpus
+  serve talkerlow 8036 $CFG --stage-arg talker.env.CUDA_MPS_CLIENT_PRIORITY=1
+  wait_ready talkerlow 8036 && bench talkerlow 8036
+  stop talkerlow
 }
 
 step_nomps() {

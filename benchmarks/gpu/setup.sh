@@ -6,5 +6,7 @@ fi
 if [ ! -f /tmp/site/soundfile.py ]; then
   python3 -m zipfile -e .gpu/extra/soundfile-*.whl /tmp/site || { echo "soundfile wheel missing"; return 1; }
 fi
+# py-spy (a static binary; step `spy`), when .gpu/extra has it.
+[ -x .gpu/extra/py-spy ] && cp .gpu/extra/py-spy /tmp/py-spy
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 python3 -m omni_server.models.tiny_checkpoints >/dev/null || { echo "tiny checkpoints failed"; return 1; }
