@@ -16,7 +16,8 @@ from transformers.generation.logits_process import (
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from omni_server.stage.sampling import SPEC, OmniSampler, candidates, requested, takes, vllm_params
+from omni_server.stage.sampling import (LOGITS_PROCESSOR, SPEC, OmniSampler, candidates, reads_output_tokens, requested,
+                                        takes, vllm_params)
 
 
 def _reference(logits: torch.Tensor, seen: list[int], penalty: float, temperature: float, top_k: int,
@@ -93,9 +94,11 @@ def test_draws_follow_the_distribution():
     assert counts[ref == 0].sum() == 0
 
 
-def test_penalty_reads_prompt_and_outputs_as_they_come():
+def test_penalty_reads_the_prompt_and_each_kept_draw():
     """top-k 1 is argmax of the penalised logits: a seen token loses its lead (penalty 4 flips a
-    3 vs 2 lead), the others keep theirs; vLLM appends to the live output list between steps."""
+    3 vs 2 lead), the others keep theirs. vLLM appends to the live output list after each step
+    whose token it keeps: the sampler then marks its own draw (from the device), whatever value
+    the list holds (async scheduling's -1 placeholder, never filled in for it)."""
     vocab = 10
     lp = OmniSampler(_config(4, vocab), torch.device("cpu"), False)
     outputs: list[int] = []
@@ -103,12 +106,49 @@ def test_penalty_reads_prompt_and_outputs_as_they_come():
     logits = torch.full((1, vocab), -5.0)
     logits[0, 7], logits[0, 2], logits[0, 5] = 3.0, 2.0, 1.0  # seen: 0.75, 0.5, 0.25
     assert _chosen(lp.apply(logits.clone())) == [2]  # 7 is in the prompt
-    outputs.append(2)
+    outputs.append(-1)
     assert _chosen(lp.apply(logits.clone())) == [5]  # 2 now seen too
-    outputs.append(-1)  # an async-scheduling placeholder (for the 5): not read yet
-    assert _chosen(lp.apply(logits.clone())) == [5]
-    outputs[-1] = 5  # vLLM fills it in before the next step's logits processors run
+    outputs.append(-1)
     assert _chosen(lp.apply(logits.clone())) == [7]  # all three seen: 0.75 leads again
+
+
+def test_a_draw_vllm_discards_is_not_seen():
+    """A row whose step vLLM throws away (a prompt prefilled in chunks samples a token that is
+    not kept; the output list does not grow) leaves the seen mask alone; the next kept one counts."""
+    vocab = 10
+    lp = OmniSampler(_config(4, vocab), torch.device("cpu"), False)
+    outputs: list[int] = []
+    _add(lp, 1, [(0, _params(temperature=1.0, top_k=1, repetition_penalty=4.0), [], outputs)])
+    logits = torch.full((1, vocab), -5.0)
+    logits[0, 2], logits[0, 5] = 2.0, 1.0
+    assert _chosen(lp.apply(logits.clone())) == [2]  # discarded: the list stays empty
+    assert _chosen(lp.apply(logits.clone())) == [2]  # kept
+    outputs.append(-1)
+    assert _chosen(lp.apply(logits.clone())) == [5]
+
+
+def test_kept_draws_follow_their_requests_across_batch_changes():
+    """Rows that move, leave or arrive between a draw and the next step: each kept draw is marked
+    in its own request's row (the index path), then the usual all-rows path resumes."""
+    vocab = 12
+    lp = OmniSampler(_config(4, vocab), torch.device("cpu"), False)
+    outs = [[], [], []]
+    p = _params(temperature=1.0, top_k=1, repetition_penalty=100.0)
+    _add(lp, 3, [(i, p, [], outs[i]) for i in range(3)])
+    logits = torch.zeros(3, vocab)
+    logits[0, 1], logits[1, 2], logits[2, 3] = 5.0, 5.0, 5.0  # each row's favourite
+    logits[:, 9] = 4.0  # everyone's second choice
+    assert _chosen(lp.apply(logits.clone())) == [1, 2, 3]
+    for o in outs:
+        o.append(-1)
+    # Row 0's request leaves; row 2's moves into its place; row 1 keeps its place.
+    _add(lp, 2, [], removed=[0], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)])
+    moved = logits[[2, 1]].clone()  # the rows' logits follow their requests
+    assert _chosen(lp.apply(moved.clone())) == [9, 9]  # 3 and 2 seen: both fall back to 9
+    for o in outs[1:]:
+        o.append(-1)
+    moved[:, 8] = 3.0
+    assert _chosen(lp.apply(moved.clone())) == [8, 8]  # 9 seen too, by each
 
 
 def test_top_k_above_the_vocabulary_takes_all_of_it():
@@ -212,6 +252,9 @@ def test_who_samples_and_what_vllm_sees():
     assert (params.temperature, params.top_k, params.repetition_penalty, params.seed) == (0.0, 0, 1.0, None)
     assert requested(params) == (0.9, 7)  # what the request asked (the Qwen3 code predictor samples by it)
     assert requested(SamplingParams(temperature=0.7, seed=3)) == (0.7, 3)
+    # Whether vLLM must hand the stage's logits processors token values (it waits for them).
+    assert not reads_output_tokens([LOGITS_PROCESSOR]) and not reads_output_tokens(None)
+    assert reads_output_tokens([LOGITS_PROCESSOR, "some.module:Other"])
 
 
 @pytest.mark.parametrize("sampler,top_k,expected", [("auto", 40, True), ("auto", None, False), ("vllm", 40, False),

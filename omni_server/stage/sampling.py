@@ -12,8 +12,11 @@ the request, given to vLLM as greedy (temperature 0, no penalty), takes that tok
 The order and the distribution are transformers' (repetition penalty over prompt and output
 tokens, temperature, top-k, top-p): tests/test_sampling.py compares them.
 
-Registered as a vLLM logits processor (its extension point), on stages that use it only: vLLM
-hands logits processors the requests' output token lists, which costs a little per step.
+Registered as a vLLM logits processor (its extension point), on stages that use it only. Each
+drawn token joins its request's seen mask on the device at the next step (the request's output list
+grew: vLLM kept the token), so the sampler never reads token values from the host, and our model
+runner tells vLLM so (`reads_output_tokens`): vLLM otherwise waits, before every step's sampling,
+for the previous step's tokens to reach the host for a custom logits processor.
 """
 
 from __future__ import annotations
@@ -83,13 +86,22 @@ def candidates(logits: torch.Tensor, seen: torch.Tensor | None, penalty: torch.T
     return probs, ids
 
 
+def reads_output_tokens(logits_processors) -> bool:
+    """Whether a stage's custom logits processors need the values of the output tokens on the host
+    (vLLM assumes any custom one does); this sampler does not."""
+    return any(p not in (LOGITS_PROCESSOR, OmniSampler) for p in logits_processors or ())
+
+
 class _Req:
-    __slots__ = ("temperature", "top_k", "top_p", "penalty", "seed", "outputs", "counted")
+    __slots__ = ("temperature", "top_k", "top_p", "penalty", "seed", "outputs", "counted", "last")
 
     def __init__(self, spec: list, outputs: list[int]):
         self.temperature, self.top_k, self.top_p, self.penalty, self.seed = spec
-        self.outputs = outputs  # vLLM's live list of the request's output tokens
-        self.counted = 0  # of those, how many are in the seen mask
+        # vLLM's live list of the request's output tokens: one more after each step whose token it
+        # kept (under async scheduling a -1 placeholder that nobody fills in for us).
+        self.outputs = outputs
+        self.counted = len(outputs)  # of those, how many are in the seen mask
+        self.last: int | None = None  # its row in the last step's drawn tokens
 
 
 class _Layout(NamedTuple):
@@ -104,6 +116,9 @@ class _Layout(NamedTuple):
     penalty: torch.Tensor | None  # None: no row penalised
     temperature: torch.Tensor
     seeded: list[tuple[int, _Req]]  # (position in rows, request) of seeded requests
+    # rows * vocab on the device, for the penalised rows (None: penalty) when every row is
+    # penalised: the usual step marks last step's tokens with one add and one fill.
+    flat_rows: torch.Tensor | None
 
 
 class OmniSampler(LogitsProcessor):
@@ -117,6 +132,7 @@ class OmniSampler(LogitsProcessor):
         self.seen: torch.Tensor | None = None  # [max_rows, vocab] bool, allocated on first use
         self._layout: _Layout | None = None
         self._gen = torch.Generator(device=self.device)  # seeded requests' draws
+        self._drawn: torch.Tensor | None = None  # the last step's tokens, [rows drawn], on the device
 
     def is_argmax_invariant(self) -> bool:
         return False  # it chooses the token
@@ -133,7 +149,8 @@ class OmniSampler(LogitsProcessor):
                 continue
             req = self.reqs[row] = _Req(spec, outputs)
             if req.penalty != 1.0:
-                self._reset_seen(row, list(prompt or ()))
+                # (A request added back after a pause brings its output tokens as values.)
+                self._reset_seen(row, [*(prompt or ()), *(t for t in outputs if t >= 0)])
         for a, b, how in batch_update.moved:
             ra, rb = self.reqs.pop(a, None), self.reqs.pop(b, None)
             if ra is not None:
@@ -175,23 +192,35 @@ class OmniSampler(LogitsProcessor):
         penalty = self._to_device([r.penalty for r in reqs], torch.float32) if penalized else None
         temperature = self._to_device([r.temperature for r in reqs], torch.float32)
         seeded = [(i, r) for i, r in enumerate(reqs) if r.seed is not None]
-        return _Layout(rows, reqs, index, k, top_k, top_p, penalty, temperature, seeded)
+        every = all(r.penalty != 1.0 for r in reqs)
+        flat_rows = self._to_device([r * self.vocab for r in rows]) if penalized and every else None
+        return _Layout(rows, reqs, index, k, top_k, top_p, penalty, temperature, seeded, flat_rows)
 
-    def _see_outputs(self, rows: list[int], reqs: list[_Req]) -> None:
-        """Add the output tokens vLLM appended since the last step to the seen mask."""
-        flat: list[int] = []
-        for row, req in zip(rows, reqs):
-            if req.penalty == 1.0:
+    def _see_drawn(self, lay: _Layout) -> None:
+        """Add to the seen mask the tokens vLLM kept from the last step (each request whose output
+        list grew by one), from the last step's draws on the device."""
+        usual = lay.flat_rows is not None and self._drawn is not None and len(self._drawn) == len(lay.rows)
+        rows, drawn_at = [], []
+        for i, (row, req) in enumerate(zip(lay.rows, lay.reqs)):
+            grew = len(req.outputs) - req.counted
+            last, req.last = req.last, None
+            if grew == 0 or req.penalty == 1.0:
+                usual &= grew == 1
+                req.counted += grew
                 continue
-            out = req.outputs
-            while req.counted < len(out):
-                t = out[req.counted]
-                if t < 0:  # an async-scheduling placeholder: read it once vLLM fills it in
-                    break
-                if t < self.vocab:
-                    flat.append(row * self.vocab + t)
-                req.counted += 1
-        self._mark(flat)
+            usual &= grew == 1 and last == i
+            if grew == 1 and last is not None:
+                rows.append(row), drawn_at.append(last)
+            else:  # (not drawn here: tokens given as values, if any)
+                self._mark([row * self.vocab + t for t in req.outputs[req.counted:] if 0 <= t < self.vocab])
+            req.counted += grew
+        if not rows:
+            return
+        if usual:  # every row kept its token and none moved: no index to send
+            flat = lay.flat_rows + self._drawn
+        else:
+            flat = self._to_device([r * self.vocab for r in rows]) + self._drawn[self._to_device(drawn_at)]
+        self.seen.view(-1).index_fill_(0, flat, True)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.reqs:
@@ -201,7 +230,7 @@ class OmniSampler(LogitsProcessor):
         lay = self._layout
         seen = None
         if lay.penalty is not None:
-            self._see_outputs(lay.rows, lay.reqs)
+            self._see_drawn(lay)
             v = logits.shape[1]
             seen = self.seen[: len(lay.rows), :v] if lay.index is None else self.seen[lay.index, :v]
         x = logits if lay.index is None else logits[lay.index]
@@ -215,6 +244,9 @@ class OmniSampler(LogitsProcessor):
             self._gen.manual_seed((req.seed * _MIX + len(req.outputs)) % 2**63)
             q[i].exponential_(generator=self._gen)
         token = ids.gather(1, probs.div_(q).argmax(dim=-1, keepdim=True))
+        self._drawn = token.view(-1)
+        for i, req in enumerate(lay.reqs):
+            req.last = i
         chosen = torch.full_like(x, float("-inf")).scatter_(1, token, 0.0)
         if lay.index is None:
             return chosen
