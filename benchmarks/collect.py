@@ -169,6 +169,12 @@ def collect(out: Path) -> dict:
         **_served(out, "thinkerlow", "thinkerlow"),
         # the 7B config with token2wav at MPS's below-normal priority (step `t2wlow`)
         **_served(out, "t2wlow", "t2wlow"),
+        # the 7B config with the talker at MPS's below-normal priority (step `talkerlow`)
+        **_served(out, "talkerlow", "talkerlow"),
+        # the 7B config with the talker's attention in another vLLM backend (step `talkerattn`)
+        **_served(out, "talkerattn", "talkerattn"),
+        # the 7B config benched while py-spy samples its stages (step `spy`)
+        **_served(out, "spy", "spy"),
         # the 7B config without its MPS daemon (step `nomps`; cuda_mps: auto in the config since 2026-12-01)
         **_served(out, "nomps", "nomps"),
         # the 7B config with token2wav's polyphase upsampling and compile (session step `t2wfast`),

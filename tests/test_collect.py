@@ -59,6 +59,7 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     _bench(tmp_path / "mpsfast_c16.json", ttfp_ms={"p50": 950.0}, rtf={"p50": 0.6})
     _bench(tmp_path / "t2wact_c16.json", ttfp_ms={"p50": 800.0}, rtf={"p50": 0.45})
     _bench(tmp_path / "mpspct_c1.json", ttfp_ms={"p50": 400.0}, rtf={"p50": 0.2})
+    _bench(tmp_path / "talkerlow_c16.json", ttfp_ms={"p50": 850.0}, rtf={"p50": 0.47})
     _bench(tmp_path / "nomps_c1.json", ttfp_ms={"p50": 440.0}, rtf={"p50": 0.26})
     _bench(tmp_path / "qwen3cp_c16.json", ttfp_ms={"p50": 1100.0}, rtf={"p50": 0.3})
     (tmp_path / "serve_qwen3mps.log").write_text("... all 3 stages ready in 99.5 s; serving on http://x\n")
@@ -89,6 +90,7 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert "t2w_graphs_bf16_start_s" not in r  # (no start time in that line)
     assert (r["t2wact_ttfp_ms_c16"], r["t2wact_rtf_c16"], r["t2wact_ready_s"]) == (800.0, 0.45, None)
     assert (r["mpspct_ttfp_ms_c1"], r["mpspct_rtf_c1"], r["mpspct_ttfp_ms_c16"]) == (400.0, 0.2, None)
+    assert (r["talkerlow_ttfp_ms_c16"], r["talkerlow_rtf_c16"], r["talkerlow_ttfp_ms_c1"]) == (850.0, 0.47, None)
     assert (r["t2wprof_config_w72_b16_step_ms"], r["t2wprof_config_w72_b16_dit_s"],
             r["t2wprof_config_w72_b16_vocoder_s"]) == (340.0, 2.5, 0.4)
     assert (r["mpsfast_ttfp_ms_c16"], r["mpsfast_rtf_c16"], r["mps_ttfp_ms_c16"]) == (950.0, 0.6, None)

@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: spy talkerlow tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -379,6 +379,16 @@ spy_during() {  # CONCURRENCY REQUESTS START_S DURATION_S (whole seconds: py-spy
   python3 benchmarks/gpu/cpu_threads.py snap $SPY_PIDS > $R/spy/b_c$1.json
   wait $bench_pid; sleep 2
   python3 benchmarks/gpu/cpu_threads.py diff $R/spy/a_c$1.json $R/spy/b_c$1.json > $R/spy/cpu_c$1.txt
+}
+
+step_talkerattn() {
+  # The 7B config with the talker's attention in another vLLM backend (TALKER_ATTN, default
+  # TRITON_ATTN): its c=1 step's GPU work is ~2.1 ms, 0.55 ms of it FlashAttention 3 at batch 1
+  # (18.5 us + a 4.4 us split-KV combine per layer, 24 layers; 2026-12-02 fourteenth run).
+  free_gpus
+  serve talkerattn 8037 $CFG --stage-arg talker.attention_backend=${TALKER_ATTN:-TRITON_ATTN}
+  wait_ready talkerattn 8037 && bench talkerattn 8037
+  stop talkerattn
 }
 
 step_talkerlow() {
