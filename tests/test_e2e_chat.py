@@ -190,6 +190,8 @@ def test_disconnect_non_stream_aborts(text_server):
     ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"model": MODEL, "messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
+    # (OpenAI's rule: not silently ignored without a stream)
+    ({"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ])
 def test_bad_requests_get_openai_errors(text_server, body, status, param):
     r = httpx.post(f"{text_server.base_url}/v1/chat/completions", json=body, timeout=30)

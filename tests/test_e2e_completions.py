@@ -118,6 +118,7 @@ def test_echo_returns_the_prompt_as_sent(client):
     (dict(prompt="x", stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(prompt=["1", 2]), "prompt"),  # (not coerced to token ids)
     (dict(prompt=["x"] * 40, n=8), "limit is 256 at a time"),  # (a 429 would never clear)
+    (dict(prompt="x", stream_options={"include_usage": True}), "stream_options"),  # (without stream)
 ])
 def test_refused_requests_are_400(client, kw, says):
     with pytest.raises(openai.BadRequestError, match=says):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_serializer,
+                      model_validator)
 
 
 class _Lenient(BaseModel):
@@ -125,6 +126,14 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+def stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+    """OpenAI's rule: `stream_options` only with `stream: true` (else a 400, not silently ignored).
+    (A field validator: `stream` comes first in the models, so it is known here.)"""
+    if v is not None and not info.data.get("stream"):
+        raise ValueError("only allowed when stream is true")
+    return v
+
+
 class ChatCompletionRequest(_Lenient):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -162,6 +171,8 @@ class ChatCompletionRequest(_Lenient):
     # Extensions (vLLM-compatible names), passed by the openai client through `extra_body`.
     ignore_eos: bool = False
     return_token_ids: bool = False
+
+    _stream_options = field_validator("stream_options")(classmethod(stream_options_need_stream))
 
     @field_validator("logit_bias")
     @classmethod
@@ -331,6 +342,7 @@ class CompletionRequest(_Lenient):
 
     _bias = field_validator("logit_bias")(classmethod(lambda cls, v: logit_bias(v)))
     _stop_list = field_validator("stop")(classmethod(lambda cls, v: stop_list(v)))
+    _stream_options = field_validator("stream_options")(classmethod(stream_options_need_stream))
 
     @field_validator("prompt")
     @classmethod
