@@ -52,7 +52,9 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
          # ... with polyphase upsampling: the 7B configs' token2wav settings before 2026-12-02's thirteenth run
          "config_dit_only": CONFIG | dict(compile_vocoder=False),
          # ... with the vocoder's anti-aliased activations compiled (one fused expression for all): the 7B configs'
-         "config": CONFIG}
+         "config": CONFIG,
+         # ... with one DiT graph per solver step, replayed per step (`dit_graph: step`: shorter captures)
+         "config_step_graphs": CONFIG | dict(dit_graph="step")}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

@@ -329,6 +329,57 @@ def test_dit_graphs_warm_with_one_solver_step(t2w, monkeypatch):
     assert len(full) == 36 and layers == full[:4]  # 4 evaluations per RK4 step, each at the solve's shape
 
 
+class _Replayed:
+    """A stand-in for a captured CUDA graph (this host has none): `replay` runs the captured
+    function on the capture's own input tensors and writes its output where the capture's was."""
+
+    def __init__(self, fn, static, options, out):
+        self.fn, self.static, self.options, self.out = fn, static, options, out
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.fn(*self.static, *self.options))
+
+
+def test_step_graphs_replay_one_solver_step_per_step(t2w, monkeypatch):
+    """`dit_graph: step`: one graph per shape holds one RK4 step and is replayed once per step of
+    the grid, each replay fed the state the last one left (through the graph's own input tensors),
+    so the solve equals the eager one exactly; a grid of another length replays the same graph."""
+    from omni_server.models.qwen2_5_omni.token2wav import DiTStepGraphs
+
+    graphs = DiTStepGraphs(t2w._graph_step(), t2w._solve_masks, 4, 4, t2w.frame_buckets)
+    captured = []
+
+    def capture(inputs, options):
+        static = tuple(t.clone() for t in inputs)
+        out = graphs.fn(*static, *options)
+        captured.append(_Replayed(graphs.fn, static, options, out))
+        return captured[-1], static, out
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)  # (read before a capture)
+    codes, voices, noise = _window_inputs(t2w, [50, 23, 37])
+    with torch.inference_mode():
+        for steps in (10, 4):
+            grid = t2w._time_grid(steps, -1.0)
+            padded = t2w._sample_mels(codes, voices, noise, grid, 0.5, pad=True)  # the eager solve, bucketed
+            t2w.graphs = graphs
+            try:
+                stepped = t2w._sample_mels(codes, voices, noise, grid, 0.5)
+            finally:
+                t2w.graphs = None
+            assert all(torch.equal(a, b) for a, b in zip(padded, stepped))
+    assert len(captured) == 1 and len(graphs.graphs) == 1  # one shape: one graph, for both grids
+    assert captured[0].replays == 9 + 3
+
+
+def test_dit_graph_option(model_dir):
+    with pytest.raises(ValueError, match="dit_graph"):
+        Token2Wav(model_dir, dit_graph="layer")
+    assert Token2Wav(model_dir, dit_graph="step").graphs is None  # (no CUDA graphs on a CPU)
+
+
 @pytest.mark.parametrize("first, chunk, spans", [([48, 48], 72, [72, 120, 144]),
                                                  ([48, 48, 72, 96], 144, [72, 120, 144, 168, 216]),
                                                  (24, 72, [48, 120, 144])])
@@ -531,20 +582,23 @@ def test_dit_attention_falls_back_where_its_kernel_cannot_run(model_dir, caplog)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("mode, vocoder, growing", [(True, True, False), ("blocks", True, False), ("blocks", False, False),
-                                                    ("blocks", "activations", False), ("blocks", "activations", True)])
-def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder, growing):
+@pytest.mark.parametrize("mode, vocoder, growing, unit", [
+    (True, True, False, "solve"), ("blocks", True, False, "solve"), ("blocks", False, False, "solve"),
+    ("blocks", "activations", False, "solve"), ("blocks", "activations", True, "solve"),
+    ("blocks", "activations", True, "step")])
+def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder, growing, unit):
     """The graphs capture the compiled DiT and vocoder (or the DiT only: `compile_vocoder` false;
     or the vocoder's activations only) (warmed, so no compile inside a capture), with the polyphase
     upsampler too, and replay what the eager float32 modules compute; `growing`: with the 7B
-    configs' windows (48, 48, 72, 96, then 144 new frames), each size its own graphs."""
+    configs' windows (48, 48, 72, 96, then 144 new frames), each size its own graphs; `unit`: a
+    DiT graph per solve or per solver step (`dit_graph`)."""
     windows = dict(first_chunk_frames=[48, 48, 72, 96], chunk_frames=144) if growing else {}
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # (an earlier case compiled the same DiT blocks: without this it reuses them)
     before = counters["stats"]["unique_graphs"]
     compiled = Token2Wav(model_dir, device="cuda", compile=mode, compile_vocoder=vocoder, polyphase_upsampling=True,
-                         warmup_graphs=True, **windows)
+                         warmup_graphs=True, dit_graph=unit, **windows)
     assert (compiled.vocoder_graphs.fn != compiled._vocoder_body) == (vocoder is True)  # (a bound method equals its twin)
     fused = [m for m in compiled.vocoder.modules() if isinstance(m, AntiAliasedSnake)]
     assert bool(fused) == (vocoder == "activations")

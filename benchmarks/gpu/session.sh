@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: t2wstep spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -199,6 +199,25 @@ step_t2wprof() {
   timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 16 --modes config_dit_only --split \
     --first-chunk-frames 48 48 --chunk-frames 72 --sdpa cudnn >> $R/t2wprof.txt 2>&1
   say "token2wav split: $(grep RESULT $R/t2wprof.txt | cut -c8- | tr '\n' ' ')"
+}
+
+step_t2wstep() {
+  # token2wav with one DiT graph per solver step (`dit_graph: step`, replayed 9 times a solve)
+  # instead of per solve: its warm-up captures ~9x less (25 DiT graphs took 22.5-39.2 s of a
+  # 49-83 s warm start on 2026-12-02). Alone (start and ms per step, batch 1 and 16, each mode in its
+  # own process, the Inductor cache warm from `main`), then served (keys `t2wstep_*`).
+  free_gpus
+  local w="--first-chunk-frames 48 48 72 96 --chunk-frames 144 --sdpa cudnn"
+  # (RESULT lines into t2w.txt: collect.py's keys t2w_<mode>_b<batch>_step_ms, t2w_<mode>_start_s)
+  for mode in config config_step_graphs; do
+    timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes $mode $w >> $R/t2w.txt 2>&1
+  done
+  say "t2wstep alone: $(grep RESULT $R/t2w.txt | grep config | cut -c8- | tr '\n' ' ')"
+  export VLLM_CACHE_ROOT=/tmp/vc
+  serve t2wstep 8038 $CFG --stage-arg token2wav.generator_args.dit_graph=step
+  wait_ready t2wstep 8038 && bench t2wstep 8038
+  stop t2wstep
+  say "t2wstep: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_t2wstep.log | cut -c1-220 | tr '\n' ' ')"
 }
 
 step_prof() {

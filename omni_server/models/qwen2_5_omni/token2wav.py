@@ -83,7 +83,7 @@ class Token2Wav:
                  first_chunk_frames: int | list[int] | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
                  dit_dtype: str = "float32", polyphase_upsampling: bool = False, compile: bool | str = False,
-                 compile_vocoder: bool | str = True, dit_attention: str | None = None):
+                 compile_vocoder: bool | str = True, dit_attention: str | None = None, dit_graph: str = "solve"):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
@@ -197,8 +197,18 @@ class Token2Wav:
             use_fused_activations(self.vocoder, wrap=lambda fn: torch.compile(fn, dynamic=True))
         vocoder = torch.compile(self._vocoder_body, dynamic=True) if compile and compile_vocoder is True \
             else self._vocoder_body
-        self.graphs = DiTGraphs(functools.partial(self._rk4, layers=dit_layers), max_graphs, max_graph_batch,
-                                self.frame_buckets, warm_each=compile, eager=self._rk4) if graphs else None
+        # dit_graph: what one DiT graph holds, a whole ODE solve ("solve") or one solver step
+        # ("step", replayed per step: the warm-up's captures ~9x shorter; DiTStepGraphs).
+        if dit_graph not in ("solve", "step"):
+            raise ValueError(f"dit_graph must be \"solve\" or \"step\", got {dit_graph!r}")
+        if not graphs:
+            self.graphs = None
+        elif dit_graph == "step":
+            self.graphs = DiTStepGraphs(self._graph_step(dit_layers), self._solve_masks, max_graphs, max_graph_batch,
+                                        self.frame_buckets, warm_each=compile, eager=self._graph_step())
+        else:
+            self.graphs = DiTGraphs(functools.partial(self._rk4, layers=dit_layers), max_graphs, max_graph_batch,
+                                    self.frame_buckets, warm_each=compile, eager=self._rk4)
         # The vocoder's ~2,600 ops per call, likewise: one graph per (batch bucket, mel length).
         self.vocoder_graphs = ShapeGraphs(vocoder, max_graphs, "token2wav vocoder", warm_each=True,
                                           eager=self._vocoder_body) if graphs else None
@@ -553,9 +563,29 @@ class Token2Wav:
              layers: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """The ODE solve from noise `x` to mel frames: fixed shapes, no host syncs (CUDA-graphable).
         `layers`: `_dit_body` or a compiled one."""
+        masks = self._solve_masks(block_diff, fixed.dtype)  # once per solve, not per layer call
+        for i in range(grid.shape[0] - 1):
+            x = self._rk4_step(x, grid[i:i + 2], fixed, cos, sin, masks, cfg, guidance_scale, layers)
+        return x
+
+    def _solve_masks(self, block_diff: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+        return block_masks(block_diff, self._mask_kinds, dtype)
+
+    def _graph_step(self, layers: Callable[..., torch.Tensor] | None = None) -> Callable[..., torch.Tensor]:
+        """`_rk4_step` over flat tensor arguments, as `DiTStepGraphs` captures it:
+        (x, t, fixed, cos, sin, *masks, cfg, guidance_scale)."""
+        kinds = len(self._mask_kinds)
+
+        def step(x, t, fixed, cos, sin, *rest):
+            return self._rk4_step(x, t, fixed, cos, sin, list(rest[:kinds]), *rest[kinds:], layers=layers)
+        return step
+
+    def _rk4_step(self, x: torch.Tensor, t: torch.Tensor, fixed: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, masks: list[torch.Tensor], cfg: bool, guidance_scale: float,
+                  layers: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """One step of the solve, from time t[0] to t[1] (`t`: two values of the grid)."""
         dit, rows = self.dit, fixed.shape[0]
         layers = self._dit_body if layers is None else layers
-        masks = block_masks(block_diff, self._mask_kinds, fixed.dtype)  # once per solve, not per layer call
 
         def velocity(t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
             # (The casts are no-ops in float32.)
@@ -569,15 +599,13 @@ class Token2Wav:
             return guided + (guided - null) * guidance_scale
 
         # RK4 "3/8 rule", operand order as in transformers so float32 rounding matches.
-        for i in range(grid.shape[0] - 1):
-            t0, t1 = grid[i], grid[i + 1]
-            dt = t1 - t0
-            k1 = velocity(t0, x)
-            k2 = velocity(t0 + dt * _ONE_THIRD, x + dt * k1 * _ONE_THIRD)
-            k3 = velocity(t0 + dt * _TWO_THIRDS, x + dt * (k2 - k1 * _ONE_THIRD))
-            k4 = velocity(t1, x + dt * (k1 - k2 + k3))
-            x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
-        return x
+        t0, t1 = t[0], t[1]
+        dt = t1 - t0
+        k1 = velocity(t0, x)
+        k2 = velocity(t0 + dt * _ONE_THIRD, x + dt * k1 * _ONE_THIRD)
+        k3 = velocity(t0 + dt * _TWO_THIRDS, x + dt * (k2 - k1 * _ONE_THIRD))
+        k4 = velocity(t1, x + dt * (k1 - k2 + k3))
+        return x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
 
     def _dit_body(self, h: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   masks: list[torch.Tensor], block: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
@@ -624,6 +652,31 @@ class DiTGraphs(ShapeGraphs):
     def solve(self, inputs: tuple[torch.Tensor, ...], options: tuple) -> torch.Tensor:
         # The grid's values are a static input like the others: only its length shapes the graph.
         return self.run((inputs[0].shape[0], inputs[0].shape[1], inputs[-1].shape[0], *options), inputs, options)
+
+
+class DiTStepGraphs(DiTGraphs):
+    """`dit_graph: step`: one graph per shape holds ONE solver step (4 of the solve's 36 DiT
+    evaluations with the default grid), replayed once per step, the state carried from each replay
+    into the next. A capture (and its eager warm run) records a ninth of a whole solve's ~30k
+    launches, so the warm-up captures take about a ninth of the time; serving replays 9 graphs per
+    solve instead of one. The masks are made once per solve, outside the graphs. Any grid length
+    replays the same graph."""
+
+    def __init__(self, step, masks: Callable[[torch.Tensor, torch.dtype], list[torch.Tensor]], max_graphs: int,
+                 max_batch: int, frame_buckets: list[int], warm_each: bool = False, eager=None):
+        super().__init__(step, max_graphs, max_batch, frame_buckets, warm_each=warm_each, eager=eager)
+        self.masks = masks
+
+    def warm_run(self, inputs: tuple[torch.Tensor, ...], options: tuple) -> None:
+        ShapeGraphs.warm_run(self, inputs, options)  # (the step itself: nothing to leave out)
+
+    def solve(self, inputs: tuple[torch.Tensor, ...], options: tuple) -> torch.Tensor:
+        x, fixed, cos, sin, block_diff, grid = inputs
+        masks = self.masks(block_diff, fixed.dtype)
+        key = (x.shape[0], x.shape[1], "step", *options)
+        for i in range(grid.shape[0] - 1):
+            x = self.run(key, (x, grid[i:i + 2], fixed, cos, sin, *masks), options)
+        return x
 
 
 def _rng(seed: int | None) -> torch.Generator:
