@@ -203,7 +203,7 @@ step_t2wprof() {
 
 step_t2wstep() {
   # token2wav with one DiT graph per solver step (`dit_graph: step`, replayed 9 times a solve)
-  # instead of per solve: its warm-up captures ~9x less (25 DiT graphs took 22.5-39.2 s of a
+  # instead of per solve: each shape's warm-up is 2 steps of host work, not 10 (25 DiT graphs took 22.5-39.2 s of a
   # 49-83 s warm start on 2026-12-02). Alone (start and ms per step, batch 1 and 16, each mode in its
   # own process, the Inductor cache warm from `main`), then served (keys `t2wstep_*`).
   free_gpus

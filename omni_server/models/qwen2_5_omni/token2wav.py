@@ -198,7 +198,7 @@ class Token2Wav:
         vocoder = torch.compile(self._vocoder_body, dynamic=True) if compile and compile_vocoder is True \
             else self._vocoder_body
         # dit_graph: what one DiT graph holds, a whole ODE solve ("solve") or one solver step
-        # ("step", replayed per step: the warm-up's captures ~9x shorter; DiTStepGraphs).
+        # ("step", replayed per step: each warm-up capture records 1/9 of the launches; DiTStepGraphs).
         if dit_graph not in ("solve", "step"):
             raise ValueError(f"dit_graph must be \"solve\" or \"step\", got {dit_graph!r}")
         if not graphs:
@@ -657,9 +657,9 @@ class DiTGraphs(ShapeGraphs):
 class DiTStepGraphs(DiTGraphs):
     """`dit_graph: step`: one graph per shape holds ONE solver step (4 of the solve's 36 DiT
     evaluations with the default grid), replayed once per step, the state carried from each replay
-    into the next. A capture (and its eager warm run) records a ninth of a whole solve's ~30k
-    launches, so the warm-up captures take about a ninth of the time; serving replays 9 graphs per
-    solve instead of one. The masks are made once per solve, outside the graphs. Any grid length
+    into the next. A capture records a ninth of a whole solve's ~30k launches, so a shape's
+    warm-up (an eager step, then the capture) is 2 steps of host work instead of 10; serving
+    replays 9 graphs per solve instead of one. The masks are made once per solve, outside the graphs. Any grid length
     replays the same graph."""
 
     def __init__(self, step, masks: Callable[[torch.Tensor, torch.dtype], list[torch.Tensor]], max_graphs: int,
