@@ -53,6 +53,14 @@ def test_greedy_continuation_equals_transformers(client):
     assert echoed.choices[0].text == prompt + choice.text
 
 
+def test_max_tokens_defaults_to_16_also_when_null(client):
+    """OpenAI's legacy default: 16 tokens when max_tokens is left out or sent as null."""
+    body = dict(extra_body={"ignore_eos": True, **IDS})
+    for r in (client.completions.create(model=MODEL, prompt="Hi", **body),
+              client.completions.create(model=MODEL, prompt="Hi", max_tokens=None, **body)):
+        assert len(_ids(r.choices[0])) == 16 and r.choices[0].finish_reason == "length"
+
+
 def test_prompts_times_choices(client):
     """Two prompts x n=2: choice k answers prompt k // 2, seeded seed + k % 2, as alone."""
     prompts, kw = ["Once upon a time", "The answer is"], dict(max_tokens=8, temperature=1.0, extra_body=IDS)

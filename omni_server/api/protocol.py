@@ -319,7 +319,7 @@ class CompletionRequest(_Lenient):
     # One prompt (text or token ids) or a batch of them (each answered with n choices).
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     suffix: str | None = None
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default, also for an explicit null (below)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
@@ -343,6 +343,11 @@ class CompletionRequest(_Lenient):
     _bias = field_validator("logit_bias")(classmethod(lambda cls, v: logit_bias(v)))
     _stop_list = field_validator("stop")(classmethod(lambda cls, v: stop_list(v)))
     _stream_options = field_validator("stream_options")(classmethod(stream_options_need_stream))
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _default_max_tokens(cls, v: int | None) -> int:
+        return 16 if v is None else v
 
     @field_validator("prompt")
     @classmethod
