@@ -171,6 +171,8 @@ def collect(out: Path) -> dict:
         **_served(out, "t2wlow", "t2wlow"),
         # the 7B config with the talker at MPS's below-normal priority (step `talkerlow`)
         **_served(out, "talkerlow", "talkerlow"),
+        # the 7B config with the thinker (or more stages) quantized to FP8 at load (step `fp8`)
+        **_served(out, "fp8", "fp8"),
         # the 7B config with one token2wav DiT graph per solver step (step `t2wstep`)
         **_served(out, "t2wstep", "t2wstep"),
         "t2wstep_ready_s": _ready_s(out / "serve_t2wstep.log"),
