@@ -69,6 +69,13 @@ bench() {  # NAME PORT [MODEL]: warm-up, c=1 x3, c=16 x16
   say "$1 benched: $(python3 benchmarks/gpu/brief.py $R/$1_c1.json $R/$1_c16.json)"
 }
 
+served() {  # NAME PORT [serve arguments]: the 7B config ($CFG) with them, started, benched, stopped
+  local name=$1 port=$2; shift 2
+  serve $name $port $CFG "$@"
+  wait_ready $name $port && bench $name $port
+  stop $name
+}
+
 # (The steps that serve or read the 7B shape need it; ~20 s to write.)
 NEED7B=
 for s in $STEPS; do case $s in qwen3|qwen3eager|qwen3mps|aa|tests) ;; *) NEED7B=1 ;; esac; done
@@ -97,9 +104,7 @@ step_warm() {
   # of the 7B numbers in the same run.
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
-  serve bench7b_warm 8031 $CFG
-  wait_ready bench7b_warm 8031 && bench bench7b_warm 8031
-  stop bench7b_warm
+  served bench7b_warm 8031
   say "warm start: $(grep -a 'graphs captured\|stages ready' $R/serve_bench7b_warm.log | cut -c1-220 | tr '\n' ' ')"
 }
 
@@ -214,9 +219,7 @@ step_t2wstep() {
   done
   say "t2wstep alone: $(grep RESULT $R/t2w.txt | grep config | cut -c8- | tr '\n' ' ')"
   export VLLM_CACHE_ROOT=/tmp/vc
-  serve t2wstep 8038 $CFG --stage-arg token2wav.generator_args.dit_graph=step
-  wait_ready t2wstep 8038 && bench t2wstep 8038
-  stop t2wstep
+  served t2wstep 8038 --stage-arg token2wav.generator_args.dit_graph=step
   say "t2wstep: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_t2wstep.log | cut -c1-220 | tr '\n' ' ')"
 }
 
@@ -253,9 +256,7 @@ step_w144() {
   # ones 1.5x; c=16 is token2wav-bound (busy 0.89) and its DiT runs beside the talker at c=1.
   # benchmarks/window_schedule.py: no c=1 stall from the larger windows.
   free_gpus
-  serve w144 8022 $CFG "${W144[@]}"
-  wait_ready w144 8022 && bench w144 8022
-  stop w144
+  served w144 8022 "${W144[@]}"
 }
 
 step_t2wfast() {
@@ -290,9 +291,7 @@ step_t2wact() {
   # The 7B config with the vocoder's anti-aliased activations compiled (compile_vocoder: activations;
   # opt-in until this runs): c=16 is token2wav-bound, and they were ~80% of its vocoder's time.
   free_gpus
-  serve t2wact 8027 $CFG --stage-arg token2wav.generator_args.compile_vocoder=activations
-  wait_ready t2wact 8027 && bench t2wact 8027
-  stop t2wact
+  served t2wact 8027 --stage-arg token2wav.generator_args.compile_vocoder=activations
   say "t2wact: $(grep -a 'graphs captured\|capture failed' $R/serve_t2wact.log | cut -c1-200 | tr '\n' ' ')"
 }
 
@@ -301,9 +300,7 @@ step_t2wboth() {
   # compiled (c=16 RTF 0.650 -> 0.616) and growing windows up to 144 frames (0.650 -> 0.565).
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
-  serve t2wboth 8029 $CFG --stage-arg token2wav.generator_args.compile_vocoder=activations "${W144[@]}"
-  wait_ready t2wboth 8029 && bench t2wboth 8029
-  stop t2wboth
+  served t2wboth 8029 --stage-arg token2wav.generator_args.compile_vocoder=activations "${W144[@]}"
   say "t2wboth: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_t2wboth.log | cut -c1-220 | tr '\n' ' ')"
 }
 
@@ -327,9 +324,7 @@ step_attn() {
   # 1.779 -> 1.708 s of a batch-16 decode (2026-12-01, session 18's run).
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
-  serve attn 8032 $CFG --stage-arg token2wav.generator_args.dit_attention=${DIT_ATTN:-cudnn}
-  wait_ready attn 8032 && bench attn 8032
-  stop attn
+  served attn 8032 --stage-arg token2wav.generator_args.dit_attention=${DIT_ATTN:-cudnn}
   say "attn: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_attn.log | cut -c1-220 | tr '\n' ' ')"
 }
 
@@ -338,9 +333,7 @@ step_mpspct() {
   # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment): at c=16 the talker's step took 7.4 ms
   # beside token2wav against 2 ms alone (2026-12-01), and its first codes pace first audio.
   free_gpus
-  serve mpspct 8028 $CFG --stage-arg token2wav.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MPS_PCT:-50}
-  wait_ready mpspct 8028 && bench mpspct 8028
-  stop mpspct
+  served mpspct 8028 --stage-arg token2wav.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MPS_PCT:-50}
 }
 
 step_thinkerlow() {
@@ -348,9 +341,7 @@ step_thinkerlow() {
   # for the talker's first 36 codes while the thinker still decodes beside it (the talker's stage
   # first output 54 ms, token2wav's 436 ms on 2026-12-01; 3.3 ms per talker step on average).
   free_gpus
-  serve thinkerlow 8030 $CFG --stage-arg thinker.env.CUDA_MPS_CLIENT_PRIORITY=1
-  wait_ready thinkerlow 8030 && bench thinkerlow 8030
-  stop thinkerlow
+  served thinkerlow 8030 --stage-arg thinker.env.CUDA_MPS_CLIENT_PRIORITY=1
 }
 
 step_t2wlow() {
@@ -358,9 +349,7 @@ step_t2wlow() {
   # step took 6.7-7.0 ms beside token2wav (~2 ms alone), 3.4 of the ~4.6 s to the last packet
   # (2026-12-02 thirteenth run); token2wav has slack until each window's audio is due.
   free_gpus
-  serve t2wlow 8033 $CFG --stage-arg token2wav.env.CUDA_MPS_CLIENT_PRIORITY=1
-  wait_ready t2wlow 8033 && bench t2wlow 8033
-  stop t2wlow
+  served t2wlow 8033 --stage-arg token2wav.env.CUDA_MPS_CLIENT_PRIORITY=1
 }
 
 step_spy() {
@@ -405,9 +394,7 @@ step_talkerattn() {
   # TRITON_ATTN): its c=1 step's GPU work is ~2.1 ms, 0.55 ms of it FlashAttention 3 at batch 1
   # (18.5 us + a 4.4 us split-KV combine per layer, 24 layers; 2026-12-02 fourteenth run).
   free_gpus
-  serve talkerattn 8037 $CFG --stage-arg talker.attention_backend=${TALKER_ATTN:-TRITON_ATTN}
-  wait_ready talkerattn 8037 && bench talkerattn 8037
-  stop talkerattn
+  served talkerattn 8037 --stage-arg talker.attention_backend=${TALKER_ATTN:-TRITON_ATTN}
 }
 
 step_fp8() {
@@ -419,36 +406,28 @@ step_fp8() {
   free_gpus
   local args="" st
   for st in ${FP8_STAGES:-thinker}; do args="$args --stage-arg $st.quantization=fp8"; done
-  serve fp8 8039 $CFG $args
-  wait_ready fp8 8039 && bench fp8 8039
-  stop fp8
+  served fp8 8039 $args
 }
 
 step_talkerlow() {
   # The 7B config with the talker at MPS's below-normal client priority: at c=1 first audio waits
   # for 36 talker codes, each gated by a thinker step (6.2-6.4 ms beside the talker, 4.9 alone).
   free_gpus
-  serve talkerlow 8036 $CFG --stage-arg talker.env.CUDA_MPS_CLIENT_PRIORITY=1
-  wait_ready talkerlow 8036 && bench talkerlow 8036
-  stop talkerlow
+  served talkerlow 8036 --stage-arg talker.env.CUDA_MPS_CLIENT_PRIORITY=1
 }
 
 step_nomps() {
   # The 7B config without its CUDA MPS daemon (`cuda_mps: false`: the stages time-slice the GPU):
   # what MPS gives (2026-12-01: c=16 first audio 1048 -> 897 ms, c=1 RTF 0.263 -> 0.208).
   free_gpus
-  serve nomps 8026 $CFG --cuda-mps false
-  wait_ready nomps 8026 && bench nomps 8026
-  stop nomps
+  served nomps 8026 --cuda-mps false
 }
 
 step_tc4() {
   # The thinker streams to the talker every 4 positions at most instead of 8 (this matters with
   # many requests running: with one or two, rows go one per message anyway, ARStage.rows_chunk).
   free_gpus
-  serve tc4 8020 $CFG --stage-arg talker.stream_chunk=4
-  wait_ready tc4 8020 && bench tc4 8020
-  stop tc4
+  served tc4 8020 --stage-arg talker.stream_chunk=4
 }
 
 step_qwen3() {
