@@ -127,6 +127,50 @@ def test_a_draw_vllm_discards_is_not_seen():
     assert _chosen(lp.apply(logits.clone())) == [5]
 
 
+def _fold(outputs: list[int], token: int) -> None:
+    """What vLLM's update_async_output_token_ids does to a list ending in unfilled placeholders
+    once some request in the batch needs token values: the run becomes the one token it fills."""
+    while outputs and outputs[-1] == -1:
+        outputs.pop()
+    outputs.append(token)
+
+
+def test_placeholders_folded_by_vllm_still_count_as_one_kept_draw():
+    """A list vLLM shrinks (a run of -1 placeholders folded into one real token) means the last
+    draw was kept: it is marked, and a seeded request's draw positions go on counting (its draws
+    do not repeat earlier noise)."""
+    vocab = 10
+    lp = OmniSampler(_config(4, vocab), torch.device("cpu"), False)
+    outputs: list[int] = []
+    _add(lp, 1, [(0, _params(temperature=1.0, top_k=1, repetition_penalty=100.0), [], outputs)])
+    logits = torch.full((1, vocab), -5.0)
+    logits[0, 1], logits[0, 9], logits[0, 8] = 3.0, 2.0, 1.0
+    assert _chosen(lp.apply(logits.clone())) == [1]
+    outputs.append(-1)
+    assert _chosen(lp.apply(logits.clone())) == [9]
+    outputs.append(-1)
+    _fold(outputs, 9)  # [-1, -1] -> [9]: shorter, its last entry real
+    assert _chosen(lp.apply(logits.clone())) == [8]  # 1 and 9 seen
+    outputs.append(-1)  # (filled in again before the next step: the batch still needs values)
+    outputs[-1] = 8
+    logits[0, 7] = 0.5
+    assert _chosen(lp.apply(logits.clone())) == [7]
+
+    def draws(fold_at):
+        lp = OmniSampler(_config(1, 64), torch.device("cpu"), False)
+        out: list[int] = []
+        _add(lp, 1, [(0, _params(top_p=1.0, repetition_penalty=1.0, seed=5), [], out)])
+        got = []
+        for step in range(8):
+            got += _chosen(lp.apply(torch.zeros(1, 64)))
+            out.append(-1)
+            if step == fold_at:
+                _fold(out, got[-1])
+        return got
+
+    assert draws(fold_at=4) == draws(fold_at=None)
+
+
 def test_kept_draws_follow_their_requests_across_batch_changes():
     """Rows that move, leave or arrive between a draw and the next step: each kept draw is marked
     in its own request's row (the index path), then the usual all-rows path resumes."""

@@ -374,6 +374,18 @@ def test_step_graphs_replay_one_solver_step_per_step(t2w, monkeypatch):
     assert captured[0].replays == 9 + 3
 
 
+def test_graph_inputs_keep_their_layout():
+    """A capture's own copies of its inputs keep their strides: the DiT's masks (rows at aligned
+    offsets for the attention kernels) stay aligned in the graphs; expanded views copy whole."""
+    from omni_server.models.graphs import _same_layout
+    from omni_server.models.qwen2_5_omni.dit import block_masks
+
+    mask = block_masks(torch.randint(-3, 3, (2, 1, 30, 30)).float(), [(1, 0)], torch.float32)[0]
+    copy = _same_layout(mask)
+    assert copy.stride() == mask.stride() != mask.clone().stride() and torch.equal(copy, mask)
+    assert torch.equal(_same_layout(torch.ones(3, 1).expand(3, 4)), torch.ones(3, 4))
+
+
 def test_dit_graph_option(model_dir):
     with pytest.raises(ValueError, match="dit_graph"):
         Token2Wav(model_dir, dit_graph="layer")
@@ -432,10 +444,11 @@ def test_graph_warm_up_covers_the_vocoder_lengths_of_a_stream(model_dir, first, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graph_solve_equals_eager(model_dir):
-    warmed = Token2Wav(model_dir, device="cuda", warmup_graphs=True, max_graph_batch=4)
+@pytest.mark.parametrize("unit", ["solve", "step"])
+def test_cuda_graph_solve_equals_eager(model_dir, unit):
+    warmed = Token2Wav(model_dir, device="cuda", warmup_graphs=True, max_graph_batch=4, dit_graph=unit)
     assert len(warmed.graphs.graphs) >= 3  # batch buckets 1, 2, 4 of the steady window at least
-    graphed = Token2Wav(model_dir, device="cuda")
+    graphed = Token2Wav(model_dir, device="cuda", dit_graph=unit)
     eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False)
     grid = graphed._time_grid(10, -1.0)
     # Captured with one set of inputs, replayed with others of the same bucket (4 rows x 144

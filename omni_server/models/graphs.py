@@ -16,6 +16,15 @@ def pow2(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+def _same_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` with its strides (`clone` makes a view with gaps contiguous; e.g. the DiT's
+    masks, whose rows start at aligned offsets for the attention kernels). Expanded views (a
+    stride 0 over several elements) are cloned whole."""
+    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+        return t.clone()
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 class ShapeGraphs:
     """`fn(*tensors, *options) -> tensor or tuple of tensors`, captured once per `key` (the caller's
     name for the input shapes and options) and replayed after copying the inputs into the
@@ -72,7 +81,7 @@ class ShapeGraphs:
         self.fn(*inputs, *options)
 
     def _capture(self, inputs, options):
-        static = tuple(t.clone() for t in inputs)
+        static = tuple(_same_layout(t) for t in inputs)
         if self.pool is None or self.warm_each:  # an eager run first (lazy inits, workspaces, plans)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())

@@ -93,14 +93,17 @@ def reads_output_tokens(logits_processors) -> bool:
 
 
 class _Req:
-    __slots__ = ("temperature", "top_k", "top_p", "penalty", "seed", "outputs", "counted", "last")
+    __slots__ = ("temperature", "top_k", "top_p", "penalty", "seed", "outputs", "listed", "tail", "position",
+                 "last")
 
     def __init__(self, spec: list, outputs: list[int]):
         self.temperature, self.top_k, self.top_p, self.penalty, self.seed = spec
         # vLLM's live list of the request's output tokens: one more after each step whose token it
-        # kept (under async scheduling a -1 placeholder that nobody fills in for us).
+        # kept (under async scheduling a -1 placeholder that nobody fills in for us; see `_account`).
         self.outputs = outputs
-        self.counted = len(outputs)  # of those, how many are in the seen mask
+        self.listed = len(outputs)  # its length at the last step
+        self.tail = outputs[-1] if outputs else None  # and its last entry then
+        self.position = len(outputs)  # output tokens kept so far: the index of the one drawn next
         self.last: int | None = None  # its row in the last step's drawn tokens
 
 
@@ -196,24 +199,35 @@ class OmniSampler(LogitsProcessor):
         flat_rows = self._to_device([r * self.vocab for r in rows]) if penalized and every else None
         return _Layout(rows, reqs, index, k, top_k, top_p, penalty, temperature, seeded, flat_rows)
 
-    def _see_drawn(self, lay: _Layout) -> None:
-        """Add to the seen mask the tokens vLLM kept from the last step (each request whose output
-        list grew by one), from the last step's draws on the device."""
+    def _account(self, lay: _Layout) -> None:
+        """Count the tokens vLLM kept from the last step's draws (a request's output list grew by
+        one) and add the penalised requests' kept draws to the seen mask, from the device.
+
+        vLLM fills in a request's -1 placeholders only while some request in the batch needs token
+        values (its own penalties, bad words), and then folds a run of unfilled ones into the one
+        token it fills: the list shrinks, its last entry turns real, and that step's draw was
+        kept (a discarded draw, of a prompt prefilled in chunks, leaves the list as it was)."""
         usual = lay.flat_rows is not None and self._drawn is not None and len(self._drawn) == len(lay.rows)
         rows, drawn_at = [], []
         for i, (row, req) in enumerate(zip(lay.rows, lay.reqs)):
-            grew = len(req.outputs) - req.counted
-            last, req.last = req.last, None
-            if grew == 0 or req.penalty == 1.0:
-                usual &= grew == 1
-                req.counted += grew
+            out, last = req.outputs, req.last
+            n = len(out)
+            folded = 0 < n <= req.listed and req.tail is not None and req.tail < 0 and out[-1] >= 0
+            kept = n > req.listed or folded
+            req.listed, req.tail, req.last = n, (out[-1] if n else None), None
+            if not kept:
+                usual = False
                 continue
-            usual &= grew == 1 and last == i
-            if grew == 1 and last is not None:
+            req.position += 1
+            if req.penalty == 1.0:
+                continue  # (then flat_rows is None: not the usual path)
+            if last is not None:
+                usual &= last == i
                 rows.append(row), drawn_at.append(last)
-            else:  # (not drawn here: tokens given as values, if any)
-                self._mark([row * self.vocab + t for t in req.outputs[req.counted:] if 0 <= t < self.vocab])
-            req.counted += grew
+            else:  # (not drawn here: its token as a value, if it is one)
+                usual = False
+                if 0 <= out[-1] < self.vocab:
+                    self._mark([row * self.vocab + out[-1]])
         if not rows:
             return
         if usual:  # every row kept its token and none moved: no index to send
@@ -228,9 +242,9 @@ class OmniSampler(LogitsProcessor):
         if self._layout is None:
             self._layout = self._build_layout(logits.shape[0])
         lay = self._layout
+        self._account(lay)
         seen = None
         if lay.penalty is not None:
-            self._see_drawn(lay)
             v = logits.shape[1]
             seen = self.seen[: len(lay.rows), :v] if lay.index is None else self.seen[lay.index, :v]
         x = logits if lay.index is None else logits[lay.index]
@@ -241,7 +255,7 @@ class OmniSampler(LogitsProcessor):
             # A seeded draw depends on (seed, output position) only: vLLM drops a request from the
             # batch while it is not scheduled (a talker waiting for input) and adds it back, and a
             # recomputed one draws the same again.
-            self._gen.manual_seed((req.seed * _MIX + len(req.outputs)) % 2**63)
+            self._gen.manual_seed((req.seed * _MIX + req.position) % 2**63)
             q[i].exponential_(generator=self._gen)
         token = ids.gather(1, probs.div_(q).argmax(dim=-1, keepdim=True))
         self._drawn = token.view(-1)
