@@ -39,24 +39,28 @@ def _results(files) -> list[dict]:
             for line in f.read_text().splitlines() if line.startswith("RESULT ")]
 
 
-def _runner(out: Path, batch: int, model: str = "qwen2-7b") -> dict[str, dict]:
-    """runner_overhead RESULT lines at this batch for this model (its name or its dir's), by mode."""
-    # (Not runner_prof*: the profiled run's steps are slowed by the profiler.)
-    files = [f for f in sorted(out.glob("runner_*.txt")) if not f.name.startswith("runner_prof")]
+def _runner(out: Path, batch: int, model: str = "qwen2-7b", variant: str = "") -> dict[str, dict]:
+    """runner_overhead RESULT lines at this batch for this model (its name or its dir's), by mode;
+    `variant`: a session step's own runs (runner_<variant>_*.txt, e.g. `splits`)."""
+    # (Not runner_prof*: the profiled run's steps are slowed by the profiler; nor a variant's.)
+    files = sorted(out.glob(f"runner_{variant}_*.txt")) if variant else \
+        [f for f in sorted(out.glob("runner_*.txt")) if not f.name.startswith(("runner_prof", "runner_splits"))]
     return {r.get("mode", ""): r for r in _results(files)
             if r.get("batch") == batch and Path(str(r.get("model", ""))).name == model}
 
 
-def _runner_ratio(out: Path, batch: int, model: str = "qwen2-7b", mode: str = "omni-emit") -> float | None:
+def _runner_ratio(out: Path, batch: int, model: str = "qwen2-7b", mode: str = "omni-emit",
+                  variant: str = "") -> float | None:
     """Our stage loop's tok/s (with emission, or `omni-plain` without) / vllm tok/s at this batch."""
-    rows = _runner(out, batch, model)
+    rows = _runner(out, batch, model, variant)
     ours, plain = _get(rows, mode, "tok_s"), _get(rows, "vllm", "tok_s")
     return round(ours / plain, 3) if ours and plain else None
 
 
-def _hbm_fraction(out: Path) -> float | None:
-    """The emitting stage's batch-1 decode bytes/s (weights + KV per step) / the H200's 4.3 TB/s."""
-    tb_s = _get(_runner(out, 1), "omni-emit", "hbm_tb_s")
+def _hbm_fraction(out: Path, variant: str = "", mode: str = "omni-emit") -> float | None:
+    """A batch-1 decode's bytes/s (weights + KV per step) / the H200's 4.3 TB/s: the emitting
+    stage's, or plain vLLM's (`mode` vllm)."""
+    tb_s = _get(_runner(out, 1, variant=variant), mode, "hbm_tb_s")
     return round(tb_s / H200_HBM_TB_S, 3) if tb_s else None
 
 
@@ -124,6 +128,12 @@ def collect(out: Path) -> dict:
         "p3_rtf_c16": _get(c16, "rtf", "p50"),
         "p4_vs_hf_c16": _get(ref, "vs_reference"),
         "p5_hbm_fraction_bs1": _hbm_fraction(out),
+        # step `splits`: FlashAttention's KV splits capped (p1 and p5 measured with it)
+        "splits_runner_vs_vllm_bs1": _runner_ratio(out, 1, variant="splits"),
+        "splits_runner_vs_vllm_bs32": _runner_ratio(out, 32, variant="splits"),
+        "splits_hbm_fraction_bs1": _hbm_fraction(out, "splits"),
+        "splits_vllm_hbm_fraction_bs1": _hbm_fraction(out, "splits", "vllm"),
+        **_served(out, "splits", "splits"),
         "p6_ready_s_cold": _ready_s(out / "serve_bench7b.log"),
         # the same config started again from its compile cache (step `warm`), or before that step
         # existed the full-payload server, which started second

@@ -184,6 +184,8 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--repeats", type=int, default=3, help="measured runs per batch size (median), after a warm-up")
+    p.add_argument("--attention-splits", type=int, default=None,
+                   help="FlashAttention's most KV splits in decode CUDA graphs (vLLM's default 32)")
     a = p.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     shapes = {"qwen2-7b": qwen2_7b_dir, "talker-7b": talker_7b_dir}
@@ -192,6 +194,8 @@ def main() -> None:
                        max_model_len=a.input_len + a.output_len + 64, max_num_seqs=max(a.batch),
                        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
                        enable_prefix_caching=False)
+    if a.attention_splits is not None:
+        engine_args["attention_config"] = {"flash_attn_max_num_splits_for_cuda_graph": a.attention_splits}
     if a.mode == "vllm":
         res = run_vllm(engine_args, a.batch, a.input_len, a.output_len, a.repeats, a.sampling)
     else:

@@ -33,6 +33,9 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
         'RESULT {"model": "qwen2-7b", "mode": "omni-emit", "batch": 1, "tok_s": 198.0, "hbm_tb_s": 2.8}\n')
     (tmp_path / "runner_prof.txt").write_text(  # the profiled run: slowed by the profiler, not counted
         'RESULT {"model": "qwen2-7b", "mode": "omni-emit", "batch": 1, "tok_s": 150.0, "hbm_tb_s": 2.1}\n')
+    (tmp_path / "runner_splits_omni.txt").write_text(  # step `splits`: its own keys, not p1 / p5
+        'RESULT {"model": "qwen2-7b", "mode": "vllm", "batch": 1, "tok_s": 220.0, "hbm_tb_s": 3.1}\n'
+        'RESULT {"model": "qwen2-7b", "mode": "omni-emit", "batch": 1, "tok_s": 231.0, "hbm_tb_s": 3.25}\n')
     (tmp_path / "runner_tiny_a.txt").write_text(
         'RESULT {"model": "/w/var/models/tiny-qwen2_5-omni", "mode": "vllm", "batch": 1, "tok_s": 900.0}\n'
         'RESULT {"model": "/w/var/models/tiny-qwen2_5-omni", "mode": "omni-emit", "batch": 1, "tok_s": 880.0}\n')
@@ -72,6 +75,8 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert (r["p2_ttfp_ms_c1"], r["p2_ttfp_ms_c16"], r["p3_rtf_c1"], r["p3_rtf_c16"]) == (180.5, 700.0, 0.08, 0.2)
     assert r["p2_ttfp_ms_c1_full_payload"] == 4000.0 and r["p2_ttfp_ms_c16_full_payload"] is None
     assert r["p5_hbm_fraction_bs1"] == round(2.8 / 4.3, 3)
+    assert r["splits_runner_vs_vllm_bs1"] == 1.05 and r["splits_runner_vs_vllm_bs32"] is None
+    assert (r["splits_hbm_fraction_bs1"], r["splits_vllm_hbm_fraction_bs1"]) == (round(3.25 / 4.3, 3), round(3.1 / 4.3, 3))
     assert r["p4_vs_hf_c16"] == 25.5 and r["p6_ready_s_cold"] == 142.5
     assert r["p6_ready_s_warm"] == 49.5  # the `warm` step's restart of the same config, not the full-payload one
     assert (r["warm_ttfp_ms_c1"], r["warm_rtf_c1"], r["warm_ttfp_ms_c16"]) == (190.0, 0.09, None)

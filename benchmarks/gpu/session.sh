@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: t2wstep fp8 spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: t2wstep fp8 splits spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -407,6 +407,24 @@ step_fp8() {
   local args="" st
   for st in ${FP8_STAGES:-thinker}; do args="$args --stage-arg $st.quantization=fp8"; done
   served fp8 8039 $args
+}
+
+step_splits() {
+  # FlashAttention 3's decode in CUDA graphs may split the KV cache up to 32 ways (vLLM's
+  # attention_config.flash_attn_max_num_splits_for_cuda_graph), then combine: at batch 1 with a few
+  # hundred tokens of context that was 21 us + 4 us per layer of the thinker (0.59 ms of a ~5.6 ms
+  # step) and 18.5 + 4.4 us of the talker (2026-12-02). With at most SPLITS (default 1): the
+  # thinker's stage vs vLLM at batch 1 and 32 (keys as `runner`'s with `splits`: p5 with it), then
+  # the 7B config served with it on the thinker and talker (keys `splits_*`).
+  free_gpus
+  local n=${SPLITS:-1} mode
+  for mode in vllm omni; do
+    timeout 400 python3 benchmarks/runner_overhead.py --model qwen2-7b --mode $mode --batch 1 32 --attention-splits $n \
+      > $R/runner_splits_$mode.txt 2>&1
+    say "runner $mode splits $n: $(grep RESULT $R/runner_splits_$mode.txt | tr '\n' ' ')"
+  done
+  served splits 8040 --stage-arg thinker.attention_config.flash_attn_max_num_splits_for_cuda_graph=$n \
+    --stage-arg talker.attention_config.flash_attn_max_num_splits_for_cuda_graph=$n
 }
 
 step_talkerlow() {
