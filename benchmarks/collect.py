@@ -181,6 +181,8 @@ def collect(out: Path) -> dict:
         **_served(out, "t2wlow", "t2wlow"),
         # the 7B config with the talker at MPS's below-normal priority (step `talkerlow`)
         **_served(out, "talkerlow", "talkerlow"),
+        # the 7B config under Poisson arrivals, at most 16 at once (step `rate`: c16 keys only)
+        **_served(out, "rate", "rate"),
         # the 7B config with the thinker (or more stages) quantized to FP8 at load (step `fp8`)
         **_served(out, "fp8", "fp8"),
         # the 7B config with one token2wav DiT graph per solver step (step `t2wstep`)

@@ -105,13 +105,16 @@ def cmd_bench(args) -> int:
         print("error: --reference times transformers answering a chat; it has no /v1/audio/speech "
               "counterpart: leave out one of --speech and --reference", file=sys.stderr)
         return 2
+    if args.request_rate is not None and not args.request_rate > 0:
+        print("error: --request-rate must be a positive number of requests per second", file=sys.stderr)
+        return 2
     cfg = BenchConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
                       requests_per_level=args.requests, prompt_words=args.prompt_words,
                       max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OMNI_SERVER_API_KEY"),
                       audio=args.audio or args.speech, voice=args.voice, speech=args.speech,
                       reference=args.reference,
                       reference_talker_max_tokens=args.reference_talker_max_tokens,
-                      reference_requests=args.reference_requests)
+                      reference_requests=args.reference_requests, request_rate=args.request_rate)
     result = asyncio.run(run_bench(cfg))
     text = json.dumps(result, indent=2)
     if args.output:
@@ -204,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-talker-max-tokens", type=int, default=500,
                    help="the reference talker's codec-token cap (match the server's talker max_tokens)")
     p.add_argument("--reference-requests", type=int, default=4, help="reference requests (one at a time)")
+    p.add_argument("--request-rate", type=float, metavar="PER_S",
+                   help="send requests as a Poisson process at this rate (the same schedule each run), "
+                        "at most --concurrency at once; default: all at once")
     p.set_defaults(fn=cmd_bench)
 
     args = parser.parse_args(argv)

@@ -31,6 +31,31 @@ def test_bench_reports_every_level(text_server, tmp_path):
     assert "c=4" in proc.stdout
 
 
+def test_arrivals_are_a_reproducible_poisson_schedule():
+    from omni_server.bench.runner import arrivals
+
+    assert arrivals(3, None) == [0.0, 0.0, 0.0]
+    a = arrivals(2000, 10.0, seed=1)
+    assert a == arrivals(2000, 10.0, seed=1) != arrivals(2000, 10.0, seed=2)
+    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:]))
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert abs(sum(gaps) / len(gaps) - 0.1) < 0.01  # mean gap 1 / rate
+
+
+def test_bench_request_rate_spreads_the_arrivals(text_server, tmp_path):
+    from omni_server.bench.runner import arrivals
+
+    out = tmp_path / "bench.json"
+    proc = _bench(text_server.base_url, out, "--concurrency", "4", "--requests", "4", "--max-tokens", "4",
+                  "--prompt-words", "10", "--request-rate", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [lv] = json.loads(out.read_text())["levels"]
+    assert lv["errors"] == 0 and lv["request_rate"] == 8.0
+    assert lv["wall_s"] > arrivals(4, 8.0)[-1]  # the last request left on its schedule
+    bad = _bench(text_server.base_url, out, "--request-rate", "0")
+    assert bad.returncode == 2 and "--request-rate" in bad.stderr
+
+
 def test_bench_audio_reports_ttfp_and_rtf(speech_server, tmp_path):
     out = tmp_path / "bench.json"
     proc = _bench(speech_server.base_url, out, "--concurrency", "2", "--requests", "2", "--max-tokens", "8",

@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: t2wstep fp8 splits spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -425,6 +425,23 @@ step_splits() {
   done
   served splits 8040 --stage-arg thinker.attention_config.flash_attn_max_num_splits_for_cuda_graph=$n \
     --stage-arg talker.attention_config.flash_attn_max_num_splits_for_cuda_graph=$n
+}
+
+step_rate() {
+  # The 7B config (warm cache) under spread-out arrivals: RATE requests a second (default 3, a
+  # Poisson schedule, the same every run), at most 16 at once, 32 requests. The c=16 bench starts
+  # all at once, so token2wav's streams stay in step; here new streams' small first windows meet
+  # others' 144-frame ones in one padded DiT pass (keys `rate_*`).
+  free_gpus
+  export VLLM_CACHE_ROOT=/tmp/vc
+  serve rate 8041 $CFG
+  if wait_ready rate 8041; then
+    $B --base-url http://127.0.0.1:8041 --concurrency 1 --requests 1 --output $R/warm_rate.json > $R/bench_rate.log 2>&1
+    $B --base-url http://127.0.0.1:8041 --concurrency 16 --requests 32 --request-rate ${RATE:-3} \
+      --output $R/rate_c16.json >> $R/bench_rate.log 2>&1
+    say "rate ${RATE:-3}/s: $(python3 benchmarks/gpu/brief.py $R/rate_c16.json)"
+  fi
+  stop rate
 }
 
 step_talkerlow() {

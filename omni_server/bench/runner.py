@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import random
 import statistics
 import sys
 import time
@@ -70,6 +71,22 @@ class BenchConfig:
     reference_device: str | None = None  # default: cuda if available
     reference_talker_max_tokens: int = 500
     reference_requests: int = 4  # one at a time, after a warm-up request
+    # Requests per second arriving as a Poisson process (exponential gaps drawn from `arrival_seed`:
+    # the same schedule every run), each level's concurrency still the cap; None: all at once.
+    request_rate: float | None = None
+    arrival_seed: int = 0
+
+
+def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
+    """Seconds from a level's start at which each of its n requests is sent: 0 for all without a
+    rate, else a Poisson process's (the first at 0)."""
+    if not rate:
+        return [0.0] * n
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -198,10 +215,12 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
     sem = asyncio.Semaphore(concurrency)
     done = 0
     limits = httpx.Limits(max_connections=concurrency + 4)
+    start = arrivals(n, cfg.request_rate, cfg.arrival_seed)
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=cfg.timeout_s,
                                  limits=limits) as client:
         async def task(i: int) -> dict:
             nonlocal done
+            await asyncio.sleep(max(0.0, t0 + start[i] - time.perf_counter()))
             async with sem:
                 res = await _one(client, cfg, offset + i)
             done += 1
@@ -240,7 +259,7 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
             "stalled_requests": sum(1 for v in stalls if v > 0),
         }
     return {
-        "concurrency": concurrency, "requests": n, "errors": n - len(ok),
+        "concurrency": concurrency, "requests": n, "request_rate": cfg.request_rate, "errors": n - len(ok),
         "error_examples": sorted({r["error"] for r in results if r.get("error")})[:3],
         "wall_s": round(wall, 3), "output_tokens": tokens,
         "output_tok_s": round(tokens / wall, 1) if wall > 0 else None,
