@@ -354,3 +354,43 @@ def test_in_a_vllm_engine_it_matches_vllm_sampling(tiny_models):
     assert penalised != greedy
     assert len(set(penalised)) == len(penalised)  # a penalty of 50 leaves no seen token a chance here
     assert seed5 == seed5_again != seed6
+
+
+RUNNER_SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from omni_server.stage.sampling import LOGITS_PROCESSOR, SPEC, vllm_params
+
+llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.1,
+          enable_prefix_caching=False, logits_processors=[LOGITS_PROCESSOR],
+          worker_cls="omni_server.stage.gpu_worker.GPUOmniWorker")
+given, spec = vllm_params(1.0, 1, 1.0, 50.0, None)
+params = SamplingParams(max_tokens=24, ignore_eos=True, detokenize=False, **given, extra_args={SPEC: spec})
+out = llm.generate([TokensPrompt(prompt_token_ids=[11, 12, 13, 14])] * 2, params, use_tqdm=False)
+flags = llm.collective_rpc(lambda self: (self.model_runner.input_batch.logitsprocs_need_output_token_ids,
+                                         self.model_runner.use_async_scheduling))
+print("RESULT " + json.dumps({"flags": flags, "tokens": [list(o.outputs[0].token_ids) for o in out]}))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="our GPU model runner needs CUDA")
+def test_our_gpu_runner_hands_the_sampler_no_token_values(tiny_models):
+    """With ours the only custom logits processor, our GPU runner tells vLLM's batch that no token
+    values are needed (vLLM then does not wait for each step's tokens under async scheduling), and
+    the repetition penalty still sees every kept draw (penalty 50 at top-1: no token repeats)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    proc = subprocess.run([sys.executable, "-c", RUNNER_SCRIPT, str(tiny_models["tiny-embeds-lm"])], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert result["flags"] == [[False, True]]  # no token values handed out; async scheduling on
+    for tokens in result["tokens"]:
+        assert len(set(tokens)) == len(tokens) == 24
