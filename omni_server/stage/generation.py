@@ -3,9 +3,9 @@
 Full input (`input_mode: full`): each step takes the oldest ready requests, up to the stage's
 `max_batch_size`, in one generator pass, and sends each result as one delta.
 Streamed input (`input_mode: stream`): each request is a generator stream fed everything received
-so far; each step advances up to `max_batch_size` streams that can make progress by one piece (in
-one pass, oldest served first, then to the back of the line) and sends each new piece of audio as
-it is settled, the last one with `finished`.
+so far; each step advances up to `max_batch_size` streams that can make progress by one piece, in
+one pass, and sends each new piece of audio as it is settled, the last one with `finished`. Which
+streams a pass takes: those whose listeners are furthest behind first (stream_order.py).
 Between steps the loop drains the socket, so aborts and new inputs are seen after every pass.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from omni_server.config.schema import PipelineConfig
-from omni_server.stage import generators
+from omni_server.stage import generators, stream_order
 from omni_server.stage.base import Stage
 from omni_server.stage.processors import StageInput
 from omni_server.wire.messages import VOICE_OPTION, ExpectRequest, RequestDelta
@@ -51,6 +51,8 @@ class GenerationStage(Stage):
         self.streams: OrderedDict[str, Any] = OrderedDict()
         # Streamed requests' sources (backpressure credits).
         self.sources: dict[str, list[int]] = {}
+        self.playback = stream_order.Playback()
+        self._pass_s = 0.0  # the last streamed pass's seconds
         self.startup_s = time.monotonic() - t0
 
     def info(self) -> dict[str, str]:
@@ -79,6 +81,7 @@ class GenerationStage(Stage):
             return
         self.streams[rid] = stream
         self.sources[rid] = list(expect.sources)
+        self.playback.open(rid, time.monotonic())
         stream.feed(final=final, **(stage_input.data or {}))
         self._report_use(rid, stream)
 
@@ -98,6 +101,7 @@ class GenerationStage(Stage):
             self.ready.pop(rid, None)
             self.streams.pop(rid, None)
             self.sources.pop(rid, None)
+            self.playback.forget(rid)
             self.forget_use(rid)
 
     def step(self) -> int:
@@ -122,18 +126,21 @@ class GenerationStage(Stage):
         return len(rids)
 
     def _step_streams(self) -> int:
-        rids = [rid for rid, s in self.streams.items() if self.generator.stream_ready(s)]
-        rids = rids[:self.stage.max_batch_size]
-        if not rids:
+        ready = [rid for rid, s in self.streams.items() if self.generator.stream_ready(s)]
+        if not ready:
             return 0
+        now = time.monotonic()
+        slack = {rid: self.playback.slack(rid, now) for rid in ready}
+        # A stream left out waits for this pass and then its own: it must have two passes of audio ahead.
+        rids = stream_order.pick(ready, slack, self.stage.max_batch_size,
+                                 getattr(self.generator, "stream_batch_sizes", None), 2 * self._pass_s)
         streams = [self.streams[rid] for rid in rids]
-        for rid in rids:  # served: to the back of the line
-            self.streams.move_to_end(rid)
         try:
             pieces = self.generator.stream_step(streams)
         except Exception as e:
             self._fail_pass(rids, e)
             return len(rids)
+        self._pass_s = time.monotonic() - now
         for rid, stream in zip(rids, streams):
             if stream.done:
                 self.drop([rid])
@@ -159,6 +166,7 @@ class GenerationStage(Stage):
             wave = wave.detach().to("cpu", torch.float32).reshape(-1).contiguous()
             if not done and wave.numel() == 0:
                 continue
+            self.playback.sent(rid, wave.numel() / self.generator.sample_rate, time.monotonic())
             # A generation stage's "prompt" is the tokens it decoded (e.g. codec codes): usage counts them.
             deltas.append(RequestDelta(request_id=rid, finished=done, finish_reason="stop" if done else None,
                                        tensors={"audio": wave}, sample_rate=self.generator.sample_rate,

@@ -209,6 +209,9 @@ class Token2Wav:
         else:
             self.graphs = DiTGraphs(functools.partial(self._rk4, layers=dit_layers), max_graphs, max_graph_batch,
                                     self.frame_buckets, warm_each=compile, eager=self._rk4)
+        # The pass sizes the graphs serve without padding rows (the stage picks among them: stream_order.py).
+        self.stream_batch_sizes = None if self.graphs is None else \
+            [1 << i for i in range(self.graphs.max_batch.bit_length())]
         # The vocoder's ~2,600 ops per call, likewise: one graph per (batch bucket, mel length).
         self.vocoder_graphs = ShapeGraphs(vocoder, max_graphs, "token2wav vocoder", warm_each=True,
                                           eager=self._vocoder_body) if graphs else None
@@ -249,7 +252,7 @@ class Token2Wav:
         t0, repeats = time.monotonic(), self.dit.repeats
         grid = self._time_grid(10, -1.0)
         # Every frame bucket a streaming window can fall in (replies end with shorter windows).
-        buckets = [1 << i for i in range(self.graphs.max_batch.bit_length())]  # 1, 2, 4, ... <= max_batch
+        buckets = self.stream_batch_sizes  # 1, 2, 4, ... <= max_batch
         # (Each capture's seconds, for the log: the first of each kind includes any compile.)
         dit_s, vocoder_s = [], []
         for frames in self.frame_buckets:

@@ -1,0 +1,109 @@
+"""Which streams a streamed generation pass takes: furthest-behind listeners first, unpadded pass
+sizes when no stream would run dry waiting."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+
+from omni_server.stage import stream_order
+from omni_server.stage.generation import GenerationStage
+from omni_server.stage.stream_order import Playback, pick
+
+POW2 = [1, 2, 4, 8, 16]
+
+
+def test_playback_slack_is_audio_sent_minus_time_played_and_unstarted_streams_come_first():
+    p = Playback()
+    p.open("a", 0.0)
+    p.open("b", 1.0)
+    p.open("c", 0.0)
+    p.sent("a", 1.0, now=2.0)
+    p.sent("a", 0.5, now=2.2)
+    p.sent("a", 0.0, now=2.3)  # (an empty piece starts nothing)
+    p.sent("c", 0.2, now=0.5)
+    assert p.slack("a", 2.5) == 1.5 - 0.5
+    assert p.slack("c", 10.0) == 0.2 - 9.5  # ran dry long ago: still after every unstarted stream
+    assert p.slack("b", 5.0) < p.slack("c", 10.0)
+    p.open("d", 0.0)  # waited longer than b: before it
+    assert p.slack("d", 5.0) < p.slack("b", 5.0)
+    p.sent("unknown", 1.0, now=1.0)  # (not a stream: nothing recorded)
+    assert p.slack("unknown", 1.0) < p.slack("a", 2.5)
+    p.forget("a")
+    assert p.slack("a", 3.0) < p.slack("c", 10.0)  # (unknown again)
+
+
+def test_without_pass_sizes_a_pass_takes_every_ready_stream_up_to_the_limit_furthest_behind_first():
+    slack = {"a": 3.0, "b": -1.0, "c": 0.5, "d": 3.0}
+    assert pick(["a", "b", "c", "d"], slack, 16, None, 0.0) == ["b", "c", "a", "d"]
+    assert pick(["a", "b", "c", "d"], slack, 2, None, 0.0) == ["b", "c"]
+
+
+def test_a_pass_takes_the_largest_unpadded_size_and_leaves_out_the_streams_furthest_ahead():
+    ready = [f"s{i}" for i in range(9)]
+    slack = {rid: 5.0 + i for i, rid in enumerate(ready)}
+    assert pick(ready, slack, 16, POW2, urgent_s=1.0) == ready[:8]
+    assert pick(ready[:5], slack, 16, POW2, urgent_s=1.0) == ready[:4]
+    assert pick(ready[:3], slack, 16, POW2, urgent_s=1.0) == ready[:3]  # one padded row of 4: under a quarter
+    assert pick(ready[:7], slack, 16, POW2, urgent_s=1.0) == ready[:7]
+    twelve = [f"t{i}" for i in range(12)]
+    assert len(pick(twelve, {r: 9.0 for r in twelve}, 16, POW2, urgent_s=1.0)) == 12
+    assert len(pick(twelve, {r: 9.0 for r in twelve}, 8, POW2, urgent_s=1.0)) == 8  # the stage's limit
+
+
+def test_streams_that_would_run_dry_waiting_are_never_left_out():
+    ready = [f"s{i}" for i in range(10)]
+    slack = {rid: 0.1 * i for i, rid in enumerate(ready)}  # s0..s8 below 0.85 s ahead
+    assert pick(ready, slack, 16, POW2, urgent_s=0.85) == ready[:9]
+    slack["new"] = stream_order._NOT_STARTED
+    assert pick(ready + ["new"], slack, 16, POW2, urgent_s=0.0)[:1] == ["new"]
+
+
+class _FakeStreams:
+    """A streaming generator stand-in: every stream is ready; each pass returns 0.5 s per stream."""
+
+    sample_rate = 100
+    stream_batch_sizes = POW2
+
+    def __init__(self):
+        self.passes: list[list[int]] = []
+
+    def stream_ready(self, stream) -> bool:
+        return True
+
+    def stream_step(self, streams):
+        self.passes.append([s.n for s in streams])
+        return [torch.ones(50) for _ in streams]
+
+
+def _stage(n: int) -> tuple[GenerationStage, _FakeStreams, list]:
+    stage = object.__new__(GenerationStage)  # (no sockets: the pass logic alone)
+    sent: list = []
+    gen = _FakeStreams()
+    stage.generator, stage.playback, stage._pass_s = gen, Playback(), 0.0
+    stage.stage = SimpleNamespace(max_batch_size=16, inputs=[1])
+    stage.streams, stage.sources = {}, {}
+    stage.report_use = lambda *a: None
+    stage.send_outputs = sent.extend
+    for i in range(n):
+        stage.streams[f"r{i}"] = SimpleNamespace(n=i, done=False, consumed=0, codes=None)
+        stage.playback.open(f"r{i}", time.monotonic())
+    return stage, gen, sent
+
+
+def test_the_stage_serves_unstarted_streams_first_and_keeps_passes_unpadded():
+    stage, gen, sent = _stage(9)
+    for i in range(1, 9):  # r1..r8 sent audio (r8 the most ahead); r0 has none yet
+        stage.playback.sent(f"r{i}", 1.0 + i, now=time.monotonic())
+    assert stage._step_streams() == 8
+    assert gen.passes == [[0, 1, 2, 3, 4, 5, 6, 7]]  # r8 (furthest ahead) waits
+    assert [d.request_id for d in sent] == [f"r{i}" for i in range(8)]
+    assert all(d.tensors["audio"].numel() == 50 and not d.finished for d in sent)
+    assert stage.playback.slack("r0", time.monotonic()) > 0  # r0 started: 0.5 s ahead
+    stage._step_streams()
+    assert gen.passes[1] == [0, 1, 2, 3, 4, 5, 6, 7]  # r0 now 1 s ahead, r8 still 9 s
+    stage._pass_s = 5.0  # passes so slow that every stream would run dry waiting for another
+    stage._step_streams()
+    assert gen.passes[2] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
