@@ -14,6 +14,11 @@ if [ -z "${SESSION_REPO:-}" ]; then
     SESSION_REPO=$SESSION_REPO exec bash /tmp/session.run.$$.sh "$@"
 fi
 R=/tmp/res; mkdir -p $R
+# One session at a time (a second would share the GPU and the ports, and spoil both's numbers).
+exec 9>/tmp/session.lock
+flock -n 9 || { echo "another session.sh runs: not starting"; exit 1; }
+# (poll.sh waits for this run's DONE, not an earlier one's)
+[ ! -f $R/progress.log ] || sed -i "s/: DONE\$/: done (an earlier run)/" $R/progress.log
 cd "$SESSION_REPO"
 T0=$(date +%s)
 say() { echo "$(( $(date +%s) - T0 )) s: $*" | tee -a $R/progress.log; }
@@ -43,7 +48,7 @@ serve() {
   setsid python3 -m omni_server.cli serve $cfg --port $port \
     --stage-arg thinker.model=$m --stage-arg talker.model=$m --stage-arg ${VOCODER:-token2wav}.model=$m \
     --stage-arg thinker.load_format=dummy --stage-arg talker.load_format=dummy \
-    --stage-arg talker.default_sampling.max_tokens=$TALKER_MAX $TEXT_ONLY "$@" > $R/serve_$name.log 2>&1 &
+    --stage-arg talker.default_sampling.max_tokens=$TALKER_MAX $TEXT_ONLY "$@" > $R/serve_$name.log 2>&1 9>&- &
   echo $! > $R/serve_$name.pid
 }
 wait_ready() {  # NAME PORT (READY_WAIT: seconds, default 600)
@@ -440,6 +445,8 @@ step_rate() {
     $B --base-url http://127.0.0.1:8041 --concurrency 16 --requests 32 --request-rate ${RATE:-3} \
       --output $R/rate_c16.json >> $R/bench_rate.log 2>&1
     say "rate ${RATE:-3}/s: $(python3 benchmarks/gpu/brief.py $R/rate_c16.json)"
+    # RATE_ALL=1: then the usual all-at-once levels on this server (files ratesrv_c1/c16.json).
+    [ -z "${RATE_ALL:-}" ] || bench ratesrv 8041
   fi
   stop rate
 }
