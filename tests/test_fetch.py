@@ -183,3 +183,54 @@ def test_a_video_by_url_decodes_as_the_same_video_inline(base):
     assert limits.media_url_domains == ["127.0.0.1", "::1", "localhost"]  # (an IPv6 address, bracketed or not)
     part = VideoURLPart(type="video_url", video_url={"url": f"{base}/v.mp4"})
     assert np.array_equal(asyncio.run(_decode_part(limits, part)), frames)
+
+
+# https: a real TLS server on localhost whose certificate a test CA (trustme) signed. The fetcher
+# connects to the address it checked, so this shows the certificate is still checked against the name.
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    ca_file = tmp_path_factory.mktemp("ca") / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    servers = {}
+    for name in ("localhost", "media.example"):  # the second: a valid certificate for another name
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert(name).configure_cert(context)
+        server = _Server((_Server.LOCALHOST, 0), _Handler)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers[name] = server.server_address[1]
+    yield str(ca_file), servers
+    # (daemon threads: they end with the test process)
+
+
+def test_https_is_fetched_by_name_with_the_certificate_checked(tls):
+    ca_file, ports = tls
+    url = f"https://localhost:{ports['localhost']}/file"
+    got = asyncio.run(fetch(url, kind="image", domains=["localhost"], private=True, max_bytes=1 << 20,
+                            timeout_s=5.0, ca_file=ca_file))
+    assert got == BODY
+    assert _Handler.hosts[-1] == f"localhost:{ports['localhost']}"
+    # Not signed by a CA the server trusts: refused (certifi's public CAs alone).
+    with pytest.raises(FetchError, match="TLS certificate was refused .unable to get local issuer certificate"):
+        _get(url)
+    # Signed by the trusted CA, but for another name: refused.
+    with pytest.raises(FetchError, match="TLS certificate was refused .Hostname mismatch"):
+        asyncio.run(fetch(f"https://localhost:{ports['media.example']}/file", kind="image", domains=["localhost"],
+                          private=True, max_bytes=1 << 20, timeout_s=5.0, ca_file=ca_file))
+
+
+def test_a_ca_file_that_cannot_be_read_fails_the_config(tmp_path):
+    from pydantic import ValidationError
+
+    from omni_server.config.schema import ServerConfig
+
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate")
+    for path in (str(bad), str(tmp_path / "missing.pem")):
+        with pytest.raises(ValidationError, match="cannot read CA certificates"):
+            ServerConfig(media_url_ca_file=path)

@@ -489,7 +489,8 @@ async def _decode_part(limits, part) -> Any:
     url, kind = getattr(part, part.type).url, _PLACEHOLDER[part.type]
     if fetch.is_remote(url):
         data = await fetch.fetch(url, kind=kind, domains=limits.media_url_domains, private=limits.media_url_private,
-                                 max_bytes=limits.max_request_bytes, timeout_s=limits.media_url_timeout_s)
+                                 max_bytes=limits.max_request_bytes, timeout_s=limits.media_url_timeout_s,
+                                 ca_file=limits.media_url_ca_file)
     else:
         data = await asyncio.to_thread(_DATA_URL_BYTES[kind], url, max_bytes=limits.max_request_bytes)
     if kind == "audio":

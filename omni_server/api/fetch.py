@@ -7,15 +7,19 @@ each checked again) must resolve only to public addresses, unless `server.media_
 checked too. The request then goes to the address that was checked (the name kept for the Host
 header and TLS), so a name that answers differently the second time (DNS rebinding) cannot
 redirect it. Bodies are read undecoded up to the request size limit, and the whole fetch (name
-lookups, redirects, body) has one deadline.
+lookups, redirects, body) has one deadline. https certificates are checked against the name (the
+public CAs, plus `server.media_url_ca_file`'s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
+import ssl
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
+import certifi
 import httpx
 
 _REDIRECTS = 3
@@ -32,17 +36,35 @@ def is_remote(url: str) -> bool:
     return url[:8].lower().startswith(("http://", "https://"))
 
 
+@functools.lru_cache(maxsize=4)
+def tls_context(ca_file: str | None = None) -> ssl.SSLContext:
+    """The TLS settings of every fetch: certifi's CAs, plus those of `ca_file` (PEM). Made once:
+    loading the CA bundle takes milliseconds, which a fetch per request should not repeat."""
+    context = ssl.create_default_context(cafile=certifi.where())
+    if ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=ca_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"cannot read CA certificates from {ca_file!r}: {e}") from None
+    return context
+
+
 async def fetch(url: str, *, kind: str, domains: list[str] | None, private: bool, max_bytes: int,
-                timeout_s: float) -> bytes:
-    """The body of `url` (an image, video or audio file: `kind` names it in errors)."""
+                timeout_s: float, ca_file: str | None = None) -> bytes:
+    """The body of `url` (an image, video or audio file: `kind` names it in errors); https
+    servers' certificates checked against the public CAs and `ca_file`'s."""
     if not domains:
         raise FetchError(f"remote {kind} URLs are not fetched by this server (server.media_url_domains is "
                          f"not set); send the {kind} as a base64 data: URL")
     try:
-        return await asyncio.wait_for(_get(url, kind, domains, private, max_bytes), timeout_s)
+        return await asyncio.wait_for(_get(url, kind, domains, private, max_bytes, tls_context(ca_file)), timeout_s)
     except asyncio.TimeoutError:
         raise FetchError(f"fetching the {kind} URL took longer than {timeout_s:g} s") from None
     except httpx.HTTPError as e:
+        cert = _cause(e, ssl.SSLCertVerificationError)
+        if cert is not None:  # (what is wrong with it, e.g. "Hostname mismatch": the client's to fix)
+            raise FetchError(f"fetching the {kind} URL failed: its server's TLS certificate was refused "
+                             f"({cert.verify_message})") from None
         raise FetchError(f"fetching the {kind} URL failed: {type(e).__name__}") from None
     except (httpx.InvalidURL, ValueError) as e:  # (UnicodeError too: a host IDNA cannot encode)
         if isinstance(e, FetchError):
@@ -50,10 +72,21 @@ async def fetch(url: str, *, kind: str, domains: list[str] | None, private: bool
         raise FetchError(f"the {kind} URL is not a valid URL") from None
 
 
-async def _get(url: str, kind: str, domains: list[str], private: bool, max_bytes: int) -> bytes:
+def _cause(e: BaseException, kind: type) -> BaseException | None:
+    """The first exception of `kind` among `e` and what caused it."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, kind):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+async def _get(url: str, kind: str, domains: list[str], private: bool, max_bytes: int,
+               tls: ssl.SSLContext) -> bytes:
     too_large = FetchError(f"{kind} at the URL is larger than the limit of {max_bytes} bytes")
     # identity: the bytes read are the bytes held (a compressed body could expand far past the cap).
-    async with httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=None,
+    async with httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=None, verify=tls,
                                  headers={"Accept-Encoding": "identity"}) as client:
         for _ in range(_REDIRECTS + 1):
             target, pins = _pinned(url, await _check(url, kind, domains, private))

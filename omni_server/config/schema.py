@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import ssl
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -178,10 +179,23 @@ class ServerConfig(_Strict):
     # (a domain covers its subdomains; "*": any host). None: only data: URLs are taken. Hosts that
     # resolve to non-public addresses (loopback, private, link-local) are refused unless
     # media_url_private (request forgery into the server's own network). Bodies up to
-    # max_request_bytes, within media_url_timeout_s.
+    # max_request_bytes, within media_url_timeout_s. https certificates are checked against the
+    # public CAs (certifi's bundle) and, when media_url_ca_file names a PEM file, its CAs too (an
+    # internal media store's own CA).
     media_url_domains: list[str] | None = None
     media_url_private: bool = False
     media_url_timeout_s: float = Field(10.0, gt=0)
+    media_url_ca_file: str | None = None
+
+    @field_validator("media_url_ca_file")
+    @classmethod
+    def _ca_file(cls, v: str | None) -> str | None:
+        if v is not None:  # (a missing or unreadable file fails the config, not the first fetch)
+            try:
+                ssl.create_default_context().load_verify_locations(cafile=v)
+            except (OSError, ssl.SSLError) as e:
+                raise ValueError(f"cannot read CA certificates from {v!r}: {e}") from None
+        return v
 
     @field_validator("media_url_domains")
     @classmethod
