@@ -8,14 +8,13 @@ from types import SimpleNamespace
 
 import torch
 
-from omni_server.stage import stream_order
 from omni_server.stage.generation import GenerationStage
 from omni_server.stage.stream_order import Playback, pick
 
 POW2 = [1, 2, 4, 8, 16]
 
 
-def test_playback_slack_is_audio_sent_minus_time_played_and_unstarted_streams_come_first():
+def test_playback_slack_is_audio_sent_minus_time_played_and_waiting_counts_before_any_audio():
     p = Playback()
     p.open("a", 0.0)
     p.open("b", 1.0)
@@ -25,14 +24,14 @@ def test_playback_slack_is_audio_sent_minus_time_played_and_unstarted_streams_co
     p.sent("a", 0.0, now=2.3)  # (an empty piece starts nothing)
     p.sent("c", 0.2, now=0.5)
     assert p.slack("a", 2.5) == 1.5 - 0.5
-    assert p.slack("c", 10.0) == 0.2 - 9.5  # ran dry long ago: still after every unstarted stream
-    assert p.slack("b", 5.0) < p.slack("c", 10.0)
-    p.open("d", 0.0)  # waited longer than b: before it
-    assert p.slack("d", 5.0) < p.slack("b", 5.0)
+    assert p.slack("c", 10.0) == 0.2 - 9.5  # ran dry 9.3 s ago
+    assert p.slack("b", 5.0) == -4.0  # no audio 4 s after it opened
+    assert p.slack("c", 10.0) < p.slack("b", 10.0) < p.slack("a", 10.0)
     p.sent("unknown", 1.0, now=1.0)  # (not a stream: nothing recorded)
-    assert p.slack("unknown", 1.0) < p.slack("a", 2.5)
+    assert p.slack("unknown", 1.0) == 0.0
     p.forget("a")
-    assert p.slack("a", 3.0) < p.slack("c", 10.0)  # (unknown again)
+    p.sent("a", 5.0, now=3.0)  # (forgotten: a late piece records nothing)
+    assert p.slack("a", 3.0) == 0.0
 
 
 def test_without_pass_sizes_a_pass_takes_every_ready_stream_up_to_the_limit_furthest_behind_first():
@@ -46,7 +45,7 @@ def test_a_pass_takes_the_largest_unpadded_size_and_leaves_out_the_streams_furth
     slack = {rid: 5.0 + i for i, rid in enumerate(ready)}
     assert pick(ready, slack, 16, POW2, urgent_s=1.0) == ready[:8]
     assert pick(ready[:5], slack, 16, POW2, urgent_s=1.0) == ready[:4]
-    assert pick(ready[:3], slack, 16, POW2, urgent_s=1.0) == ready[:3]  # one padded row of 4: under a quarter
+    assert pick(ready[:3], slack, 16, POW2, urgent_s=1.0) == ready[:3]  # one padded row of 4: a quarter at most
     assert pick(ready[:7], slack, 16, POW2, urgent_s=1.0) == ready[:7]
     twelve = [f"t{i}" for i in range(12)]
     assert len(pick(twelve, {r: 9.0 for r in twelve}, 16, POW2, urgent_s=1.0)) == 12
@@ -57,8 +56,8 @@ def test_streams_that_would_run_dry_waiting_are_never_left_out():
     ready = [f"s{i}" for i in range(10)]
     slack = {rid: 0.1 * i for i, rid in enumerate(ready)}  # s0..s8 below 0.85 s ahead
     assert pick(ready, slack, 16, POW2, urgent_s=0.85) == ready[:9]
-    slack["new"] = stream_order._NOT_STARTED
-    assert pick(ready + ["new"], slack, 16, POW2, urgent_s=0.0)[:1] == ["new"]
+    slack["new"] = -0.3  # no audio yet, waiting 0.3 s
+    assert pick(ready + ["new"], slack, 16, POW2, urgent_s=0.0) == ["new"] + ready[:7]
 
 
 class _FakeStreams:
@@ -87,9 +86,10 @@ def _stage(n: int) -> tuple[GenerationStage, _FakeStreams, list]:
     stage.streams, stage.sources = {}, {}
     stage.report_use = lambda *a: None
     stage.send_outputs = sent.extend
-    for i in range(n):
+    t = time.monotonic()
+    for i in range(n):  # r0 opened first
         stage.streams[f"r{i}"] = SimpleNamespace(n=i, done=False, consumed=0, codes=None)
-        stage.playback.open(f"r{i}", time.monotonic())
+        stage.playback.open(f"r{i}", t + 0.001 * i)
     return stage, gen, sent
 
 
@@ -104,6 +104,14 @@ def test_the_stage_serves_unstarted_streams_first_and_keeps_passes_unpadded():
     assert stage.playback.slack("r0", time.monotonic()) > 0  # r0 started: 0.5 s ahead
     stage._step_streams()
     assert gen.passes[1] == [0, 1, 2, 3, 4, 5, 6, 7]  # r0 now 1 s ahead, r8 still 9 s
-    stage._pass_s = 5.0  # passes so slow that every stream would run dry waiting for another
+    stage._pass_s = 5.0  # a recent pass so slow that every stream would run dry waiting for another
     stage._step_streams()
     assert gen.passes[2] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert stage._pass_s >= 4.5  # (the longest of late, decaying: one quick pass does not reset it)
+
+
+def test_a_pass_of_new_streams_takes_the_longest_waiting_first():
+    stage, gen, _ = _stage(6)  # none has audio: r0 waited longest
+    stage.stage.max_batch_size = 4
+    stage._step_streams()
+    assert gen.passes == [[0, 1, 2, 3]]

@@ -389,7 +389,9 @@ def test_graph_inputs_keep_their_layout():
 def test_dit_graph_option(model_dir):
     with pytest.raises(ValueError, match="dit_graph"):
         Token2Wav(model_dir, dit_graph="layer")
-    assert Token2Wav(model_dir, dit_graph="step").graphs is None  # (no CUDA graphs on a CPU)
+    cpu = Token2Wav(model_dir, dit_graph="step")
+    assert cpu.graphs is None  # (no CUDA graphs on a CPU)
+    assert cpu.stream_batch_sizes is None  # (eager: every pass size unpadded)
 
 
 @pytest.mark.parametrize("first, chunk, spans", [([48, 48], 72, [72, 120, 144]),
@@ -447,6 +449,7 @@ def test_graph_warm_up_covers_the_vocoder_lengths_of_a_stream(model_dir, first, 
 @pytest.mark.parametrize("unit", ["solve", "step"])
 def test_cuda_graph_solve_equals_eager(model_dir, unit):
     warmed = Token2Wav(model_dir, device="cuda", warmup_graphs=True, max_graph_batch=4, dit_graph=unit)
+    assert warmed.stream_batch_sizes == [1, 2, 4]  # (the graphs' batch buckets: the stage prefers them)
     assert len(warmed.graphs.graphs) >= 3  # batch buckets 1, 2, 4 of the steady window at least
     graphed = Token2Wav(model_dir, device="cuda", dit_graph=unit)
     eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False)

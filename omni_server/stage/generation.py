@@ -52,7 +52,8 @@ class GenerationStage(Stage):
         # Streamed requests' sources (backpressure credits).
         self.sources: dict[str, list[int]] = {}
         self.playback = stream_order.Playback()
-        self._pass_s = 0.0  # the last streamed pass's seconds
+        # Recent streamed passes' seconds, the longest (decaying): how long a stream left out may wait.
+        self._pass_s = 0.0
         self.startup_s = time.monotonic() - t0
 
     def info(self) -> dict[str, str]:
@@ -131,7 +132,8 @@ class GenerationStage(Stage):
             return 0
         now = time.monotonic()
         slack = {rid: self.playback.slack(rid, now) for rid in ready}
-        # A stream left out waits for this pass and then its own: it must have two passes of audio ahead.
+        # A stream left out waits for this pass and then its own: it needs two passes of audio ahead
+        # (passes of any size: the longest of late).
         rids = stream_order.pick(ready, slack, self.stage.max_batch_size,
                                  getattr(self.generator, "stream_batch_sizes", None), 2 * self._pass_s)
         streams = [self.streams[rid] for rid in rids]
@@ -140,7 +142,7 @@ class GenerationStage(Stage):
         except Exception as e:
             self._fail_pass(rids, e)
             return len(rids)
-        self._pass_s = time.monotonic() - now
+        self._pass_s = max(time.monotonic() - now, 0.9 * self._pass_s)
         for rid, stream in zip(rids, streams):
             if stream.done:
                 self.drop([rid])

@@ -13,8 +13,8 @@ Generators that take streamed input (`input_mode: stream`) also have `open_strea
 tokens no later step reads: the upstream may run `stream_window` ahead of it); `stream_ready(stream)`;
 `stream_step([stream, ...]) -> [new waveform piece | ValueError, ...]`; and optionally `stream_lead`,
 the input tokens beyond `consumed` a stream needs before its next step (at most `stream_window`),
-and `stream_batch_sizes`, the numbers of streams a `stream_step` runs without padding (the stage
-prefers them; stream_order.py).
+and `stream_batch_sizes`, the pass sizes a `stream_step` runs without padding (the stage prefers
+the largest that fits; stream_order.py; a stream that only flushes audio still counts as one).
 
 Families register a lazy "module:Class" reference, so the module loads only in the stage that runs it.
 """

@@ -2,17 +2,16 @@
 
 A streamed reply's audio plays from its first piece on, in real time. A stream whose audio is far
 ahead of its listener can wait; one whose listener still waits for first audio, or is about to run
-dry, cannot. So each pass takes the ready streams that are furthest behind first. When the generator
-runs only some pass sizes without padding (e.g. its CUDA graphs' batch buckets, powers of two), a
-pass takes the largest such size, not a padded larger one (under spread-out arrivals a pass of 9
-streams padded to 16 costs about what 16 do), unless that would leave out a stream that cannot
-wait or the padding is small.
+dry, cannot. So each pass takes the ready streams that are furthest behind first (a stream without
+audio yet is as far behind as it has waited). When the generator runs only some pass sizes
+without padding (e.g. its CUDA graphs' batch buckets, powers of two), a pass takes the largest such
+size, not a padded larger one (under spread-out arrivals a pass of 9 streams padded to 16 costs
+about what 16 do), unless that would leave out a stream with too little audio ahead to wait for
+another pass, or the padding is at most a quarter of the pass.
 """
 
 from __future__ import annotations
 
-# A stream that has sent no audio yet sorts before every started one (its listener hears nothing).
-_NOT_STARTED = -1e9
 # Pad a pass up to the next size when at least this share of its rows are real streams.
 FILL = 0.75
 
@@ -35,11 +34,11 @@ class Playback:
         self._sent[rid] = self._sent.get(rid, 0.0) + seconds
 
     def slack(self, rid: str, now: float) -> float:
-        """Seconds of audio sent beyond what its listener has played by `now`; below every started
-        stream's while none was sent (longest waiting lowest)."""
+        """Seconds of audio sent beyond what its listener has played by `now` (negative: behind);
+        before any audio, minus the seconds since it opened (its listener waits as long)."""
         first = self._first.get(rid)
         if first is None:
-            return _NOT_STARTED - (now - self._opened.get(rid, now))
+            return -(now - self._opened.get(rid, now))
         return self._sent[rid] - (now - first)
 
     def forget(self, rid: str) -> None:
@@ -51,7 +50,7 @@ def pick(ready: list[str], slack: dict[str, float], limit: int, sizes: list[int]
          urgent_s: float) -> list[str]:
     """The streams of the next pass, furthest behind first: at most `limit`; with `sizes` (pass
     sizes that need no padding) the largest that fits, or all up to `limit` when padding to the
-    next size wastes under a quarter of it, and never fewer than the streams with less than
+    next size wastes at most a quarter of it, and never fewer than the streams with less than
     `urgent_s` of audio ahead (they would run dry waiting for another pass)."""
     order = sorted(ready, key=slack.__getitem__)  # (stable: ties keep arrival order)
     n = min(len(order), limit)
