@@ -172,7 +172,7 @@ def test_a_video_by_url_decodes_as_the_same_video_inline(base):
 
     import numpy as np
 
-    from omni_server.api.app import _decode_part
+    from omni_server.api.media import decode_part
     from omni_server.api.protocol import VideoURLPart
     from omni_server.config.schema import ServerConfig
     from tests.media import mp4
@@ -182,7 +182,7 @@ def test_a_video_by_url_decodes_as_the_same_video_inline(base):
     limits = ServerConfig(media_url_domains=["127.0.0.1", "[::1]", "localhost"], media_url_private=True)
     assert limits.media_url_domains == ["127.0.0.1", "::1", "localhost"]  # (an IPv6 address, bracketed or not)
     part = VideoURLPart(type="video_url", video_url={"url": f"{base}/v.mp4"})
-    assert np.array_equal(asyncio.run(_decode_part(limits, part)), frames)
+    assert np.array_equal(asyncio.run(decode_part(limits, part)), frames)
 
 
 # https: a real TLS server on localhost whose certificate a test CA (trustme) signed. The fetcher

@@ -17,7 +17,7 @@ import msgspec
 from fastapi import Depends, FastAPI, Form, HTTPException, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omni_server.api import audio, completions, errors, fetch, image, transcription, video
+from omni_server.api import audio, completions, errors, media, transcription
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import (
     AudioDelta,
@@ -191,8 +191,8 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.logprobs and state.text_stage is None:
             raise APIError(400, f"model `{state.cfg.model}` has no text output for logprobs", param="logprobs")
-        media = await _decode_media(state, body)
-        prompt_ids = state.text.render_chat([_template_message(m) for m in body.messages])
+        decoded = await media.decode_media(state.cfg, body)
+        prompt_ids = state.text.render_chat([media.template_message(m) for m in body.messages])
         _check_prompt(state, prompt_ids)
         outputs = _modalities(state, body)
         options: dict[str, str] = {}
@@ -205,7 +205,7 @@ def create_app(state: ServerState) -> FastAPI:
         # One pipeline request per choice, with ids derived from the completion's (n = 1: its own).
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         reqs = await _submit(state, orch, _request_ids(completion_id, body.n), [prompt_ids] * body.n, [_choice_sampling(sampling, i) for i in range(body.n)],
-                             outputs, options, media)
+                             outputs, options, decoded)
         completion = _Completion(completion_id, [_Run(state, orch, req, body, prompt_ids, audio_format, index=i)
                                                  for i, req in enumerate(reqs)])
         if body.stream:
@@ -377,7 +377,7 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
     _check_model(state, model)
     if state.text_stage is None:
         raise APIError(400, f"model `{state.cfg.model}` has no text output", param="model")
-    if not _takes_audio(state):
+    if not media.takes_audio(state.cfg):
         raise APIError(400, f"model `{state.cfg.model}` takes no audio input (stage 0's limit_mm_per_prompt)",
                        param="file")
     if response_format in transcription.TIMED_FORMATS:
@@ -416,18 +416,6 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
     return {"text": text, "usage": transcription.usage(run.n_prompt, run.completion_tokens)}
 
 
-def _takes_audio(state: ServerState) -> bool:
-    cap = _media_cap(state, "audio")
-    return cap is None or bool(cap)
-
-
-def _media_cap(state: ServerState, kind: str) -> int | None:
-    """How many `kind` inputs stage 0's engine takes per prompt (its limit_mm_per_prompt, which
-    vLLM also takes as {count: N, ...}); None: not limited (vLLM limits only the kinds it lists)."""
-    cap = (state.cfg.stages[0].engine_args.get("limit_mm_per_prompt") or {}).get(kind)
-    return cap.get("count") if isinstance(cap, dict) else cap
-
-
 def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:
     """The output kinds of this request: the requested modalities, or all the pipeline has."""
     available = {s.output for s in state.cfg.stages if s.output in ("text", "audio")}
@@ -439,67 +427,6 @@ def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:
         raise APIError(400, f"model `{state.cfg.model}` cannot output {', '.join(sorted(missing))}; "
                             f"it outputs {', '.join(sorted(available))}", param="modalities")
     return wanted
-
-
-_PLACEHOLDER = {"input_audio": "audio", "audio_url": "audio", "image_url": "image", "video_url": "video"}
-
-
-def _template_message(m) -> dict[str, Any]:
-    """A message as the chat template reads it (media parts become placeholders)."""
-    if not m.media_parts():
-        return {"role": m.role, "content": m.text()}
-    parts = [{"type": "text", "text": p.text} if p.type == "text" else {"type": _PLACEHOLDER[p.type]}
-             for p in m.content]
-    return {"role": m.role, "content": parts}
-
-
-async def _decode_media(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
-    """Decoded media parts as the first stage reads them: "audio.N" (16 kHz mono float32),
-    "image.N" (RGB uint8) and "video.N" (RGB uint8 frames, `video.FPS` a second), numbered in prompt
-    order per kind; http(s) URLs fetched where the deployment allows (api/fetch.py)."""
-    import torch
-
-    limits = state.cfg.server
-    out: dict[str, Any] = {}
-    counts = {"audio": 0, "image": 0, "video": 0}
-    for part in (p for m in body.messages for p in m.media_parts()):
-        kind = _PLACEHOLDER[part.type]
-        i = counts[kind]
-        counts[kind] += 1
-        cap = _media_cap(state, kind)  # (vLLM would refuse more, after the decoding)
-        if isinstance(cap, int) and counts[kind] > cap:
-            raise APIError(400, f"this pipeline takes at most {cap} {kind} input(s) per request "
-                                f"(stage 0's limit_mm_per_prompt)", param="messages")
-        try:
-            out[f"{kind}.{i}"] = torch.from_numpy(await _decode_part(limits, part))
-        except (audio.AudioError, image.ImageError, video.VideoError, fetch.FetchError) as e:
-            raise APIError(400, f"{part.type} {i}: {e}", param="messages") from None
-    return out
-
-
-# A URL part's file bytes from its data: URL, per kind.
-_DATA_URL_BYTES = {"audio": audio.audio_data_url, "image": image.image_data_url, "video": video.video_data_url}
-
-
-async def _decode_part(limits, part) -> Any:
-    """One media part's array (see `_decode_media`)."""
-    if part.type == "input_audio":
-        return await asyncio.to_thread(audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
-                                       max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
-    url, kind = getattr(part, part.type).url, _PLACEHOLDER[part.type]
-    if fetch.is_remote(url):
-        data = await fetch.fetch(url, kind=kind, domains=limits.media_url_domains, private=limits.media_url_private,
-                                 max_bytes=limits.max_request_bytes, timeout_s=limits.media_url_timeout_s,
-                                 ca_file=limits.media_url_ca_file)
-    else:
-        data = await asyncio.to_thread(_DATA_URL_BYTES[kind], url, max_bytes=limits.max_request_bytes)
-    if kind == "audio":
-        return await asyncio.to_thread(audio.decode_audio, data, target_rate=AUDIO_SAMPLE_RATE,
-                                       max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
-    if kind == "image":
-        return await asyncio.to_thread(image.decode_image, data, max_pixels=limits.max_image_pixels)
-    return await asyncio.to_thread(video.decode_video, data, max_pixels=limits.max_image_pixels,
-                                   max_frames=limits.max_video_frames, max_total_pixels=limits.max_video_pixels)
 
 
 async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str], prompts: list[list[int]],

@@ -1,0 +1,82 @@
+"""A chat request's media parts (audio, images, video), decoded as the first stage reads them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from omni_server.api import audio, fetch, image, video
+from omni_server.api.errors import APIError
+from omni_server.api.protocol import ChatCompletionRequest
+from omni_server.config.schema import PipelineConfig, ServerConfig
+from omni_server.wire.messages import AUDIO_SAMPLE_RATE
+
+# Each media part type and the kind of input it is (the chat template's placeholder).
+KIND = {"input_audio": "audio", "audio_url": "audio", "image_url": "image", "video_url": "video"}
+# A URL part's file bytes from its data: URL, per kind.
+_DATA_URL_BYTES = {"audio": audio.audio_data_url, "image": image.image_data_url, "video": video.video_data_url}
+
+
+def cap(cfg: PipelineConfig, kind: str) -> int | None:
+    """How many `kind` inputs stage 0's engine takes per prompt (its limit_mm_per_prompt, which
+    vLLM also takes as {count: N, ...}); None: not limited (vLLM limits only the kinds it lists)."""
+    limit = (cfg.stages[0].engine_args.get("limit_mm_per_prompt") or {}).get(kind)
+    return limit.get("count") if isinstance(limit, dict) else limit
+
+
+def takes_audio(cfg: PipelineConfig) -> bool:
+    limit = cap(cfg, "audio")
+    return limit is None or bool(limit)
+
+
+def template_message(m) -> dict[str, Any]:
+    """A message as the chat template reads it (media parts become placeholders)."""
+    if not m.media_parts():
+        return {"role": m.role, "content": m.text()}
+    parts = [{"type": "text", "text": p.text} if p.type == "text" else {"type": KIND[p.type]}
+             for p in m.content]
+    return {"role": m.role, "content": parts}
+
+
+async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest) -> dict[str, Any]:
+    """Decoded media parts as the first stage reads them: "audio.N" (16 kHz mono float32),
+    "image.N" (RGB uint8) and "video.N" (RGB uint8 frames, `video.FPS` a second), numbered in prompt
+    order per kind; http(s) URLs fetched where the deployment allows (api/fetch.py)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    counts = {"audio": 0, "image": 0, "video": 0}
+    for part in (p for m in body.messages for p in m.media_parts()):
+        kind = KIND[part.type]
+        i = counts[kind]
+        counts[kind] += 1
+        limit = cap(cfg, kind)  # (vLLM would refuse more, after the decoding)
+        if isinstance(limit, int) and counts[kind] > limit:
+            raise APIError(400, f"this pipeline takes at most {limit} {kind} input(s) per request "
+                                f"(stage 0's limit_mm_per_prompt)", param="messages")
+        try:
+            out[f"{kind}.{i}"] = torch.from_numpy(await decode_part(cfg.server, part))
+        except (audio.AudioError, image.ImageError, video.VideoError, fetch.FetchError) as e:
+            raise APIError(400, f"{part.type} {i}: {e}", param="messages") from None
+    return out
+
+
+async def decode_part(limits: ServerConfig, part) -> Any:
+    """One media part's array (see `decode_media`)."""
+    if part.type == "input_audio":
+        return await asyncio.to_thread(audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
+                                       max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
+    url, kind = getattr(part, part.type).url, KIND[part.type]
+    if fetch.is_remote(url):
+        data = await fetch.fetch(url, kind=kind, domains=limits.media_url_domains, private=limits.media_url_private,
+                                 max_bytes=limits.max_request_bytes, timeout_s=limits.media_url_timeout_s,
+                                 ca_file=limits.media_url_ca_file)
+    else:
+        data = await asyncio.to_thread(_DATA_URL_BYTES[kind], url, max_bytes=limits.max_request_bytes)
+    if kind == "audio":
+        return await asyncio.to_thread(audio.decode_audio, data, target_rate=AUDIO_SAMPLE_RATE,
+                                       max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
+    if kind == "image":
+        return await asyncio.to_thread(image.decode_image, data, max_pixels=limits.max_image_pixels)
+    return await asyncio.to_thread(video.decode_video, data, max_pixels=limits.max_image_pixels,
+                                   max_frames=limits.max_video_frames, max_total_pixels=limits.max_video_pixels)
