@@ -433,7 +433,8 @@ step_splits() {
 }
 
 step_rate() {
-  # The 7B config (warm cache) under spread-out arrivals: RATE requests a second (default 3, a
+  # The 7B config (warm cache) under spread-out arrivals: RATE requests a second (default 3; a list
+  # runs each in turn on the one server; a
   # Poisson schedule, the same every run), at most 16 at once, 32 requests. The c=16 bench starts
   # all at once, so token2wav's streams stay in step; here new streams' small first windows meet
   # others' 144-frame ones in one padded DiT pass (keys `rate_*`).
@@ -442,9 +443,14 @@ step_rate() {
   serve rate 8041 $CFG
   if wait_ready rate 8041; then
     $B --base-url http://127.0.0.1:8041 --concurrency 1 --requests 1 --output $R/warm_rate.json > $R/bench_rate.log 2>&1
-    $B --base-url http://127.0.0.1:8041 --concurrency 16 --requests 32 --request-rate ${RATE:-3} \
-      --output $R/rate_c16.json >> $R/bench_rate.log 2>&1
-    say "rate ${RATE:-3}/s: $(python3 benchmarks/gpu/brief.py $R/rate_c16.json)"
+    # RATE may list several (e.g. "3 2"): the first's file is rate_c16.json (keys rate_*), the others' rate_r<R>.json.
+    local r out=
+    for r in ${RATE:-3}; do
+      out=${out:+$R/rate_r$r.json}; out=${out:-$R/rate_c16.json}
+      $B --base-url http://127.0.0.1:8041 --concurrency 16 --requests 32 --request-rate $r \
+        --output $out >> $R/bench_rate.log 2>&1
+      say "rate $r/s: $(python3 benchmarks/gpu/brief.py $out)"
+    done
     # RATE_ALL=1: then the usual all-at-once levels on this server (files ratesrv_c1/c16.json).
     [ -z "${RATE_ALL:-}" ] || bench ratesrv 8041
   fi
