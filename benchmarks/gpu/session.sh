@@ -434,8 +434,8 @@ step_splits() {
 
 step_rate() {
   # The 7B config (warm cache) under spread-out arrivals: RATE requests a second (default 3; a list
-  # runs each in turn on the one server; a
-  # Poisson schedule, the same every run), at most 16 at once, 32 requests. The c=16 bench starts
+  # runs each in turn on the one server), a Poisson schedule the same every run, at most 16 at once,
+  # 32 requests. The c=16 bench starts
   # all at once, so token2wav's streams stay in step; here new streams' small first windows meet
   # others' 144-frame ones in one padded DiT pass (keys `rate_*`).
   free_gpus
