@@ -131,7 +131,8 @@ def cmd_bench(args) -> int:
         for st in lv.get("stages", []):
             print(f"    stage {st['stage_id']}: {st['steps']} steps, {st['step_ms_mean']} ms/step, busy {st['busy']}, "
                   f"batch {st['batch_mean']}, {st['payload_mb']} MB to stages, {st['backpressure_pauses']} pauses, "
-                  f"first output after {st['first_output_ms']} ms")
+                  f"first output after {st['first_output_ms']} ms"
+                  + (f", {st['underruns']} audio underruns ({st['underrun_s']} s)" if st.get("underruns") else ""))
     ref = result.get("reference")
     if ref:
         print(f"reference (transformers, {ref['device']}): n={ref['requests']} out tok/s={ref['output_tok_s']}  "

@@ -45,6 +45,10 @@ def test_metrics_count_a_speech_request(speech_server):
         assert _get(after, firsts, **labels) > _get(before, firsts, **labels)
         assert _get(after, "omni_stage_first_output_seconds_total", **labels) > 0
     assert _get(after, "omni_stage_payload_bytes_total", stage="thinker", replica="0", **m) > 0
+    # The audio stage's own view of playback: pieces that came after the listener ran dry (a count, maybe 0).
+    t2w = tuple(sorted(dict(stage="token2wav", replica="0", **m).items()))
+    assert after[("omni_stage_audio_underruns_total", t2w)] >= 0
+    assert after[("omni_stage_audio_underrun_seconds_total", t2w)] >= 0
 
 
 def test_metrics_outcomes_of_a_stop_string_and_a_client_that_leaves(speech_server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from omni_server.stage.generation import GenerationStage
@@ -27,6 +28,12 @@ def test_playback_slack_is_audio_sent_minus_time_played_and_waiting_counts_befor
     assert p.slack("c", 10.0) == 0.2 - 9.5  # ran dry 9.3 s ago
     assert p.slack("b", 5.0) == -4.0  # no audio 4 s after it opened
     assert p.slack("c", 10.0) < p.slack("b", 10.0) < p.slack("a", 10.0)
+
+    # c's listener ran dry at 0.7 s: the next piece, at 10 s, finds it paused 9.3 s; playback resumes from there.
+    assert p.sent("c", 1.0, now=10.0) == pytest.approx(9.3)
+    assert p.slack("c", 10.0) == pytest.approx(1.2 - 0.2)
+    assert p.sent("c", 0.5, now=10.5) == 0.0  # (1 s ahead: still playing)
+    assert p.sent("b", 0.5, now=5.0) == 0.0  # (a first piece finds nothing played yet)
     p.sent("unknown", 1.0, now=1.0)  # (not a stream: nothing recorded)
     assert p.slack("unknown", 1.0) == 0.0
     p.forget("a")
@@ -82,6 +89,7 @@ def _stage(n: int) -> tuple[GenerationStage, _FakeStreams, list]:
     sent: list = []
     gen = _FakeStreams()
     stage.generator, stage.playback, stage._pass_s = gen, Playback(), 0.0
+    stage.underruns, stage.underrun_s = 0, 0.0
     stage.stage = SimpleNamespace(max_batch_size=16, inputs=[1])
     stage.streams, stage.sources = {}, {}
     stage.report_use = lambda *a: None
@@ -115,3 +123,13 @@ def test_a_pass_of_new_streams_takes_the_longest_waiting_first():
     stage.stage.max_batch_size = 4
     stage._step_streams()
     assert gen.passes == [[0, 1, 2, 3]]
+
+
+def test_the_stage_counts_pieces_that_reach_a_listener_whose_audio_ran_out():
+    stage, gen, sent = _stage(2)
+    stage.playback.sent("r0", 0.5, now=time.monotonic() - 2.0)  # r0's 0.5 s ran out 1.5 s ago
+    stage.playback.sent("r1", 5.0, now=time.monotonic() - 2.0)  # r1 still has 3 s to play
+    stage._step_streams()
+    assert stage.underruns == 1
+    assert 1.5 <= stage.underrun_s < 2.0
+    assert stage.playback.slack("r0", time.monotonic()) == pytest.approx(0.5, abs=0.2)  # (resumed: the new piece)

@@ -45,10 +45,16 @@ class Metrics:
                                   labels, registry=r)
         self.stage_first_s = Gauge("omni_stage_first_output_seconds_total", "Seconds from requests' start to "
                                    "the stage's first output for them, summed", labels, registry=r)
+        self.stage_underruns = Gauge("omni_stage_audio_underruns_total", "Streamed audio pieces a stage sent after "
+                                     "the listener's audio ran out (real-time playback from the first piece)",
+                                     labels, registry=r)
+        self.stage_underrun_s = Gauge("omni_stage_audio_underrun_seconds_total", "Seconds streamed listeners' "
+                                      "audio was out before a stage's next piece, summed", labels, registry=r)
         self._stage_fields = {"num_running": self.stage_running, "num_waiting": self.stage_waiting,
                               "steps": self.stage_steps, "step_s": self.stage_step_s,
                               "payload_bytes": self.stage_payload, "backpressure_pauses": self.stage_pauses,
-                              "first_outputs": self.stage_firsts, "first_output_s": self.stage_first_s}
+                              "first_outputs": self.stage_firsts, "first_output_s": self.stage_first_s,
+                              "underruns": self.stage_underruns, "underrun_s": self.stage_underrun_s}
         self.stage_up = Gauge("omni_stage_up", "1 when the stage replica answered the scrape's stats query",
                               labels, registry=r)
 

@@ -168,7 +168,10 @@ class GenerationStage(Stage):
             wave = wave.detach().to("cpu", torch.float32).reshape(-1).contiguous()
             if not done and wave.numel() == 0:
                 continue
-            self.playback.sent(rid, wave.numel() / self.generator.sample_rate, time.monotonic())
+            dry = self.playback.sent(rid, wave.numel() / self.generator.sample_rate, time.monotonic())
+            if dry > 0:  # this stream's listener ran out of audio before this piece (server-side view)
+                self.underruns += 1
+                self.underrun_s += dry
             # A generation stage's "prompt" is the tokens it decoded (e.g. codec codes): usage counts them.
             deltas.append(RequestDelta(request_id=rid, finished=done, finish_reason="stop" if done else None,
                                        tensors={"audio": wave}, sample_rate=self.generator.sample_rate,

@@ -17,7 +17,8 @@ FILL = 0.75
 
 
 class Playback:
-    """Per stream: when it opened, when its first audio went out and how many seconds went out."""
+    """Per stream: when it opened, when its playback started (its first audio, moved on by each
+    pause: a player that runs dry waits for the next piece) and how many seconds went out."""
 
     def __init__(self) -> None:
         self._opened: dict[str, float] = {}
@@ -27,11 +28,16 @@ class Playback:
     def open(self, rid: str, now: float) -> None:
         self._opened[rid] = now
 
-    def sent(self, rid: str, seconds: float, now: float) -> None:
+    def sent(self, rid: str, seconds: float, now: float) -> float:
+        """Record a piece of `seconds` of audio sent at `now`; returns how long its listener's audio
+        had run dry before it (0.0: none; the first piece never)."""
         if rid not in self._opened or seconds <= 0:
-            return
-        self._first.setdefault(rid, now)
+            return 0.0
+        first = self._first.setdefault(rid, now)
+        dry = max(now - first - self._sent.get(rid, 0.0), 0.0)
+        self._first[rid] = first + dry  # (the player paused that long)
         self._sent[rid] = self._sent.get(rid, 0.0) + seconds
+        return dry
 
     def slack(self, rid: str, now: float) -> float:
         """Seconds of audio sent beyond what its listener has played by `now` (negative: behind);

@@ -183,6 +183,9 @@ class StageStats(_Msg):
     backpressure_pauses: int = 0
     # Bytes of tensors this stage sent to other stages (per destination).
     payload_bytes: int = 0
+    # Streamed audio pieces sent after their listener's audio ran out, and the seconds it was out.
+    underruns: int = 0
+    underrun_s: float = 0.0
     # Requests that sent their first output (downstream or to the client), and the seconds from
     # each one's arrival here (at the request's start, for every stage on its route) to that output.
     first_outputs: int = 0
@@ -197,7 +200,7 @@ class StageStats(_Msg):
 # meaningful); both sum over replicas.
 STAGE_GAUGES = ("num_running", "num_waiting")
 STAGE_COUNTERS = ("steps", "step_s", "batch_sum", "backpressure_pauses", "payload_bytes", "first_outputs",
-                  "first_output_s")
+                  "first_output_s", "underruns", "underrun_s")
 
 
 Message = Union[
