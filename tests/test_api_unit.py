@@ -239,7 +239,7 @@ def _bounded(main):
 
 def _completion(tmp_path, n: int, orch: _Deltas, **body):
     """A chat completion of n choices over `orch`, as the chat route builds it."""
-    from omni_server.api.app import _Completion, _Run
+    from omni_server.api.runs import Completion, Run
     from omni_server.api.protocol import ChatCompletionRequest
     from omni_server.orchestrator.orchestrator import RequestState
 
@@ -249,8 +249,8 @@ def _completion(tmp_path, n: int, orch: _Deltas, **body):
     runs = []
     for i in range(n):
         orch.queues[f"c-{i}"] = asyncio.Queue()
-        runs.append(_Run(state, orch, RequestState(f"c-{i}", {0}), request, [1, 2, 3], index=i))
-    return _Completion("c", runs)
+        runs.append(Run(state, orch, RequestState(f"c-{i}", {0}), request, [1, 2, 3], index=i))
+    return Completion("c", runs)
 
 
 def test_a_choice_failing_mid_stream_ends_the_stream_and_aborts_the_others(tiny_models, tmp_path):
