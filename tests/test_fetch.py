@@ -215,6 +215,9 @@ def test_https_is_fetched_by_name_with_the_certificate_checked(tls):
                             timeout_s=5.0, ca_file=ca_file))
     assert got == BODY
     assert _Handler.hosts[-1] == f"localhost:{ports['localhost']}"
+    fqdn = f"https://localhost.:{ports['localhost']}/file"  # (the certificate names the host without the dot)
+    assert asyncio.run(fetch(fqdn, kind="image", domains=["localhost"], private=True, max_bytes=1 << 20,
+                             timeout_s=5.0, ca_file=ca_file)) == BODY
     # Not signed by a CA the server trusts: refused (certifi's public CAs alone).
     with pytest.raises(FetchError, match="TLS certificate was refused .unable to get local issuer certificate"):
         _get(url)
@@ -234,3 +237,7 @@ def test_a_ca_file_that_cannot_be_read_fails_the_config(tmp_path):
     for path in (str(bad), str(tmp_path / "missing.pem")):
         with pytest.raises(ValidationError, match="cannot read CA certificates"):
             ServerConfig(media_url_ca_file=path)
+    # Gone after the config was read: the server's fault, never a 400 blaming the URL.
+    with pytest.raises(RuntimeError, match="cannot read CA certificates"):
+        asyncio.run(fetch("https://localhost/x", kind="image", domains=["localhost"], private=True,
+                          max_bytes=1 << 20, timeout_s=5.0, ca_file=str(tmp_path / "missing.pem")))

@@ -133,3 +133,13 @@ def test_the_stage_counts_pieces_that_reach_a_listener_whose_audio_ran_out():
     assert stage.underruns == 1
     assert 1.5 <= stage.underrun_s < 2.0
     assert stage.playback.slack("r0", time.monotonic()) == pytest.approx(0.5, abs=0.2)  # (resumed: the new piece)
+
+
+def test_a_finished_streams_last_piece_counts_too():
+    stage, gen, sent = _stage(1)
+    stage.playback.sent("r0", 0.5, now=time.monotonic() - 2.0)  # ran out 1.5 s ago
+    stage.streams["r0"].done = True  # (this pass gives its last piece)
+    stage.drop = lambda rids: [stage.streams.pop(r) and stage.playback.forget(r) for r in rids]
+    stage._step_streams()
+    assert sent[0].finished and stage.underruns == 1 and stage.underrun_s >= 1.5
+    assert stage.streams == {}

@@ -45,7 +45,7 @@ def tls_context(ca_file: str | None = None) -> ssl.SSLContext:
         try:
             context.load_verify_locations(cafile=ca_file)
         except (OSError, ssl.SSLError) as e:
-            raise ValueError(f"cannot read CA certificates from {ca_file!r}: {e}") from None
+            raise RuntimeError(f"cannot read CA certificates from {ca_file!r}: {e}") from None
     return context
 
 
@@ -56,8 +56,9 @@ async def fetch(url: str, *, kind: str, domains: list[str] | None, private: bool
     if not domains:
         raise FetchError(f"remote {kind} URLs are not fetched by this server (server.media_url_domains is "
                          f"not set); send the {kind} as a base64 data: URL")
+    tls = tls_context(ca_file)  # (a CA file unreadable now is the server's fault: not a FetchError)
     try:
-        return await asyncio.wait_for(_get(url, kind, domains, private, max_bytes, tls_context(ca_file)), timeout_s)
+        return await asyncio.wait_for(_get(url, kind, domains, private, max_bytes, tls), timeout_s)
     except asyncio.TimeoutError:
         raise FetchError(f"fetching the {kind} URL took longer than {timeout_s:g} s") from None
     except httpx.HTTPError as e:
@@ -113,7 +114,8 @@ def _pinned(url: str, address: str) -> tuple[str, dict]:
     its host, the name (IDNA-encoded) in the Host header and as the TLS server name (certificates
     are checked against it)."""
     parts = urlsplit(url)
-    name = parts.hostname.encode("idna").decode("ascii")
+    # (A fully qualified name's trailing dot off: certificates name hosts without it.)
+    name = parts.hostname.rstrip(".").encode("idna").decode("ascii")
     address = address.split("%")[0]  # (a link-local scope, only with media_url_private)
     netloc = f"[{address}]" if ":" in address else address
     host = f"[{name}]" if ":" in name else name

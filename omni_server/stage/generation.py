@@ -143,12 +143,13 @@ class GenerationStage(Stage):
             self._fail_pass(rids, e)
             return len(rids)
         self._pass_s = max(time.monotonic() - now, 0.9 * self._pass_s)
+        # Sent before the finished ones are dropped (their last piece still counts in the playback model).
+        self._send(rids, pieces, [s.done for s in streams], [_num_codes(vars(s)) for s in streams])
         for rid, stream in zip(rids, streams):
             if stream.done:
                 self.drop([rid])
-            else:
+            elif rid in self.streams:  # (not failed in _send)
                 self._report_use(rid, stream)
-        self._send(rids, pieces, [s.done for s in streams], [_num_codes(vars(s)) for s in streams])
         return len(rids)
 
     def _fail_pass(self, rids: list[str], e: Exception) -> None:
