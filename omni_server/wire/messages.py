@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import msgspec
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4  # 4: StageStats.underruns, underrun_s (a stage of 4 would fail an api of 3 on them)
 AUDIO_SAMPLE_RATE = 16000
 VIDEO_FPS = 2.0  # frames a second the api keeps of a video; the first stage's processor is told so
 
