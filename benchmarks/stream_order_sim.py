@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import random
 
+from omni_server.models.windows import window_at
 from omni_server.stage.stream_order import Playback, pick
 
 WINDOWS, CHUNK, PAST, FUTURE, FRAMES_PER_S, CODES, REPEATS = [48, 48, 72, 96], 144, 48, 24, 100, 500, 2
@@ -28,12 +29,7 @@ def _pow2(n: int) -> int:
 
 
 def _chunk(settled: int) -> int:
-    start = 0
-    for w in WINDOWS:
-        if settled == start:
-            return w
-        start += w
-    return CHUNK
+    return window_at(settled, tuple(WINDOWS), CHUNK)
 
 
 def simulate(policy: str, rate: float, scale: float, seed: int, n: int = 32, cap: int = 16) -> dict:
