@@ -452,6 +452,19 @@ def test_override_value_is_validated_like_the_file():
     ]
 
 
+def test_quantizing_a_sub_model_stage_is_a_config_error():
+    """vLLM 0.26 reads a quantization only with dict `hf_overrides`; a `model_class` stage's engine
+    would die at start with an unrelated pydantic error (seen on an H200 with talker.quantization=fp8)."""
+    path = REPO / "configs" / "qwen2_5_omni.yaml"
+    assert load_config(str(path)).stage(1).model_class
+    with pytest.raises(ConfigError) as exc:
+        load_config(str(path), overrides=["talker.quantization=fp8"])
+    (line,) = _problems(exc)
+    assert line.startswith(f"{path}: stage 1 (talker): ") and "`model_class` stage" in line, line
+    # the thinker (a whole checkpoint's model) may be quantized
+    assert load_config(str(path), overrides=["thinker.quantization=fp8"]).stage(0).engine_args["quantization"] == "fp8"
+
+
 def test_override_unknown_stage():
     with pytest.raises(ConfigError) as exc:
         load_config_text(VALID, name="c.yaml", overrides=["code2wav.max_num_seqs=8", "7.max_num_seqs=8"])

@@ -133,6 +133,12 @@ class StageConfig(_Strict):
                 raise ValueError("`sampler` is for `ar` stages")
         elif self.generator or self.generator_args:
             raise ValueError("`generator` / `generator_args` are only for `kind: generation` stages")
+        if self.model_class and ({"quantization", "quantization_config"} & set(self.engine_args)):
+            # vLLM's loader reads a quantization (online or a checkpoint's) only when `hf_overrides` is
+            # a dict; a sub-model stage needs the callable form (model_classes.hf_overrides), so the
+            # engine would fail at start with a pydantic error naming neither the stage nor the key.
+            raise ValueError("`engine_args.quantization` cannot apply to a `model_class` stage (a sub-model "
+                             "of the checkpoint: vLLM quantizes only whole checkpoints' models)")
         if self.output == "audio" and self.kind != "generation":
             raise ValueError("`output: audio` needs a `generation` stage")
         if isinstance(self.address, list) and len(self.address) != self.replicas:
