@@ -94,6 +94,21 @@ def _token2wav_speed(out: Path) -> dict:
     return keys
 
 
+def _dit_variants(out: Path) -> dict:
+    """Step `ditvar` (ditvar.txt, benchmarks/dit_speed.py's JSON lines): GPU ms of one DiT body call
+    replayed as a CUDA graph per variant (`compiled`: as the configs run it) and rows, and each
+    variant's output error against it."""
+    path, keys = out / "ditvar.txt", {}
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        if line.startswith("{") and '"graph_ms"' in line:
+            r = json.loads(line)
+            name = f"dit_{r.get('variant', 'compiled')}_rows{r['rows']}"
+            keys[f"{name}_graph_ms"] = r["graph_ms"]
+            if "max_rel_err" in r:
+                keys[f"{name}_max_rel_err"] = r["max_rel_err"]
+    return keys
+
+
 def _activation(out: Path) -> dict:
     """benchmarks/antialias_speed.py RESULT lines (aa.txt): ms per call of one activation per channel
     count, transformers' module and ours (eager, compiled)."""
@@ -183,6 +198,10 @@ def collect(out: Path) -> dict:
         **_served(out, "talkerlow", "talkerlow"),
         # the 7B config under Poisson arrivals, at most 16 at once (step `rate`: c16 keys only)
         **_served(out, "rate", "rate"),
+        # ... its second rate (RATE="3 2": rate_r2.json) and c=1 / c=16 all at once on its server (RATE_ALL=1)
+        "rate2_ttfp_ms_c16": _get(_level(out / "rate_r2.json"), "ttfp_ms", "p50"),
+        "rate2_rtf_c16": _get(_level(out / "rate_r2.json"), "rtf", "p50"),
+        **_served(out, "ratesrv", "ratesrv"),
         # the 7B config with the thinker (or more stages) quantized to FP8 at load (step `fp8`)
         **_served(out, "fp8", "fp8"),
         # the 7B config with one token2wav DiT graph per solver step (step `t2wstep`)
@@ -204,6 +223,7 @@ def collect(out: Path) -> dict:
         **_token2wav_speed(out),
         # one anti-aliased activation alone (session step `aa`): aa_c<channels>_<which>_ms
         **_activation(out),
+        **_dit_variants(out),
         # the talker's decoder alone (session step `talker`): talker_<engine>_<sampling>_bs<batch>_tok_s
         **_talker(out),
     }

@@ -49,6 +49,12 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     (tmp_path / "serve_t2wboth.log").write_text("... all 3 stages ready in 61.0 s; serving on http://x\n")
     _bench(tmp_path / "qwen3eager_c1.json", ttfp_ms={"p50": 300.0}, rtf={"p50": 0.28})
     _bench(tmp_path / "thinkerlow_c1.json", ttfp_ms={"p50": 380.0}, rtf={"p50": 0.2})
+    (tmp_path / "ditvar.txt").write_text(
+        'noise\n{"frames": 144, "rows": 32, "device": "cuda", "compiled_ms": 17.7, "graph_ms": 5.48}\n'
+        '{"variant": "fp8", "frames": 144, "rows": 32, "graph_ms": 5.84, "max_rel_err": 0.017}\n')
+    _bench(tmp_path / "rate_c16.json", ttfp_ms={"p50": 1340.0}, rtf={"p50": 0.66})
+    _bench(tmp_path / "rate_r2.json", ttfp_ms={"p50": 1030.0}, rtf={"p50": 0.47})
+    _bench(tmp_path / "ratesrv_c1.json", ttfp_ms={"p50": 415.0}, rtf={"p50": 0.19})
     (tmp_path / "aa.txt").write_text(
         'RESULT {"channels": 96, "transformers_ms": 4.2, "fused_eager_ms": 6.0, "fused_compiled_ms": 1.1}\n')
     _bench(tmp_path / "t2wfast_c16.json", ttfp_ms={"p50": 900.0}, rtf={"p50": 0.5})
@@ -84,6 +90,10 @@ def test_collect_maps_run_outputs_to_result_keys(tmp_path):
     assert (r["t2wboth_ttfp_ms_c16"], r["t2wboth_rtf_c16"], r["t2wboth_ready_s"]) == (990.0, 0.52, 61.0)
     assert (r["qwen3eager_ttfp_ms_c1"], r["qwen3eager_rtf_c1"], r["qwen3eager_ready_s"]) == (300.0, 0.28, None)
     assert (r["thinkerlow_ttfp_ms_c1"], r["thinkerlow_rtf_c1"], r["thinkerlow_ttfp_ms_c16"]) == (380.0, 0.2, None)
+    assert (r["dit_compiled_rows32_graph_ms"], r["dit_fp8_rows32_graph_ms"], r["dit_fp8_rows32_max_rel_err"]) == \
+        (5.48, 5.84, 0.017)
+    assert (r["rate_ttfp_ms_c16"], r["rate2_ttfp_ms_c16"], r["rate2_rtf_c16"]) == (1340.0, 1030.0, 0.47)
+    assert (r["ratesrv_ttfp_ms_c1"], r["ratesrv_rtf_c1"], r["ratesrv_ttfp_ms_c16"]) == (415.0, 0.19, None)
     assert (r["aa_c96_transformers_ms"], r["aa_c96_fused_eager_ms"], r["aa_c96_fused_compiled_ms"]) == (4.2, 6.0, 1.1)
     assert r["p6_ready_s_warm_fixed_kv"] == 51.0
     assert r["tiny_runner_vs_vllm_bs1"] == round(880 / 900, 3) and r["tiny_runner_vs_vllm_bs32"] is None

@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -209,6 +209,19 @@ step_t2wprof() {
   timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 16 --modes config_dit_only --split \
     --first-chunk-frames 48 48 --chunk-frames 72 --sdpa cudnn >> $R/t2wprof.txt 2>&1
   say "token2wav split: $(grep RESULT $R/t2wprof.txt | cut -c8- | tr '\n' ' ')"
+}
+
+step_ditvar() {
+  # The DiT body alone (one velocity evaluation, widest window, 7B shape): compiled by blocks as the
+  # configs run it, then with Inductor's max-autotune (GEMM epilogues fused) and with FP8 projections
+  # (benchmarks/dit_speed.py --variants; output error against the plain call). Rows 16 and 1.
+  free_gpus
+  : > $R/ditvar.txt
+  for rows in 16 1; do
+    timeout 600 python3 benchmarks/dit_speed.py --model $M --device cuda --rows $rows --variants ${DITVAR:-autotune fp8} \
+      >> $R/ditvar.txt 2>&1
+  done
+  say "dit variants: $(grep '^{' $R/ditvar.txt | tr '\n' ' ')"
 }
 
 step_t2wstep() {
