@@ -224,8 +224,6 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         if state.audio_stage is None:
             raise APIError(400, f"model `{state.cfg.model}` has no audio output", param="model")
-        if body.speed != 1.0:
-            raise APIError(400, "only speed 1.0 is supported", param="speed")
         fmt = _check_format(body.response_format, "response_format")
         voice = state.check_voice(body.voice, "voice")
         prefix = state.text.render_chat([{"role": "user", "content": body.input}])
@@ -242,7 +240,7 @@ def create_app(state: ServerState) -> FastAPI:
         [req] = await _submit(state, orch, [request_id], [prompt_ids], [sampling], {"audio"},
                               {VOICE_OPTION: voice, REPLY_FROM_OPTION: str(len(prefix))})
 
-        speech_out = SpeechStream(state, orch, req, fmt, n_input=len(reply))
+        speech_out = SpeechStream(state, orch, req, fmt, n_input=len(reply), speed=body.speed)
         if body.stream_format == "sse":
             return _AbortingStream(speech_out.sse(), speech_out.abort)
         # The bytes stream as the audio is made; the first piece is awaited here so that a request

@@ -19,6 +19,7 @@ import numpy as np
 import soundfile as sf
 
 from omni_server.api.data_url import payload
+from omni_server.api.stretch import TimeStretch
 
 if TYPE_CHECKING:
     import torch
@@ -127,10 +128,12 @@ class StreamEncoder:
     """Encodes a waveform that arrives in pieces: `push` returns the bytes ready so far, `close`
     the rest; all of them concatenated are one playable file. wav gets a header with unknown
     (0xFFFFFFFF) sizes, as streamed WAV does; pcm is headerless; formats not in
-    STREAMABLE_FORMATS come out whole from `close`."""
+    STREAMABLE_FORMATS come out whole from `close`. `speed` (0.25-4): played that much faster at
+    the same pitch (stretch.py), as the pieces come."""
 
-    def __init__(self, sample_rate: int, fmt: str):
+    def __init__(self, sample_rate: int, fmt: str, speed: float = 1.0):
         self.fmt = _check_format(fmt)
+        self._stretch = TimeStretch(sample_rate, speed) if speed != 1.0 else None
         self.in_rate = self.rate = sample_rate
         self._header = self.fmt == "wav"
         self._file: sf.SoundFile | None = None
@@ -149,6 +152,11 @@ class StreamEncoder:
 
     def push(self, wave: torch.Tensor | np.ndarray) -> bytes:
         wave = _to_numpy(wave)
+        if self._stretch is not None:
+            wave = self._stretch.push(wave)
+        return self._encode(wave)
+
+    def _encode(self, wave: np.ndarray) -> bytes:
         if self._pieces is not None:
             self._pieces.append(wave)
             return b""
@@ -165,13 +173,19 @@ class StreamEncoder:
         return data
 
     def close(self) -> bytes:
+        head = b""
+        if self._stretch is not None:
+            head, self._stretch = self._encode(self._stretch.flush()), None
+        return head + self._close()
+
+    def _close(self) -> bytes:
         if self._pieces is not None:
             whole = np.concatenate(self._pieces) if self._pieces else np.zeros(0, dtype=np.float32)
             return encode_audio(whole, self.in_rate, self.fmt)
         if self._file is not None:
             self._file.close()  # flushes the codec's buffered frames
             return self._buf.getbuffer()[self._sent:].tobytes()
-        return self.push(np.zeros(0, dtype=np.float32)) if self._header else b""
+        return self._encode(np.zeros(0, dtype=np.float32)) if self._header else b""
 
 
 def _streaming_wav_header(rate: int) -> bytes:

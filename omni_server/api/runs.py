@@ -92,8 +92,8 @@ class SpeechStream(_Pipelined):
     """One /v1/audio/speech request's audio, encoded piece by piece as the audio stage sends it:
     as the raw body (`first` then `raw`) or as OpenAI's speech SSE events (`sse`)."""
 
-    def __init__(self, state: ServerState, orch: Orchestrator, req, fmt: str, n_input: int):
-        self.state, self.orch, self.req, self.fmt = state, orch, req, fmt
+    def __init__(self, state: ServerState, orch: Orchestrator, req, fmt: str, n_input: int, speed: float = 1.0):
+        self.state, self.orch, self.req, self.fmt, self.speed = state, orch, req, fmt, speed
         self.n_input, self.n_output = n_input, 0
         self._pieces = self._encoded()
 
@@ -104,7 +104,7 @@ class SpeechStream(_Pipelined):
                 raise _delta_error(delta)
             if stage_id == self.state.audio_stage and "audio" in delta.tensors:
                 if encoder is None:
-                    encoder = audio.StreamEncoder(delta.sample_rate, self.fmt)
+                    encoder = audio.StreamEncoder(delta.sample_rate, self.fmt, self.speed)
                 data = await asyncio.to_thread(encoder.push, delta.tensors["audio"])
                 if delta.finished:
                     self.n_output = delta.num_prompt_tokens
