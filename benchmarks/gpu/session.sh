@@ -450,10 +450,12 @@ step_rate() {
   # runs each in turn on the one server), a Poisson schedule the same every run, at most 16 at once,
   # 32 requests. The c=16 bench starts
   # all at once, so token2wav's streams stay in step; here new streams' small first windows meet
-  # others' 144-frame ones in one padded DiT pass (keys `rate_*`).
+  # others' 144-frame ones in one padded DiT pass (keys `rate_*`). (2026-12-02 sixteenth run: not
+  # padding but all three stages on the GPU at once makes those passes dear.) RATE_ARGS: more serve
+  # arguments, e.g. "--stage-arg thinker.quantization=fp8" or a stage's MPS priority.
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
-  serve rate 8041 $CFG
+  serve rate 8041 $CFG ${RATE_ARGS:-}
   if wait_ready rate 8041; then
     $B --base-url http://127.0.0.1:8041 --concurrency 1 --requests 1 --output $R/warm_rate.json > $R/bench_rate.log 2>&1
     # RATE may list several (e.g. "3 2"): the first's file is rate_c16.json (keys rate_*), the others' rate_r<R>.json.
