@@ -471,7 +471,7 @@ def test_speech_speed_changes_tempo_not_pitch(client, speed):
         return pieces, b"".join(pieces)
 
     _, plain = speak(1.0)
-    pieces, fast = speak(speed)
+    _, fast = speak(speed)
     a = np.frombuffer(plain, "<i2").astype(np.float32) / 32768
     b = np.frombuffer(fast, "<i2").astype(np.float32) / 32768
     assert len(b) == round(len(a) / speed)
