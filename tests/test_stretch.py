@@ -57,13 +57,37 @@ def test_events_move_to_their_time_over_speed(speed):
         assert abs(start - at / speed) < 0.04 and abs((end - start) - 0.1 / speed) < 0.04, (start, end)
 
 
-def test_output_is_the_same_however_the_input_is_split():
+@pytest.mark.parametrize("speed", [0.33, 1.7, 3.99])
+def test_output_is_the_same_however_the_input_is_split(speed):
     x = _tone(1.5, 180, 360) * np.linspace(0, 1, int(1.5 * SR), dtype=np.float32)
-    whole = _stretch(x, 1.7)
+    whole = _stretch(x, speed)
     rng = np.random.default_rng(0)
     chunks = list(rng.integers(1, 4000, size=200))
-    assert np.array_equal(_stretch(x, 1.7, chunks), whole)
-    assert np.array_equal(_stretch(x, 1.7, [1] * 700 + [x.size]), whole)
+    assert np.array_equal(_stretch(x, speed, chunks), whole)
+    assert np.array_equal(_stretch(x, speed, [1] * 700 + [x.size]), whole)
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 24000, 44100])
+@pytest.mark.parametrize("speed", [0.25, 0.7, 3.0, 4.0])
+def test_length_is_input_over_speed_for_any_length(rate, speed):
+    """Also where a frame is ready before len / speed output is due (speeds above ~2.7): the
+    pieces handed out never run ahead of it."""
+    rng = np.random.default_rng(rate)
+    for n in range(1, 3000, 61):
+        x = rng.standard_normal(n).astype(np.float32) * 0.1
+        ts, total = TimeStretch(rate, speed), 0
+        for i in range(0, n, 97):
+            total += ts.push(x[i:i + 97]).size
+            assert total <= (i + x[i:i + 97].size) / speed
+        assert total + ts.flush().size == round(n / speed), n
+
+
+@pytest.mark.parametrize("speed", [0.25, 0.5, 2.0])
+def test_level_holds_to_the_end(speed):
+    """A steady input comes out steady to its last sample (slowed down, the last frames would
+    otherwise reach into the silence after the input and fade the end out)."""
+    y = _stretch(np.full(SR, 0.5, np.float32), speed)
+    assert np.abs(y - 0.5).max() < 1e-3
 
 
 def test_speed_one_is_the_input():
@@ -78,6 +102,16 @@ def test_short_empty_and_silent_inputs():
     assert quiet.size == round(SR / 1.3) and not quiet.any()
     with pytest.raises(ValueError, match="speed"):
         TimeStretch(SR, 5.0)
+    assert np.isfinite(_stretch(np.full(2000, np.nan, np.float32), 0.5)).all()
+
+
+@pytest.mark.parametrize("fmt", ["pcm", "wav", "flac", "mp3"])
+def test_encoder_takes_a_one_sample_piece(fmt):
+    """(A piece of one sample was a 0-d array after squeeze: flac / mp3 failed on it.)"""
+    enc = StreamEncoder(SR, fmt, speed=4.0)
+    assert enc.push(np.zeros(3, np.float32)) + enc.close()
+    enc = StreamEncoder(SR, fmt)
+    assert enc.push(np.zeros(1, np.float32)) + enc.close()
 
 
 @pytest.mark.parametrize("fmt", ["pcm", "wav", "flac"])

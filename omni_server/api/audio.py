@@ -85,9 +85,10 @@ def content_type(fmt: str) -> str:
 def _to_numpy(wave: torch.Tensor | np.ndarray) -> np.ndarray:
     if not isinstance(wave, np.ndarray):  # torch tensor (any device / dtype, incl. bf16)
         wave = wave.detach().to("cpu").float().numpy()
-    wave = np.squeeze(np.asarray(wave, dtype=np.float32))
-    if wave.ndim != 1:
+    wave = np.asarray(wave, dtype=np.float32)
+    if sum(n > 1 for n in wave.shape) > 1:
         raise AudioError(f"expected a 1-D waveform, got shape {wave.shape}")
+    wave = wave.reshape(-1)  # ([1, n], [n, 1], one sample: all 1-D; squeeze made one sample 0-D)
     # NaN would become an arbitrary int16; a diverging vocoder should not produce that.
     return np.clip(np.nan_to_num(wave, nan=0.0, posinf=1.0, neginf=-1.0), -1.0, 1.0)
 

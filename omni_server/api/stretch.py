@@ -39,24 +39,27 @@ class TimeStretch:
         self.prev = 0  # (padded) input position of the previous frame
         self.tail = np.zeros(self.frame, np.float32)  # output from frame k's start on, partly summed
         self.lead = True  # frame 0's first half (the silence before the input) not yet dropped
+        # Output made but held back: never more than len(input) / speed goes out before `flush`
+        # (above speed ~2.7 a frame can be made before that much input is here).
+        self.pending = np.zeros(0, np.float32)
 
     def push(self, samples) -> np.ndarray:
         """Add input; returns the output that is now final."""
-        x = np.asarray(samples, np.float32).reshape(-1)
+        x = np.nan_to_num(np.asarray(samples, np.float32).reshape(-1))
         self.received += x.size
         self.buf = np.concatenate([self.buf, x])
-        out = self._out(self._frames(final=False))
-        self.returned += out.size
-        return out
+        made = np.concatenate([self.pending, self._out(self._frames(final=False))])
+        n = max(min(made.size, int(self.received / self.speed) - self.returned), 0)
+        self.pending = made[n:]
+        self.returned += n
+        return made[:n]
 
     def flush(self) -> np.ndarray:
         """No more input: the rest of the output, round(len(input) / speed) samples in all."""
         total = int(round(self.received / self.speed))
         # Silence after the input lets the last frames be chosen as if it went on quiet.
         self.buf = np.concatenate([self.buf, np.zeros(2 * (self.frame + self.tolerance), np.float32)])
-        rest = np.concatenate([self._out(self._frames(final=True)), self.tail[:self.hop]])
-        if self.lead:  # (no input: frame 0's first half is all there is)
-            rest = rest[self.hop:]
+        rest = np.concatenate([self.pending, self._out(self._frames(final=True)), self.tail[:self.hop]])
         keep = total - self.returned
         if keep <= rest.size:
             rest = rest[:max(keep, 0)]
@@ -76,6 +79,13 @@ class TimeStretch:
             if final and nominal > self.hop + self.received:  # past the input: silence
                 break
             lo, hi = max(nominal - self.tolerance, 0), nominal + self.tolerance
+            if final and self.speed < 1:
+                # Slowed down, a frame over the silence after the input would play part of it
+                # before the end (a fade-out): the last frames stay on the input. (Faster, that part
+                # falls after the end. Only the flush's frames reach that far.)
+                last = max(self.hop + self.received - self.frame, 0)
+                nominal, hi = min(nominal, last), min(hi, last)
+                lo = min(lo, hi)
             natural = self.prev + self.hop  # where the previous frame's input goes on
             if self.k > 0 and max(hi, natural) + self.frame > end or nominal + self.frame > end:
                 break  # (its input is not all here yet)
@@ -84,8 +94,10 @@ class TimeStretch:
             out.append(self.tail[:self.hop].copy())
             self.tail = np.concatenate([self.tail[self.hop:], np.zeros(self.hop, np.float32)])
             self.prev, self.k = pos, self.k + 1
-        # Input no later frame can look at is dropped.
-        keep_from = min(max(self._nominal(self.k) - self.tolerance, 0), self.prev + self.hop)
+        # Input no later frame can look at is dropped (nor the last frame's worth: the flush's frames
+        # may be held back onto it).
+        keep_from = max(min(self._nominal(self.k), self.hop + self.received - self.frame) - self.tolerance, 0)
+        keep_from = min(keep_from, self.prev + self.hop)
         if keep_from > self.start:
             self.buf = self.buf[keep_from - self.start:]
             self.start = keep_from
