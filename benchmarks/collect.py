@@ -207,6 +207,8 @@ def collect(out: Path) -> dict:
         # the 7B config with one token2wav DiT graph per solver step (step `t2wstep`)
         **_served(out, "t2wstep", "t2wstep"),
         "t2wstep_ready_s": _ready_s(out / "serve_t2wstep.log"),
+        # the 7B config with token2wav's fused q/k/v projection (step `qkv`)
+        **_served(out, "qkv", "qkv"),
         # the 7B config with the talker's attention in another vLLM backend (step `talkerattn`)
         **_served(out, "talkerattn", "talkerattn"),
         # the 7B config benched while py-spy samples its stages (step `spy`)

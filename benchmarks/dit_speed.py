@@ -10,7 +10,8 @@ classifier-free guidance (2 x rows). Run each version with its own empty Inducto
 
 `--variants` (an experiment, CUDA only; one JSON line each, with `max_rel_err` of the output against
 the plain compiled call): `autotune` compiles with Inductor's max-autotune (Triton GEMM templates
-with fused epilogues); `fp8` runs the layers' linear projections as FP8 GEMMs (weights per output
+with fused epilogues); `qkv` one projection GEMM for queries, keys and values (`dit_fused_qkv`);
+`fp8` runs the layers' linear projections as FP8 GEMMs (weights per output
 channel, activations per row, scaled to e4m3 on the fly; `torch._scaled_mm`).
 """
 
@@ -24,6 +25,7 @@ import time
 import torch
 
 from omni_server.models.qwen2_5_omni import token2wav
+from omni_server.models.qwen2_5_omni.dit import fuse_qkv
 
 
 def main() -> None:
@@ -32,7 +34,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--variants", nargs="*", default=[], choices=["autotune", "fp8"])
+    p.add_argument("--variants", nargs="*", default=[], choices=["autotune", "qkv", "fp8"])
     a = p.parse_args()
     # (as the 7B configs run it; no graphs: they would bind the body at start)
     t = token2wav.Token2Wav(a.model, a.device, cuda_graphs=False, dit_dtype="bfloat16", tf32=True)
@@ -86,11 +88,15 @@ def main() -> None:
     print(json.dumps({"frames": frames, "rows": int(args[0].shape[0]), "device": a.device,
                       "first_call_s": round(compile_s, 1), "compiled_ms": round(statistics.median(compiled) * 1e3, 1),
                       "eager_ms": round(statistics.median(eager) * 1e3, 1), "graph_ms": graph_ms}), flush=True)
-    for variant in sorted(a.variants, key=lambda v: v == "fp8"):  # (fp8 converts the layers: last)
+    # (in this order: qkv adds a stacked projection the later ones use; fp8 converts the layers)
+    for variant in sorted(a.variants, key=["autotune", "qkv", "fp8"].index):
         torch._dynamo.reset()
         if variant == "fp8":
             for layer in t.dit.transformer_blocks:
                 _to_fp8(layer)
+            block = torch.compile(token2wav.run_layer, dynamic=True)
+        elif variant == "qkv":
+            fuse_qkv(t.dit)
             block = torch.compile(token2wav.run_layer, dynamic=True)
         else:
             block = torch.compile(token2wav.run_layer, dynamic=True, mode="max-autotune-no-cudagraphs")

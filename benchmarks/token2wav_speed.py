@@ -54,7 +54,9 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
          # ... with the vocoder's anti-aliased activations compiled (one fused expression for all): the 7B configs'
          "config": CONFIG,
          # ... with one DiT graph per solver step, replayed per step (`dit_graph: step`: shorter captures)
-         "config_step_graphs": CONFIG | dict(dit_graph="step")}
+         "config_step_graphs": CONFIG | dict(dit_graph="step"),
+         # ... with one projection GEMM for the attention's queries, keys and values (`dit_fused_qkv`)
+         "config_fused_qkv": CONFIG | dict(dit_graph="step", dit_fused_qkv=True)}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

@@ -530,12 +530,14 @@ def test_compile_needs_graphs_captured_at_start(model_dir):
         Token2Wav(model_dir, compile="yes")
 
 
-def test_dit_compiled_block_by_block_equals_its_layers(model_dir):
+@pytest.mark.parametrize("fused_qkv", [False, True])
+def test_dit_compiled_block_by_block_equals_its_layers(model_dir, fused_qkv):
     # compile "blocks": one compiled `run_layer` for every layer (a module's parameters are inputs
     # to compiled code, and the layers differ only in the mask they are given), no compile on later calls.
     from torch._dynamo.utils import counters
 
-    t = Token2Wav(model_dir)
+    torch._dynamo.reset()  # (the other case compiled run_layer already)
+    t = Token2Wav(model_dir, dit_fused_qkv=fused_qkv)
     seen = []
     body = t._dit_body
     t._dit_body = lambda *args: seen.append(args) or body(*args)  # (this instance only: its inputs)
@@ -578,6 +580,31 @@ def test_dit_layers_with_masks_made_once_equal_transformers_layers(model_dir):
                 assert (got - want).abs().max().item() < 1e-5
 
 
+def test_fused_qkv_projection_computes_the_three(model_dir):
+    """`dit_fused_qkv`: one stacked projection per layer gives the layers' outputs and the decode of
+    three separate ones (the same dot products, summed maybe in another order)."""
+    plain, fused = Token2Wav(model_dir), Token2Wav(model_dir, dit_fused_qkv=True)
+    layer = fused.dit.transformer_blocks[0]
+    attn = layer.attn
+    assert attn.qkv.weight.shape == (3 * attn.inner_dim, attn.to_q.in_features)
+    assert torch.equal(attn.qkv.weight[attn.inner_dim:2 * attn.inner_dim], attn.to_k.weight)
+    torch.manual_seed(0)
+    frames, rows = 2 * fused.dit.block_size, 2
+    h = torch.randn(rows, frames, fused.dit.config.hidden_size)
+    temb = torch.randn(rows, fused.dit.config.hidden_size)
+    cos, sin = fused.dit.rotary_embed(h, torch.arange(frames)[None].expand(rows, -1))
+    block_diff = fused.dit._create_block_diff(h[:, :, :1])[:, :1]
+    with torch.inference_mode():
+        mask = block_masks(block_diff, fused._mask_kinds, h.dtype)[fused._layer_kind[0]]
+        want = layer(h, temb, position_embeddings=(cos, sin), block_diff=block_diff)  # transformers'
+        got = run_layer(layer, h, temb, cos, sin, mask)
+    assert (got - want).abs().max().item() < 1e-5
+    request = {"codes": torch.arange(30) % 100, "voice": plain.voices[0], "seed": 3}
+    a, b = plain.batch([request])[0], fused.batch([request])[0]
+    assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4
+    assert torch.equal(fused.stream_all(LONG, seed=2), fused.stream_all(LONG, seed=2))
+
+
 def test_dit_attention_pins_a_backend(model_dir):
     with pytest.raises(ValueError, match="dit_attention must be null"):
         Token2Wav(model_dir, dit_attention="fast")
@@ -601,20 +628,21 @@ def test_dit_attention_falls_back_where_its_kernel_cannot_run(model_dir, caplog)
 @pytest.mark.parametrize("mode, vocoder, growing, unit", [
     (True, True, False, "solve"), ("blocks", True, False, "solve"), ("blocks", False, False, "solve"),
     ("blocks", "activations", False, "solve"), ("blocks", "activations", True, "solve"),
-    ("blocks", "activations", True, "step")])
+    ("blocks", "activations", True, "step"), ("blocks", "activations", True, "step+qkv")])
 def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder, growing, unit):
     """The graphs capture the compiled DiT and vocoder (or the DiT only: `compile_vocoder` false;
     or the vocoder's activations only) (warmed, so no compile inside a capture), with the polyphase
     upsampler too, and replay what the eager float32 modules compute; `growing`: with the 7B
     configs' windows (48, 48, 72, 96, then 144 new frames), each size its own graphs; `unit`: a
-    DiT graph per solve or per solver step (`dit_graph`)."""
+    DiT graph per solve or per solver step (`dit_graph`; "+qkv": with `dit_fused_qkv`)."""
     windows = dict(first_chunk_frames=[48, 48, 72, 96], chunk_frames=144) if growing else {}
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # (an earlier case compiled the same DiT blocks: without this it reuses them)
     before = counters["stats"]["unique_graphs"]
     compiled = Token2Wav(model_dir, device="cuda", compile=mode, compile_vocoder=vocoder, polyphase_upsampling=True,
-                         warmup_graphs=True, dit_graph=unit, **windows)
+                         warmup_graphs=True, dit_graph=unit.removesuffix("+qkv"), dit_fused_qkv=unit.endswith("+qkv"),
+                         **windows)
     assert (compiled.vocoder_graphs.fn != compiled._vocoder_body) == (vocoder is True)  # (a bound method equals its twin)
     fused = [m for m in compiled.vocoder.modules() if isinstance(m, AntiAliasedSnake)]
     assert bool(fused) == (vocoder == "activations")

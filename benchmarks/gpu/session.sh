@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -222,6 +222,22 @@ step_ditvar() {
       >> $R/ditvar.txt 2>&1
   done
   say "dit variants: $(grep '^{' $R/ditvar.txt | tr '\n' ' ')"
+}
+
+step_qkv() {
+  # token2wav with one projection GEMM for the DiT attention's queries, keys and values
+  # (`dit_fused_qkv`: at batch 1 the DiT is launch-bound, ~13 kernels a layer): the DiT body alone
+  # (graph-replayed GPU ms, rows 32 and 2), token2wav alone against the configs' settings, then
+  # served (keys `qkv_*`).
+  free_gpus
+  DITVAR=qkv step_ditvar
+  local w="--first-chunk-frames 48 48 72 96 --chunk-frames 144 --sdpa cudnn"
+  for mode in config_step_graphs config_fused_qkv; do
+    timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes $mode $w >> $R/t2w.txt 2>&1
+  done
+  say "qkv alone: $(grep RESULT $R/t2w.txt | grep 'step_graphs\|fused_qkv' | cut -c8- | tr '\n' ' ')"
+  export VLLM_CACHE_ROOT=/tmp/vc
+  served qkv 8042 --stage-arg token2wav.generator_args.dit_fused_qkv=true
 }
 
 step_t2wstep() {

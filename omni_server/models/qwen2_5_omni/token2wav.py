@@ -37,7 +37,7 @@ from omni_server.models.checkpoint import load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
 from omni_server.models.polyphase import use_polyphase_upsampling
 from omni_server.models.windows import window_at
-from .dit import BACKENDS, backend_error, block_masks, run_layer, windows
+from .dit import BACKENDS, backend_error, block_masks, fuse_qkv, run_layer, windows
 from .speakers import load_speakers
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ class Token2Wav:
                  first_chunk_frames: int | list[int] | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
                  dit_dtype: str = "float32", polyphase_upsampling: bool = False, compile: bool | str = False,
-                 compile_vocoder: bool | str = True, dit_attention: str | None = None, dit_graph: str = "solve"):
+                 compile_vocoder: bool | str = True, dit_attention: str | None = None, dit_graph: str = "solve",
+                 dit_fused_qkv: bool = False):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
@@ -233,6 +234,8 @@ class Token2Wav:
             self.dit.rotary_embed.float()
             self._voice_codes = {name: tuple(c.to(self.dit_dtype) for c in codes)
                                  for name, codes in self._voice_codes.items()}
+        if dit_fused_qkv:  # (dit.fuse_qkv: one projection GEMM a layer instead of three)
+            fuse_qkv(self.dit)
         if self._attention_backend is not None:
             attn = self.dit.transformer_blocks[0].attn
             why = backend_error(self._attention_backend, attn.heads, attn.inner_dim // attn.heads,
