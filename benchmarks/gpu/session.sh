@@ -224,6 +224,16 @@ step_ditvar() {
   say "dit variants: $(grep '^{' $R/ditvar.txt | tr '\n' ' ')"
 }
 
+t2w_alone() {  # MODE...: token2wav alone (benchmarks/token2wav_speed.py) with the 7B configs' windows,
+  # batch 1 and 16, each mode in its own process (RESULT lines into t2w.txt: collect.py's keys
+  # t2w_<mode>_b<batch>_step_ms, t2w_<mode>_start_s)
+  local mode
+  for mode in "$@"; do
+    timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes $mode \
+      --first-chunk-frames 48 48 72 96 --chunk-frames 144 --sdpa cudnn >> $R/t2w.txt 2>&1
+  done
+}
+
 step_qkv() {
   # token2wav with one projection GEMM for the DiT attention's queries, keys and values
   # (`dit_fused_qkv`: at batch 1 the DiT is launch-bound, ~13 kernels a layer): the DiT body alone
@@ -231,10 +241,7 @@ step_qkv() {
   # served (keys `qkv_*`).
   free_gpus
   DITVAR=qkv step_ditvar
-  local w="--first-chunk-frames 48 48 72 96 --chunk-frames 144 --sdpa cudnn"
-  for mode in config_step_graphs config_fused_qkv; do
-    timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes $mode $w >> $R/t2w.txt 2>&1
-  done
+  t2w_alone config_step_graphs config_fused_qkv
   say "qkv alone: $(grep RESULT $R/t2w.txt | grep 'step_graphs\|fused_qkv' | cut -c8- | tr '\n' ' ')"
   export VLLM_CACHE_ROOT=/tmp/vc
   served qkv 8042 --stage-arg token2wav.generator_args.dit_fused_qkv=true
@@ -246,11 +253,7 @@ step_t2wstep() {
   # 49-83 s warm start on 2026-12-02). Alone (start and ms per step, batch 1 and 16, each mode in its
   # own process, the Inductor cache warm from `main`), then served (keys `t2wstep_*`).
   free_gpus
-  local w="--first-chunk-frames 48 48 72 96 --chunk-frames 144 --sdpa cudnn"
-  # (RESULT lines into t2w.txt: collect.py's keys t2w_<mode>_b<batch>_step_ms, t2w_<mode>_start_s)
-  for mode in config config_step_graphs; do
-    timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes $mode $w >> $R/t2w.txt 2>&1
-  done
+  t2w_alone config config_step_graphs
   say "t2wstep alone: $(grep RESULT $R/t2w.txt | grep config | cut -c8- | tr '\n' ' ')"
   export VLLM_CACHE_ROOT=/tmp/vc
   served t2wstep 8038 --stage-arg token2wav.generator_args.dit_graph=step
