@@ -95,11 +95,12 @@ def _token2wav_speed(out: Path) -> dict:
 
 
 def _dit_variants(out: Path) -> dict:
-    """Step `ditvar` (ditvar.txt, benchmarks/dit_speed.py's JSON lines): GPU ms of one DiT body call
+    """Step `ditvar` (ditvar*.txt, benchmarks/dit_speed.py's JSON lines): GPU ms of one DiT body call
     replayed as a CUDA graph per variant (`compiled`: as the configs run it) and rows, and each
     variant's output error against it."""
-    path, keys = out / "ditvar.txt", {}
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+    keys: dict = {}
+    lines = [line for path in sorted(out.glob("ditvar*.txt")) for line in path.read_text(errors="replace").splitlines()]
+    for line in lines:
         if line.startswith("{") and '"graph_ms"' in line:
             r = json.loads(line)
             name = f"dit_{r.get('variant', 'compiled')}_rows{r['rows']}"
@@ -209,6 +210,7 @@ def collect(out: Path) -> dict:
         "t2wstep_ready_s": _ready_s(out / "serve_t2wstep.log"),
         # the 7B config with token2wav's fused q/k/v projection (step `qkv`)
         **_served(out, "qkv", "qkv"),
+        "qkv_ready_s": _ready_s(out / "serve_qkv.log"),
         # the 7B config with the talker's attention in another vLLM backend (step `talkerattn`)
         **_served(out, "talkerattn", "talkerattn"),
         # the 7B config benched while py-spy samples its stages (step `spy`)

@@ -581,28 +581,42 @@ def test_dit_layers_with_masks_made_once_equal_transformers_layers(model_dir):
 
 
 def test_fused_qkv_projection_computes_the_three(model_dir):
-    """`dit_fused_qkv`: one stacked projection per layer gives the layers' outputs and the decode of
-    three separate ones (the same dot products, summed maybe in another order)."""
-    plain, fused = Token2Wav(model_dir), Token2Wav(model_dir, dit_fused_qkv=True)
-    layer = fused.dit.transformer_blocks[0]
+    """`dit_fused_qkv`: one stacked projection per layer (biases too) gives the layers' outputs and
+    the decode of three separate ones (the same dot products, summed maybe in another order)."""
+    from omni_server.models.qwen2_5_omni.dit import fuse_qkv
+
+    t = Token2Wav(model_dir)
+    layer = t.dit.transformer_blocks[0]
     attn = layer.attn
-    assert attn.qkv.weight.shape == (3 * attn.inner_dim, attn.to_q.in_features)
-    assert torch.equal(attn.qkv.weight[attn.inner_dim:2 * attn.inner_dim], attn.to_k.weight)
     torch.manual_seed(0)
-    frames, rows = 2 * fused.dit.block_size, 2
-    h = torch.randn(rows, frames, fused.dit.config.hidden_size)
-    temb = torch.randn(rows, fused.dit.config.hidden_size)
-    cos, sin = fused.dit.rotary_embed(h, torch.arange(frames)[None].expand(rows, -1))
-    block_diff = fused.dit._create_block_diff(h[:, :, :1])[:, :1]
+    with torch.no_grad():  # (the tiny checkpoint's biases are zeros: these must reach the stack)
+        for p in (attn.to_q, attn.to_k, attn.to_v):
+            p.bias.normal_()
+    frames, rows = 2 * t.dit.block_size, 2
+    h = torch.randn(rows, frames, t.dit.config.hidden_size)
+    temb = torch.randn(rows, t.dit.config.hidden_size)
+    cos, sin = t.dit.rotary_embed(h, torch.arange(frames)[None].expand(rows, -1))
+    block_diff = t.dit._create_block_diff(h[:, :, :1])[:, :1]
     with torch.inference_mode():
-        mask = block_masks(block_diff, fused._mask_kinds, h.dtype)[fused._layer_kind[0]]
+        mask = block_masks(block_diff, t._mask_kinds, h.dtype)[t._layer_kind[0]]
         want = layer(h, temb, position_embeddings=(cos, sin), block_diff=block_diff)  # transformers'
+        before = [p.weight.clone() for p in (attn.to_q, attn.to_k, attn.to_v)]
+        fuse_qkv(t.dit)
+        assert attn.qkv.weight.shape == (3 * attn.inner_dim, attn.to_q.in_features)
+        # the three are views of the stack (one copy in memory); the stack is what runs:
+        assert attn.to_k.weight.data_ptr() == attn.qkv.weight[attn.inner_dim:].data_ptr()
+        assert torch.equal(attn.qkv.bias, torch.cat([attn.to_q.bias, attn.to_k.bias, attn.to_v.bias]))
         got = run_layer(layer, h, temb, cos, sin, mask)
+        attn.to_q, attn.to_k, attn.to_v = None, None, None  # (the fused path reads only qkv)
+        assert torch.equal(run_layer(layer, h, temb, cos, sin, mask), got)
+    assert torch.equal(attn.qkv.weight, torch.cat(before))
     assert (got - want).abs().max().item() < 1e-5
+    plain, fused = Token2Wav(model_dir), Token2Wav(model_dir, dit_fused_qkv=True)
     request = {"codes": torch.arange(30) % 100, "voice": plain.voices[0], "seed": 3}
     a, b = plain.batch([request])[0], fused.batch([request])[0]
     assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4
-    assert torch.equal(fused.stream_all(LONG, seed=2), fused.stream_all(LONG, seed=2))
+    a, b = plain.stream_all(LONG, seed=2), fused.stream_all(LONG, seed=2)
+    assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4
 
 
 def test_dit_attention_pins_a_backend(model_dir):

@@ -215,13 +215,15 @@ step_ditvar() {
   # The DiT body alone (one velocity evaluation, widest window, 7B shape): compiled by blocks as the
   # configs run it, then with Inductor's max-autotune (GEMM epilogues fused) and with FP8 projections
   # (benchmarks/dit_speed.py --variants; output error against the plain call). Rows 16 and 1.
+  # DITVAR: the variants (one file per choice: ditvar_<variants>.txt, so `qkv` does not overwrite it).
   free_gpus
-  : > $R/ditvar.txt
+  local vars="${DITVAR:-autotune fp8}" out
+  out=$R/ditvar_${vars// /_}.txt
+  : > $out
   for rows in 16 1; do
-    timeout 600 python3 benchmarks/dit_speed.py --model $M --device cuda --rows $rows --variants ${DITVAR:-autotune fp8} \
-      >> $R/ditvar.txt 2>&1
+    timeout 600 python3 benchmarks/dit_speed.py --model $M --device cuda --rows $rows --variants $vars >> $out 2>&1
   done
-  say "dit variants: $(grep '^{' $R/ditvar.txt | tr '\n' ' ')"
+  say "dit variants: $(grep '^{' $out | tr '\n' ' ')"
 }
 
 t2w_alone() {  # MODE...: token2wav alone (benchmarks/token2wav_speed.py) with the 7B configs' windows,

@@ -69,14 +69,25 @@ def fuse_qkv(dit: torch.nn.Module) -> None:
     for layer in dit.transformer_blocks:
         attn = layer.attn
         parts = (attn.to_q, attn.to_k, attn.to_v)
-        qkv = torch.nn.Linear(attn.to_q.in_features, sum(p.out_features for p in parts),
-                              bias=all(p.bias is not None for p in parts),
+        biased = {p.bias is not None for p in parts}
+        if len(biased) > 1:
+            raise ValueError("fuse_qkv: the q, k and v projections differ in having a bias")
+        qkv = torch.nn.Linear(attn.to_q.in_features, sum(p.out_features for p in parts), bias=biased.pop(),
                               device=attn.to_q.weight.device, dtype=attn.to_q.weight.dtype)
         with torch.no_grad():
             qkv.weight.copy_(torch.cat([p.weight for p in parts]))
             if qkv.bias is not None:
                 qkv.bias.copy_(torch.cat([p.bias for p in parts]))
-        attn.qkv = qkv.requires_grad_(False)
+        qkv.requires_grad_(False)
+        # The three keep their parameters as views of the stacked ones (no second copy in memory).
+        start = 0
+        for p in parts:
+            rows = slice(start, start + p.out_features)
+            p.weight = torch.nn.Parameter(qkv.weight[rows], requires_grad=False)
+            if p.bias is not None:
+                p.bias = torch.nn.Parameter(qkv.bias[rows], requires_grad=False)
+            start += p.out_features
+        attn.qkv = qkv
 
 
 def run_layer(layer: torch.nn.Module, h: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
