@@ -13,10 +13,12 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
-from fastapi import Depends, FastAPI, Form, HTTPException, Request, UploadFile
+from fastapi import Body, Depends, FastAPI, Form, HTTPException, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omni_server.api import audio, completions, errors, media, transcription
+from omni_server.api import audio, completions, errors, media, responses, transcription
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import (
     ChatCompletionRequest,
@@ -26,7 +28,7 @@ from omni_server.api.protocol import (
     SpeechRequest,
     VoiceList,
 )
-from omni_server.api.runs import Completion, Run, SpeechStream, TextCompletionRun
+from omni_server.api.runs import Completion, Run, SpeechStream, TextCompletionRun, typed_events
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.orchestrator import Orchestrator, RequestState, StageUnavailable
@@ -192,6 +194,28 @@ def create_app(state: ServerState) -> FastAPI:
         if body.stream:
             return await _streamed(request, completion, completion.sse)
         return await _until_disconnect(request, completion.collect(), completion.abort)
+
+    @app.post("/v1/responses", dependencies=[Depends(require_key)])
+    async def create_response(raw: Annotated[dict[str, Any], Body()], request: Request):
+        """OpenAI's Responses API, text out: the request as a chat turn (responses.to_chat) on the
+        chat path, answered as a Response object or its typed event stream."""
+        try:
+            body = ChatCompletionRequest.model_validate(responses.to_chat(raw))
+        except ValidationError as e:
+            raise RequestValidationError(responses.request_errors(e.errors())) from None
+        _check_model(state, body.model)
+        if state.text_stage is None:
+            raise APIError(400, f"model `{state.cfg.model}` has no text output", param="model")
+        decoded = await media.decode_media(state.cfg, body)
+        prompt_ids = state.text.render_chat([media.template_message(m) for m in body.messages])
+        _check_prompt(state, prompt_ids, param="input")
+        orch = _orch(state)
+        [req] = await _submit(state, orch, [f"resp-{uuid.uuid4().hex}"], [prompt_ids], [_sampling(state, body)],
+                              {"text"}, {}, decoded)
+        out = responses.ResponseRun(Run(state, orch, req, body, prompt_ids), raw, state.cfg.model)
+        if body.stream:
+            return await _streamed(request, out, lambda first: typed_events(out.events(first), out.abort))
+        return await _until_disconnect(request, out.collect(), out.abort)
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def text_completion(body: CompletionRequest, request: Request):

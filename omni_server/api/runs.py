@@ -48,7 +48,7 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _typed_events(events: AsyncIterator[dict], abort: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
+async def typed_events(events: AsyncIterator[dict], abort: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
     """SSE of OpenAI's typed events (`{"type": ...}`): a failure becomes an `error` event (the status
     line is gone), and a client that leaves mid-stream has its request aborted."""
     finished = False
@@ -136,7 +136,7 @@ class SpeechStream(_Pipelined):
                 await self.abort()
 
     def sse(self) -> AsyncIterator[str]:
-        return _typed_events(self._events(), self.abort)
+        return typed_events(self._events(), self.abort)
 
     async def _events(self) -> AsyncIterator[dict]:
         async for data in self._pieces:
@@ -253,11 +253,11 @@ class Run(_Pipelined):
     def transcript_sse(self, first: tuple[str, Any] | None) -> AsyncIterator[str]:
         """A transcription's stream after `first`: OpenAI's `transcript.text.delta` events, then
         `transcript.text.done` with the whole text and the usage."""
-        return _typed_events(self._transcript_events(first), self.abort)
+        return typed_events(self._transcript_events(first), self.abort)
 
     async def _transcript_events(self, first: tuple[str, Any] | None) -> AsyncIterator[dict]:
         texts = []
-        async for _, piece in self._stream_from(first):
+        async for _, piece in self.stream_from(first):
             texts.append(piece)
             yield {"type": "transcript.text.delta", "delta": piece}
         yield {"type": "transcript.text.done", "text": "".join(texts),
@@ -271,7 +271,7 @@ class Run(_Pipelined):
         return self._choice(DeltaMessage(audio=AudioDelta(id=audio_id, data=base64.b64encode(data).decode(),
                                                           expires_at=expires_at)))
 
-    async def _stream_from(self, first: tuple[str, Any] | None) -> AsyncIterator[tuple[str, Any]]:
+    async def stream_from(self, first: tuple[str, Any] | None) -> AsyncIterator[tuple[str, Any]]:
         if first is not None:
             yield first
             async for event in self._stream:
@@ -285,7 +285,7 @@ class Run(_Pipelined):
         # encoded piece by piece; see audio.StreamEncoder) interleave, all under one audio id.
         audio_id, encoder = f"audio_{uuid.uuid4().hex}", None
         expires_at = int(time.time()) + AUDIO_TTL_S
-        async for kind, value in self._stream_from(first):
+        async for kind, value in self.stream_from(first):
             if kind == "text" and self.audio_format is None:
                 yield self._choice(DeltaMessage(content=value), logprobs=self._new_logprobs())
             elif kind == "text":
