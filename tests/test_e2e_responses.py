@@ -101,10 +101,18 @@ def test_json_schema_text_format(client):
     ({"previous_response_id": "resp_1"}, "not stored"),
     ({"background": True}, "background"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "function_call_output"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "files by id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "file inputs"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "files by id"),
     ({"input": []}, "input"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens: Input should be greater than or equal to 1"),
+    ({"instructions": "x", "input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     r"input\.0\.content"),  # (located in `input`, past the instructions' system message)
+    ({"input": [{"role": ["user"], "content": "x"}]}, "only messages"),
+    ({"metadata": {"a": 1}}, "metadata"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"include": ["message.output_text.logprobs"]}, "log-probabilities"),
+    ({"text": "json"}, "`text` must be an object"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}],
       "model": MODEL}, "image data could not be decoded"),  # (the chat path's media checks)
 ])
@@ -112,6 +120,40 @@ def test_unsupported_requests_are_400(client, extra, needle):
     kwargs = {"model": MODEL, "input": "Hi", **extra}
     with pytest.raises(openai.BadRequestError, match=needle):
         client.responses.create(**kwargs)
+
+
+def test_payloads_validate_against_the_sdk_types(text_server):
+    """The raw JSON, checked strictly with the openai SDK's models (the client itself builds its
+    objects without validating them): the response, and every event of a stream."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    url = f"{text_server.base_url}/v1/responses"
+    body = {"model": MODEL, "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 4,
+            "metadata": {"k": "v"}, "text": {"format": {"type": "text"}}}
+    r = httpx.post(url, json=body)
+    assert r.status_code == 200
+    resp = Response.model_validate(r.json(), strict=True)
+    assert resp.metadata == {"k": "v"} and resp.instructions == "Be brief."
+    events = TypeAdapter(ResponseStreamEvent)
+    with httpx.stream("POST", url, json={**body, "stream": True}) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        lines = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    parsed = [events.validate_json(line, strict=True) for line in lines]
+    assert parsed[-1].type in ("response.completed", "response.incomplete")
+    Response.model_validate(parsed[-1].response.model_dump(), strict=True)
+
+
+@pytest.mark.parametrize("body", [
+    {"input": [{"role": "user", "content": [1, None, "x"]}]}, {"input": [{"role": "user", "content": 5}]},
+    {"input": [["user", "hi"]]}, {"input": 7}, {"input": {"role": "user"}}, {"instructions": 3, "input": "x"},
+    {"input": "x", "text": {"format": "json"}}, {"input": "x", "temperature": "hot"}, {"input": "x", "stream": []},
+    {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+    {"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": "wav"}]}]},
+])
+def test_malformed_bodies_are_400(text_server, body):
+    r = httpx.post(f"{text_server.base_url}/v1/responses", json={"model": MODEL, **body})
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
 
 
 def test_errors_and_streams_without_the_client(text_server):

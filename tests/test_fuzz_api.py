@@ -28,7 +28,7 @@ def _fuzz(base_url: str, paths, max_examples: int, allowed=lambda path, status: 
 def test_no_server_errors(text_server):
     seen = _fuzz(text_server.base_url, lambda path: True, 40,
                  lambda path, status: status < 500 or (path == "/health" and status == 503))
-    assert seen >= {"/v1/chat/completions", "/v1/models", "/health"}
+    assert seen >= {"/v1/chat/completions", "/v1/responses", "/v1/models", "/health"}
 
 
 def test_no_server_errors_from_speech_routes(speech_server):

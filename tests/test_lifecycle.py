@@ -24,6 +24,10 @@ def test_killed_stage_fails_requests_then_restarts(crash_server):
                                             extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
+    # a Responses stream too: its failure is OpenAI's `error` event (the SDK raises on it)
+    events = iter(client.responses.create(model=MODEL, input="Hi", max_output_tokens=2000, stream=True,
+                                          extra_body={"ignore_eos": True}))
+    next(events)
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(openai.APIError) as err:
@@ -31,6 +35,9 @@ def test_killed_stage_fails_requests_then_restarts(crash_server):
             pass
     assert time.monotonic() - killed < 2.0
     assert "thinker" in str(err.value) and "unavailable" in str(err.value)
+    with pytest.raises(openai.APIError, match="unavailable"):
+        for _ in events:
+            pass
 
     health = httpx.get(f"{base}/health")
     assert health.status_code == 503 and health.json()["stages"]["thinker"] in ("down", "starting")

@@ -202,7 +202,7 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             body = ChatCompletionRequest.model_validate(responses.to_chat(raw))
         except ValidationError as e:
-            raise RequestValidationError(responses.request_errors(e.errors())) from None
+            raise RequestValidationError(responses.request_errors(e.errors(), raw)) from None
         _check_model(state, body.model)
         if state.text_stage is None:
             raise APIError(400, f"model `{state.cfg.model}` has no text output", param="model")

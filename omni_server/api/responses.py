@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from omni_server.api import errors
 from omni_server.api.errors import APIError
 
 # Responses message roles -> chat roles.
@@ -31,6 +32,18 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
             raise APIError(400, f"`{key}` is not supported: {why}", param=key)
     if body.get("tools"):
         raise APIError(400, "tools are not supported by this model's template", param="tools")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise APIError(400, "`tool_choice` needs tools, which are not supported", param="tool_choice")
+    if "message.output_text.logprobs" in (body.get("include") or []) or body.get("top_logprobs"):
+        raise APIError(400, "log-probabilities are not returned by /v1/responses (use chat completions' "
+                            "`logprobs`)", param="include")
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items())):
+        raise APIError(400, "`metadata` must map up to 16 strings (keys up to 64 characters) to strings "
+                            "(up to 512)", param="metadata")
+    if body.get("text") is not None and not isinstance(body["text"], dict):
+        raise APIError(400, "`text` must be an object such as {\"format\": {\"type\": \"text\"}}", param="text")
     messages = []
     if body.get("instructions") is not None:
         if not isinstance(body["instructions"], str):
@@ -44,12 +57,13 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     else:
         raise APIError(400, "`input` must be a string or a non-empty list of messages", param="input")
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "modalities": ["text"],
-                            "stream": bool(body.get("stream"))}
+                            "stream": body.get("stream", False)}
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("seed", "seed"), ("top_k", "top_k"), ("user", "user")):
+                         ("seed", "seed"), ("top_k", "top_k"), ("user", "user"), ("ignore_eos", "ignore_eos"),
+                         ("repetition_penalty", "repetition_penalty")):
         if body.get(theirs) is not None:
             chat[ours] = body[theirs]
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    fmt = (body.get("text") or {}).get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
     elif isinstance(fmt, dict) and fmt.get("type") == "json_schema":
@@ -64,15 +78,23 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
 _FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
-def request_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Validation errors of the chat body `to_chat` made, located in the Responses request."""
-    return [{**e, "loc": tuple(_FIELDS.get(p, p) if i == 0 else p for i, p in enumerate(e.get("loc", ())))}
-            for e in errors]
+def request_errors(errors: list[dict[str, Any]], body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Validation errors of the chat body `to_chat` made from `body`, located in `body`: its fields'
+    names, and `input`'s indices (the chat's messages start with the instructions, if any)."""
+    shift = 0 if body.get("instructions") is None else 1
+
+    def located(loc: tuple) -> tuple:
+        if len(loc) > 1 and loc[0] == "messages" and isinstance(loc[1], int):
+            return ("input", loc[1] - shift, *loc[2:]) if loc[1] >= shift else ("instructions",)
+        return tuple(_FIELDS.get(p, p) if i == 0 else p for i, p in enumerate(loc))
+    return [{**e, "loc": located(tuple(e.get("loc", ())))} for e in errors]
 
 
 def _message(item: Any, i: int) -> dict[str, Any]:
     param = f"input[{i}]"
-    if not isinstance(item, dict) or item.get("type", "message") != "message" or item.get("role") not in _ROLES:
+    role = item.get("role") if isinstance(item, dict) else None
+    if not isinstance(item, dict) or item.get("type", "message") != "message" or not isinstance(role, str) \
+            or role not in _ROLES:
         kind = item.get("type") if isinstance(item, dict) else type(item).__name__
         raise APIError(400, f"{param}: only messages (role user, assistant, system or developer) are supported, "
                             f"got {kind!r}", param=param)
@@ -92,9 +114,11 @@ def _part(part: Any, param: str) -> dict[str, Any]:
         return {"type": "image_url", "image_url": {"url": part["image_url"]}}
     if kind == "input_audio" and isinstance(part.get("input_audio"), dict):
         return {"type": "input_audio", "input_audio": part["input_audio"]}
-    if kind in ("input_image", "input_file"):
-        raise APIError(400, f"{param}: files by id are not supported (an image as `image_url`: a data: or "
-                            "http(s) URL)", param=param)
+    if kind == "input_image":
+        raise APIError(400, f"{param}: an image is given as `image_url` (a data: or http(s) URL); files by id "
+                            "are not supported", param=param)
+    if kind == "input_file":
+        raise APIError(400, f"{param}: file inputs are not supported", param=param)
     raise APIError(400, f"{param}: unsupported part {kind!r} (input_text, input_image, input_audio)", param=param)
 
 
@@ -129,7 +153,8 @@ class ResponseRun:
         usage = None
         if done:
             n_in, n_out = self.run.n_prompt, self.run.completion_tokens
-            usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
+            usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                     "output_tokens": n_out,
                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
         text = self.body.get("text") if isinstance(self.body.get("text"), dict) else None
         return {
@@ -155,9 +180,15 @@ class ResponseRun:
         yield self._event("response.output_item.added", output_index=0, item=self._item(None, "in_progress"))
         yield self._event("response.content_part.added", part=_text_part(""), **where)
         texts = []
-        async for _, piece in self.run.stream_from(first):
-            texts.append(piece)
-            yield self._event("response.output_text.delta", delta=piece, logprobs=[], **where)
+        try:
+            async for _, piece in self.run.stream_from(first):
+                texts.append(piece)
+                yield self._event("response.output_text.delta", delta=piece, logprobs=[], **where)
+        except APIError as e:  # (the status line is gone: OpenAI's error event, then the stream ends)
+            body = errors.error_body(e.status, e.message, param=e.param, code=e.code)
+            yield self._event("error", message=e.message, code=e.code, param=e.param, **body)
+            await self.abort()
+            return
         text, status = "".join(texts), self._status()
         yield self._event("response.output_text.done", text=text, logprobs=[], **where)
         yield self._event("response.content_part.done", part=_text_part(text), **where)
