@@ -174,9 +174,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.logprobs and state.text_stage is None:
             raise APIError(400, f"model `{state.cfg.model}` has no text output for logprobs", param="logprobs")
-        decoded = await media.decode_media(state.cfg, body)
-        prompt_ids = state.text.render_chat([media.template_message(m) for m in body.messages])
-        _check_prompt(state, prompt_ids)
+        decoded, prompt_ids = await _chat_prompt(state, body)
         outputs = _modalities(state, body)
         options: dict[str, str] = {}
         audio_format = None
@@ -206,9 +204,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         if state.text_stage is None:
             raise APIError(400, f"model `{state.cfg.model}` has no text output", param="model")
-        decoded = await media.decode_media(state.cfg, body)
-        prompt_ids = state.text.render_chat([media.template_message(m) for m in body.messages])
-        _check_prompt(state, prompt_ids, param="input")
+        decoded, prompt_ids = await _chat_prompt(state, body, param="input")
         orch = _orch(state)
         [req] = await _submit(state, orch, [f"resp-{uuid.uuid4().hex}"], [prompt_ids], [_sampling(state, body)],
                               {"text"}, {}, decoded)
@@ -370,6 +366,15 @@ def _check_prompt(state: ServerState, prompt_ids: list[int], param: str = "messa
     limit = state.prompt_limit
     if limit is not None and len(prompt_ids) > limit:
         raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param=param)
+
+
+async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,
+                       param: str = "messages") -> tuple[dict[str, Any], list[int]]:
+    """A chat body's decoded media and its prompt (the rendered template), checked against the limit."""
+    decoded = await media.decode_media(state.cfg, body)
+    prompt_ids = state.text.render_chat([media.template_message(m) for m in body.messages])
+    _check_prompt(state, prompt_ids, param=param)
+    return decoded, prompt_ids
 
 
 async def _audio_to_text(state: ServerState, request: Request, kind: str, file: UploadFile, model: str,
