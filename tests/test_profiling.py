@@ -1,11 +1,12 @@
-"""OMNI_PROFILE: a stage profiles a window of its busy steps and writes the top operators."""
+"""OMNI_PROFILE: a stage profiles a window of its busy steps and writes the top operators;
+OMNI_STEP_LOG: a stage logs every step's batch and time."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from omni_server.stage.profiling import StepProfiler
+from omni_server.stage.profiling import StepLog, StepProfiler
 
 
 def test_profiles_only_busy_steps_after_the_warm_up(tmp_path, monkeypatch):
@@ -64,7 +65,8 @@ def test_stages_write_profiles_and_full_mode_batches_count(tiny_models, tmp_path
     server = Server(REPO / "configs" / "default.yaml", tmp_path / "serve.log", args=[
         "--stage-arg", "token2wav.input_mode=full",
         "--stage-arg", f"thinker.env.OMNI_PROFILE=dir={prof},batch=1,skip=2,steps=3",
-        "--stage-arg", f"token2wav.env.OMNI_PROFILE=dir={prof},batch=1,skip=0,steps=1"])
+        "--stage-arg", f"token2wav.env.OMNI_PROFILE=dir={prof},batch=1,skip=0,steps=1",
+        "--stage-arg", f"token2wav.env.OMNI_STEP_LOG={tmp_path / 'steps'}"])
     try:
         server.wait_ready(time.monotonic() + STARTUP_TIMEOUT)
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
@@ -83,3 +85,40 @@ def test_stages_write_profiles_and_full_mode_batches_count(tiny_models, tmp_path
     token2wav = (prof / "stage2-token2wav-r0.txt").read_text()
     assert thinker.startswith("3 steps with >= 1 requests running") and "aten::" in thinker
     assert token2wav.startswith("1 steps with >= 1 requests running") and "aten::" in token2wav
+    # OMNI_STEP_LOG: every token2wav step, written when the stage stopped; the two replies' decodes.
+    steps = [line.split() for line in (tmp_path / "steps" / "stage2-token2wav-r0.steps").read_text().splitlines()]
+    assert len(steps) >= stats["steps"] and sum(int(s[2]) for s in steps) == 2
+
+
+def test_step_log_lines_and_unset(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMNI_STEP_LOG", raising=False)
+    assert StepLog.from_env("x") is None
+    monkeypatch.setenv("OMNI_STEP_LOG", str(tmp_path / "steps"))
+    log = StepLog.from_env("stage2-token2wav-r0")
+    log.flush_every = 2
+    out = tmp_path / "steps" / "stage2-token2wav-r0.steps"
+    for running, served in [(3, 3), (4, 0), (5, 2)]:
+        log.before(running)
+        torch.randn(256, 256).sum()
+        log.after(served)
+    assert len(out.read_text().splitlines()) == 2  # flushed every 2 steps
+    log.flush()
+    rows = [line.split() for line in out.read_text().splitlines()]
+    assert [(int(r[1]), int(r[2])) for r in rows] == [(3, 3), (4, 0), (5, 2)]
+    starts, ms = [float(r[0]) for r in rows], [float(r[3]) for r in rows]
+    assert starts[0] == 0.0 and starts == sorted(starts) and all(m > 0 for m in ms)
+
+
+def test_step_log_summary_groups_steps_by_batch(tmp_path):
+    from benchmarks.step_log import summarise
+
+    f = tmp_path / "stage2-token2wav-r0.steps"
+    # (start, running, served, ms): a flush-only step (served 0), batches 1, 1, 3 and 10, 12 (one range)
+    f.write_text("0 1 0 1.0\n0.1 1 1 60\n0.2 1 1 80\n0.3 3 3 90\n0.4 10 10 200\n0.6 12 12 300\n")
+    s = summarise(f)
+    assert s["steps"] == 5 and s["step_s"] == 0.731
+    rows = {r["served"]: r for r in s["by_served"]}
+    assert list(rows) == ["1", "3", "9-16"]
+    assert rows["1"]["steps"] == 2 and rows["1"]["ms_p50"] == 70 and rows["1"]["ms_p90"] == 80
+    assert rows["3"]["ms_per_request_p50"] == 30
+    assert rows["9-16"]["mean_served"] == 11 and rows["9-16"]["ms_per_request_p50"] == 22.5

@@ -19,7 +19,7 @@ import torch
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import processors
 from omni_server.stage.processors import StageInput
-from omni_server.stage.profiling import StepProfiler
+from omni_server.stage.profiling import StepLog, StepProfiler
 from omni_server.wire.messages import (
     AbortRequest,
     AddRequest,
@@ -243,7 +243,9 @@ class Stage:
     def run(self) -> None:
         self.sockets.send_api(StageReady(stage_id=self.stage_id, pid=os.getpid(), replica=self.replica,
                                          startup_s=round(self.startup_s, 2), info=self.info()))
-        prof = StepProfiler.from_env(f"stage{self.stage_id}-{self.stage.name}-r{self.replica}")
+        name = f"stage{self.stage_id}-{self.stage.name}-r{self.replica}"
+        prof = StepProfiler.from_env(name)
+        steplog = StepLog.from_env(name)
         try:
             while self.running:
                 busy = self.has_work()
@@ -260,9 +262,13 @@ class Stage:
                 if self.running and self.has_work():
                     if prof is not None:
                         prof.before(self.counts()[0])
+                    if steplog is not None:
+                        steplog.before(self.counts()[0])
                     t0 = time.perf_counter()
                     served = self.step()
                     self.step_s += time.perf_counter() - t0
+                    if steplog is not None:
+                        steplog.after(served)
                     if served:  # (not a step that only told the engine of finished requests)
                         self.steps += 1
                         self.batch_sum += served
@@ -271,6 +277,8 @@ class Stage:
         finally:
             if prof is not None:
                 prof.finish()
+            if steplog is not None:
+                steplog.flush()
             self.close()
 
     def _handle(self, msg) -> None:

@@ -97,3 +97,54 @@ class StepProfiler:
             self.prof.export_chrome_trace(str(self.out.with_suffix(".json")))
         log.info("profile of %d steps written to %s", self.profiled, self.out)
         self.prof = None
+
+
+STEP_LOG_ENV = "OMNI_STEP_LOG"
+
+
+class StepLog:
+    """Every step's start, requests running, requests advanced and duration, for reading how step
+    time grows with batch size under real traffic (the stats give only sums over a level).
+
+        OMNI_STEP_LOG=/tmp/steps
+
+    appends `start_s running served ms` lines to DIR/<stage name>.steps (start_s from the first
+    step), written every `flush_every` steps and at the end. Off when unset.
+    """
+
+    flush_every = 256
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.rows: list[str] = []
+        self.t0: float | None = None
+        self.start = 0.0
+        self.running = 0
+
+    @classmethod
+    def from_env(cls, name: str) -> StepLog | None:
+        d = os.environ.get(STEP_LOG_ENV)
+        if not d:
+            return None
+        Path(d).mkdir(parents=True, exist_ok=True)
+        out = Path(d) / f"{name}.steps"
+        out.write_text("")
+        return cls(out)
+
+    def before(self, running: int) -> None:
+        self.start = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = self.start
+        self.running = running
+
+    def after(self, served: int) -> None:
+        end = time.perf_counter()
+        self.rows.append(f"{self.start - self.t0:.4f} {self.running} {served} {(end - self.start) * 1e3:.3f}\n")
+        if len(self.rows) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            with self.out.open("a") as f:
+                f.writelines(self.rows)
+            self.rows.clear()
