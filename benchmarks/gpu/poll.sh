@@ -1,6 +1,9 @@
 # Wait up to ${WAIT:-540} s for session.sh to print DONE (or for progress), then pack /tmp/res into $OUT:
 # res.tar.gz without the profiler traces, traces.tar.gz with them (a file comes back only under 16 MiB,
 # so large traces cannot cost the results).
+# A machine without a session (a fresh one: the held one was taken back) says so at once instead of
+# waiting out WAIT (2026-12-02: 540 s of device time lost that way).
+if [ ! -f /tmp/res/progress.log ]; then echo "no session on this machine (fresh start?)"; exit 3; fi
 for i in $(seq 1 ${WAIT:-540}); do
   grep -q "DONE" /tmp/res/progress.log 2>/dev/null && break
   sleep 1
