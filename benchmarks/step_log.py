@@ -2,7 +2,7 @@
 
     python benchmarks/step_log.py DIR [--json OUT]
 
-Per stage: its steps that advanced requests, grouped by how many they advanced (one row per batch
+Per stage: its steps that advanced requests (their count and seconds), grouped by how many they advanced (one row per batch
 size, or per range of them past 8): how many, median and p90 ms, and median ms per request. Under
 spread-out arrivals this is what a batching decision trades: a bigger pass costs more, but less per
 request.
@@ -28,11 +28,13 @@ def summarise(path: Path) -> dict:
     by: dict[str, list[tuple[int, float]]] = {}
     total, busy = 0, 0.0
     for line in path.read_text().splitlines():
-        _, _, served, ms = line.split()
-        n, t = int(served), float(ms)
-        busy += t
-        if n:
+        fields = line.split()
+        if line.startswith("#") or len(fields) != 4:  # (a process's header; a line cut short by a kill)
+            continue
+        n, t = int(fields[2]), float(fields[3])
+        if n:  # (steps that only told the engine of finished requests are left out)
             total += 1
+            busy += t
             by.setdefault(_bucket(n), []).append((n, t))
     rows = []
     for key in sorted(by, key=lambda k: int(k.split("-")[0])):

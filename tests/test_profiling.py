@@ -85,38 +85,75 @@ def test_stages_write_profiles_and_full_mode_batches_count(tiny_models, tmp_path
     token2wav = (prof / "stage2-token2wav-r0.txt").read_text()
     assert thinker.startswith("3 steps with >= 1 requests running") and "aten::" in thinker
     assert token2wav.startswith("1 steps with >= 1 requests running") and "aten::" in token2wav
-    # OMNI_STEP_LOG: every token2wav step, written when the stage stopped; the two replies' decodes.
-    steps = [line.split() for line in (tmp_path / "steps" / "stage2-token2wav-r0.steps").read_text().splitlines()]
-    assert len(steps) >= stats["steps"] and sum(int(s[2]) for s in steps) == 2
+    # OMNI_STEP_LOG: every token2wav step, the last ones written when the stage stopped; the two
+    # replies' decodes in the steps its stats counted.
+    lines = (tmp_path / "steps" / "stage2-token2wav-r0.steps").read_text().splitlines()
+    steps = [line.split() for line in lines if not line.startswith("#")]
+    assert sum(int(s[2]) > 0 for s in steps) == stats["steps"] and sum(int(s[2]) for s in steps) == 2
 
 
 def test_step_log_lines_and_unset(tmp_path, monkeypatch):
+    import os
+    import time
+
     monkeypatch.delenv("OMNI_STEP_LOG", raising=False)
     assert StepLog.from_env("x") is None
     monkeypatch.setenv("OMNI_STEP_LOG", str(tmp_path / "steps"))
-    log = StepLog.from_env("stage2-token2wav-r0")
-    log.flush_every = 2
     out = tmp_path / "steps" / "stage2-token2wav-r0.steps"
-    for running, served in [(3, 3), (4, 0), (5, 2)]:
-        log.before(running)
-        torch.randn(256, 256).sum()
-        log.after(served)
-    assert len(out.read_text().splitlines()) == 2  # flushed every 2 steps
-    log.flush()
-    rows = [line.split() for line in out.read_text().splitlines()]
-    assert [(int(r[1]), int(r[2])) for r in rows] == [(3, 3), (4, 0), (5, 2)]
+    t0 = time.time()
+    for process in range(2):  # a restarted stage appends after the lines of the one before
+        log = StepLog.from_env("stage2-token2wav-r0")
+        log.flush_every = 2  # (written after every 2 steps)
+        assert out.read_text().splitlines()[-1] == f"# pid {os.getpid()}"  # written at once
+        for running, served in [(3, 3), (4, 0), (5, 2)]:
+            log.before(running)
+            torch.randn(256, 256).sum()
+            log.after(served)
+        assert len(out.read_text().splitlines()) == process * 4 + 3
+        log.finish()
+    lines = out.read_text().splitlines()
+    assert lines[0] == lines[4] == f"# pid {os.getpid()}"
+    rows = [line.split() for line in lines if not line.startswith("#")]
+    assert [(int(r[1]), int(r[2])) for r in rows] == [(3, 3), (4, 0), (5, 2)] * 2
     starts, ms = [float(r[0]) for r in rows], [float(r[3]) for r in rows]
-    assert starts[0] == 0.0 and starts == sorted(starts) and all(m > 0 for m in ms)
+    assert t0 - 1 < starts[0] and starts == sorted(starts) and starts[-1] < time.time() + 1  # Unix time
+    assert all(m > 0 for m in ms)
+
+
+def test_step_log_time_flush_and_a_failed_write(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("OMNI_STEP_LOG", str(tmp_path))
+    log = StepLog.from_env("s")
+    log.flush_s = 0.0  # every step's line goes out after it (an idle stage's last lines are not held)
+    log.before(1)
+    log.after(1)
+    assert len((tmp_path / "s.steps").read_text().splitlines()) == 2
+    (tmp_path / "s.steps").unlink()
+    (tmp_path / "s.steps").mkdir()  # the file cannot be opened now: the log turns off, the stage serves on
+    log.before(1)
+    log.after(1)
+    assert log.off and "step log off" in caplog.text
+    log.before(1)
+    log.after(1)
+    assert log.rows == []
+    log.finish()
+
+
+def test_an_unwritable_step_log_fails_at_start(tmp_path, monkeypatch):
+    (tmp_path / "s.steps").mkdir()
+    monkeypatch.setenv("OMNI_STEP_LOG", str(tmp_path))
+    with pytest.raises(OSError):
+        StepLog.from_env("s")
 
 
 def test_step_log_summary_groups_steps_by_batch(tmp_path):
     from benchmarks.step_log import summarise
 
     f = tmp_path / "stage2-token2wav-r0.steps"
-    # (start, running, served, ms): a flush-only step (served 0), batches 1, 1, 3 and 10, 12 (one range)
-    f.write_text("0 1 0 1.0\n0.1 1 1 60\n0.2 1 1 80\n0.3 3 3 90\n0.4 10 10 200\n0.6 12 12 300\n")
+    # (start, running, served, ms): a header, a flush-only step (served 0), batches 1, 1, 3 and 10, 12
+    # (one range), a line cut short
+    f.write_text("# pid 7\n0 1 0 1.0\n0.1 1 1 60\n0.2 1 1 80\n0.3 3 3 90\n0.4 10 10 200\n0.6 12 12 300\n0.9 2 2\n")
     s = summarise(f)
-    assert s["steps"] == 5 and s["step_s"] == 0.731
+    assert s["steps"] == 5 and s["step_s"] == 0.73
     rows = {r["served"]: r for r in s["by_served"]}
     assert list(rows) == ["1", "3", "9-16"]
     assert rows["1"]["steps"] == 2 and rows["1"]["ms_p50"] == 70 and rows["1"]["ms_p90"] == 80

@@ -3,9 +3,11 @@
 # so large traces cannot cost the results).
 # A machine without a session (a fresh one: the held one was taken back) says so at once instead of
 # waiting out WAIT (2026-12-02: 540 s of device time lost that way).
-for i in $(seq 1 60); do [ -f /tmp/res/progress.log ] && break; sleep 1; done  # (set-up writes it: ~20 s)
+# One deadline for both waits (a call may run 600 s, packing included).
+end=$((SECONDS + ${WAIT:-540}))
+while [ ! -f /tmp/res/progress.log ] && [ $SECONDS -lt $end ] && [ $SECONDS -lt 60 ]; do sleep 1; done  # (set-up writes it: ~20 s)
 if [ ! -f /tmp/res/progress.log ]; then echo "no session on this machine (fresh start?)"; exit 3; fi
-for i in $(seq 1 ${WAIT:-540}); do
+while [ $SECONDS -lt $end ]; do
   grep -q "DONE" /tmp/res/progress.log 2>/dev/null && break
   sleep 1
 done

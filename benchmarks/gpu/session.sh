@@ -479,7 +479,7 @@ step_rate() {
   # OMNI_STEP_LOG: every stage's steps (batch, ms) for benchmarks/step_log.py (steps_rate.txt).
   local sl=$R/steps_rate
   serve rate 8041 $CFG --stage-arg thinker.env.OMNI_STEP_LOG=$sl --stage-arg talker.env.OMNI_STEP_LOG=$sl \
-    --stage-arg token2wav.env.OMNI_STEP_LOG=$sl ${RATE_ARGS:-}
+    --stage-arg ${VOCODER:-token2wav}.env.OMNI_STEP_LOG=$sl ${RATE_ARGS:-}
   if wait_ready rate 8041; then
     $B --base-url http://127.0.0.1:8041 --concurrency 1 --requests 1 --output $R/warm_rate.json > $R/bench_rate.log 2>&1
     # RATE may list several (e.g. "3 2"): the first's file is rate_c16.json (keys rate_*), the others' rate_r<R>.json.
@@ -495,7 +495,7 @@ step_rate() {
   fi
   stop rate
   python3 benchmarks/step_log.py $sl --json $R/steps_rate.json > $R/steps_rate.txt 2>&1
-  say "rate steps: $(grep -A12 token2wav $R/steps_rate.txt | tr -s ' ' | tr '\n' ';' | cut -c1-600)"
+  say "rate steps: $(grep -A12 ${VOCODER:-token2wav} $R/steps_rate.txt | tr -s ' ' | tr '\n' ';' | cut -c1-600)"
 }
 
 step_talkerlow() {

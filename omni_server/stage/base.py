@@ -241,11 +241,12 @@ class Stage:
     # ---- loop ---------------------------------------------------------------------------------
 
     def run(self) -> None:
-        self.sockets.send_api(StageReady(stage_id=self.stage_id, pid=os.getpid(), replica=self.replica,
-                                         startup_s=round(self.startup_s, 2), info=self.info()))
+        # (Before ready: a profiling directory that cannot be written fails the start, not a later step.)
         name = f"stage{self.stage_id}-{self.stage.name}-r{self.replica}"
         prof = StepProfiler.from_env(name)
         steplog = StepLog.from_env(name)
+        self.sockets.send_api(StageReady(stage_id=self.stage_id, pid=os.getpid(), replica=self.replica,
+                                         startup_s=round(self.startup_s, 2), info=self.info()))
         try:
             while self.running:
                 busy = self.has_work()
@@ -278,7 +279,7 @@ class Stage:
             if prof is not None:
                 prof.finish()
             if steplog is not None:
-                steplog.flush()
+                steplog.finish()
             self.close()
 
     def _handle(self, msg) -> None:

@@ -108,18 +108,24 @@ class StepLog:
 
         OMNI_STEP_LOG=/tmp/steps
 
-    appends `start_s running served ms` lines to DIR/<stage name>.steps (start_s from the first
-    step), written every `flush_every` steps and at the end. Off when unset.
+    appends `start running served ms` lines to DIR/<stage>.steps (start: Unix time, so stages'
+    lines line up), after a `# pid N` line per process (a restarted stage appends). Lines are
+    written every `flush_every` steps, after `flush_s` seconds, and at the end. Off when unset; a
+    write that fails turns it off with a warning (the stage serves on).
     """
 
     flush_every = 256
+    flush_s = 2.0
 
     def __init__(self, out: Path):
         self.out = out
-        self.rows: list[str] = []
-        self.t0: float | None = None
+        self.rows: list[str] = [f"# pid {os.getpid()}\n"]
+        self.flushed = time.monotonic()
         self.start = 0.0
+        self.t = 0.0
         self.running = 0
+        self.off = False
+        self.flush()  # (an unwritable file fails here, at the stage's start)
 
     @classmethod
     def from_env(cls, name: str) -> StepLog | None:
@@ -127,24 +133,35 @@ class StepLog:
         if not d:
             return None
         Path(d).mkdir(parents=True, exist_ok=True)
-        out = Path(d) / f"{name}.steps"
-        out.write_text("")
-        return cls(out)
+        return cls(Path(d) / f"{name}.steps")
 
     def before(self, running: int) -> None:
-        self.start = time.perf_counter()
-        if self.t0 is None:
-            self.t0 = self.start
+        self.start, self.t = time.time(), time.perf_counter()
         self.running = running
 
     def after(self, served: int) -> None:
-        end = time.perf_counter()
-        self.rows.append(f"{self.start - self.t0:.4f} {self.running} {served} {(end - self.start) * 1e3:.3f}\n")
-        if len(self.rows) >= self.flush_every:
-            self.flush()
+        if self.off:
+            return
+        ms = (time.perf_counter() - self.t) * 1e3
+        self.rows.append(f"{self.start:.4f} {self.running} {served} {ms:.3f}\n")
+        if len(self.rows) >= self.flush_every or time.monotonic() - self.flushed > self.flush_s:
+            try:
+                self.flush()
+            except OSError as e:
+                log.warning("OMNI_STEP_LOG: cannot write %s (%s); step log off", self.out, e)
+                self.off = True
+                self.rows.clear()
 
     def flush(self) -> None:
-        if self.rows:
+        self.flushed = time.monotonic()
+        if self.rows and not self.off:
             with self.out.open("a") as f:
                 f.writelines(self.rows)
             self.rows.clear()
+
+    def finish(self) -> None:
+        """The last lines, at the stage's end."""
+        try:
+            self.flush()
+        except OSError as e:
+            log.warning("OMNI_STEP_LOG: cannot write %s (%s)", self.out, e)
