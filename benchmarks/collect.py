@@ -124,6 +124,22 @@ def _served(out: Path, bench: str, key: str) -> dict:
             for what, field in (("ttfp_ms", "ttfp_ms"), ("rtf", "rtf")) for c in (1, 16)}
 
 
+def _rate_steps(out: Path) -> dict:
+    """Each stage's steps during the rate step's first level (steps_rate.json from
+    benchmarks/step_log.py --bench): rate_<stage>_{steps,mean_served,step_ms_p50,busy}."""
+    path = out / "steps_rate.json"
+    if not path.exists():
+        return {}
+    keys = {}
+    for name, s in json.loads(path.read_text()).items():
+        if "busy" not in s:  # (a summary of the server's whole life, not of the level)
+            continue
+        stage = name.split("-")[1]  # stage<id>-<name>-r<replica>
+        keys |= {f"rate_{stage}_steps": s["steps"], f"rate_{stage}_mean_served": s["mean_served"],
+                 f"rate_{stage}_step_ms_p50": s["ms_p50"], f"rate_{stage}_busy": s["busy"]}
+    return keys
+
+
 def collect(out: Path) -> dict:
     c1, c16 = _level(out / "bench7b_c1.json"), _level(out / "bench7b_c16.json")
     full_c1, full_c16 = _level(out / "bench7b_full_c1.json"), _level(out / "bench7b_full_c16.json")
@@ -203,6 +219,7 @@ def collect(out: Path) -> dict:
         "rate2_ttfp_ms_c16": _get(_level(out / "rate_r2.json"), "ttfp_ms", "p50"),
         "rate2_rtf_c16": _get(_level(out / "rate_r2.json"), "rtf", "p50"),
         **_served(out, "ratesrv", "ratesrv"),
+        **_rate_steps(out),
         # the 7B config with the thinker (or more stages) quantized to FP8 at load (step `fp8`)
         **_served(out, "fp8", "fp8"),
         # the 7B config with one token2wav DiT graph per solver step (step `t2wstep`)

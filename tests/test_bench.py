@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from tests.conftest import REPO
 
@@ -46,11 +47,13 @@ def test_bench_request_rate_spreads_the_arrivals(text_server, tmp_path):
     from omni_server.bench.runner import arrivals
 
     out = tmp_path / "bench.json"
+    t0 = time.time()
     proc = _bench(text_server.base_url, out, "--concurrency", "4", "--requests", "4", "--max-tokens", "4",
                   "--prompt-words", "10", "--request-rate", "8")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [lv] = json.loads(out.read_text())["levels"]
     assert lv["errors"] == 0 and lv["request_rate"] == 8.0
+    assert t0 < lv["started_at"] < lv["started_at"] + lv["wall_s"] < time.time()  # (Unix time)
     assert lv["wall_s"] > arrivals(4, 8.0)[-1]  # the last request left on its schedule
     bad = _bench(text_server.base_url, out, "--request-rate", "0")
     assert bad.returncode == 2 and "--request-rate" in bad.stderr

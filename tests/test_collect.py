@@ -120,3 +120,24 @@ def test_p6_warm_comes_from_the_full_payload_server_without_the_warm_step(tmp_pa
     (tmp_path / "serve_bench7b_full.log").write_text("... all 3 stages ready in 70.0 s; serving on http://x\n")
     r = _collect(tmp_path)
     assert r["p6_ready_s_warm"] == 70.0 and r["p6_ready_s_cold"] is None and r["warm_ttfp_ms_c1"] is None
+
+
+def test_rate_step_keys_from_the_step_log_of_the_rate_level(tmp_path):
+    # The rate step: stages' OMNI_STEP_LOG lines, step_log.py windowed to the bench level, collect's keys.
+    _bench(tmp_path / "rate_c16.json", ttfp_ms={"p50": 1340.0}, rtf={"p50": 0.66}, started_at=1000.0, wall_s=10.0)
+    logs = tmp_path / "steps_rate"
+    logs.mkdir()
+    # (a warm-up step before the level, then three steps in it, one only flushing; one after it)
+    (logs / "stage0-thinker-r0.steps").write_text(
+        "# pid 1\n990.0 1 1 50\n1000.5 2 2 8\n1001.0 3 3 10\n1002.0 1 0 1\n1011.0 4 4 9\n")
+    (logs / "stage2-token2wav-r0.steps").write_text("# pid 2\n1003.0 8 8 400\n1005.0 16 12 600\n")
+    proc = subprocess.run([sys.executable, "benchmarks/step_log.py", str(logs), "--bench", str(tmp_path / "rate_c16.json"),
+                           "--json", str(tmp_path / "steps_rate.json")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "stage0-thinker-r0: 2 steps of 2.5 requests, 9.0 ms p50, 0.018 s (busy 0.002)" in proc.stdout
+    r = _collect(tmp_path)
+    assert (r["rate_thinker_steps"], r["rate_thinker_mean_served"], r["rate_thinker_step_ms_p50"],
+            r["rate_thinker_busy"]) == (2, 2.5, 9.0, 0.002)
+    assert (r["rate_token2wav_steps"], r["rate_token2wav_mean_served"], r["rate_token2wav_step_ms_p50"],
+            r["rate_token2wav_busy"]) == (2, 10.0, 500.0, 0.1)
+    assert r["rate_ttfp_ms_c16"] == 1340.0 and "rate_talker_steps" not in r

@@ -494,7 +494,8 @@ step_rate() {
     [ -z "${RATE_ALL:-}" ] || bench ratesrv 8041
   fi
   stop rate
-  python3 benchmarks/step_log.py $sl --json $R/steps_rate.json > $R/steps_rate.txt 2>&1
+  # (the steps during the first rate's level; keys rate_<stage>_steps, _mean_served, _step_ms_p50, _busy)
+  python3 benchmarks/step_log.py $sl --bench $R/rate_c16.json --json $R/steps_rate.json > $R/steps_rate.txt 2>&1
   say "rate steps: $(grep -A12 ${VOCODER:-token2wav} $R/steps_rate.txt | tr -s ' ' | tr '\n' ';' | cut -c1-600)"
 }
 

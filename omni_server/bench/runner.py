@@ -228,6 +228,7 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
             return res
 
         before = await _stage_counters(client)
+        started_at = time.time()  # (Unix time: lines the level up with the stages' OMNI_STEP_LOG)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(task(i) for i in range(n)))
         wall = time.perf_counter() - t0
@@ -261,7 +262,7 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
     return {
         "concurrency": concurrency, "requests": n, "request_rate": cfg.request_rate, "errors": n - len(ok),
         "error_examples": sorted({r["error"] for r in results if r.get("error")})[:3],
-        "wall_s": round(wall, 3), "output_tokens": tokens,
+        "started_at": round(started_at, 3), "wall_s": round(wall, 3), "output_tokens": tokens,
         "output_tok_s": round(tokens / wall, 1) if wall > 0 else None,
         "ttft_ms": {"p50": ms(_pct(ttfts, 50)), "p90": ms(_pct(ttfts, 90)), "p99": ms(_pct(ttfts, 99)),
                     "mean": ms(statistics.fmean(ttfts)) if ttfts else None},
