@@ -15,8 +15,8 @@ from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
 import msgspec
 from fastapi import Body, Depends, FastAPI, Form, HTTPException, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from omni_server.api import audio, completions, errors, media, responses, transcription
 from omni_server.api.errors import APIError
