@@ -124,6 +124,18 @@ def _served(out: Path, bench: str, key: str) -> dict:
             for what, field in (("ttfp_ms", "ttfp_ms"), ("rtf", "rtf")) for c in (1, 16)}
 
 
+def _smcap(out: Path) -> dict:
+    """Step `smcap`: per server smcap<P>[b...]: TTFP and RTF at c=1 and c=16, at 3/s, and its ready time."""
+    keys = {}
+    for c1 in sorted(out.glob("smcap*_c1.json")):
+        name = c1.name.removesuffix("_c1.json")
+        rate = _level(out / f"{name}_rate.json")
+        keys |= _served(out, name, name) | {
+            f"{name}_rate_ttfp_ms": _get(rate, "ttfp_ms", "p50"), f"{name}_rate_rtf": _get(rate, "rtf", "p50"),
+            f"{name}_ready_s": _ready_s(out / f"serve_{name}.log")}
+    return keys
+
+
 def _rate_steps(out: Path) -> dict:
     """Each stage's steps during the rate step's first level (steps_rate.json from
     benchmarks/step_log.py --bench): rate_<stage>_{steps,mean_served,step_ms_p50,busy}."""
@@ -220,6 +232,8 @@ def collect(out: Path) -> dict:
         "rate2_rtf_c16": _get(_level(out / "rate_r2.json"), "rtf", "p50"),
         **_served(out, "ratesrv", "ratesrv"),
         **_rate_steps(out),
+        # the 7B config with the thinker and talker capped at P% of the SMs (step `smcap`)
+        **_smcap(out),
         # the 7B config with the thinker (or more stages) quantized to FP8 at load (step `fp8`)
         **_served(out, "fp8", "fp8"),
         # the 7B config with one token2wav DiT graph per solver step (step `t2wstep`)

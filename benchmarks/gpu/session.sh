@@ -249,6 +249,31 @@ step_qkv() {
   served qkv 8042 --stage-arg token2wav.generator_args.dit_fused_qkv=true
 }
 
+step_smcap() {
+  # The 7B config with the thinker and talker capped at P% of the SMs under MPS
+  # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; the config's own cap since 2026-12-02 is 50, 100 = none), for
+  # each P in SMCAP (default "100 50"; a repeated P gets a suffix: "100 50 100 50" -> smcap100,
+  # smcap50, smcap100b, smcap50b): c=1 and c=16 all at once, then 32 chats at 3/s, one server each,
+  # one after another on this machine (keys smcap<P>_*, smcap<P>_rate_*).
+  free_gpus
+  export VLLM_CACHE_ROOT=/tmp/vc
+  local p name seen=" " B="python3 -m omni_server.cli bench --model $MODEL --max-tokens 100 --audio"
+  for p in ${SMCAP:-100 50}; do
+    name=smcap$p
+    while [[ "$seen" == *" $name "* ]]; do name=${name}b; done
+    seen="$seen$name "
+    serve $name 8044 $CFG --stage-arg thinker.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$p \
+      --stage-arg talker.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$p
+    if wait_ready $name 8044; then
+      bench $name 8044
+      $B --base-url http://127.0.0.1:8044 --concurrency 16 --requests 32 --request-rate 3 \
+        --output $R/${name}_rate.json >> $R/bench_$name.log 2>&1
+      say "$name rate 3/s: $(python3 benchmarks/gpu/brief.py $R/${name}_rate.json)"
+    fi
+    stop $name
+  done
+}
+
 step_t2wstep() {
   # token2wav with one DiT graph per solver step (`dit_graph: step`, replayed 9 times a solve)
   # instead of per solve: each shape's warm-up is 2 steps of host work, not 10 (25 DiT graphs took 22.5-39.2 s of a
