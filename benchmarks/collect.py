@@ -197,6 +197,9 @@ def collect(out: Path) -> dict:
         "qwen3cp_ready_s": _ready_s(out / "serve_qwen3cp.log"),
         **_served(out, "qwen3eager", "qwen3eager"),
         "qwen3eager_ready_s": _ready_s(out / "serve_qwen3eager.log"),
+        # ... and with its thinker and talker capped at part of the SMs (step `qwen3cap`)
+        **_served(out, "qwen3cap", "qwen3cap"),
+        "qwen3cap_ready_s": _ready_s(out / "serve_qwen3cap.log"),
         # and under serve's own CUDA MPS daemon (step `qwen3mps`)
         **_served(out, "qwen3mps", "qwen3mps"),
         "qwen3mps_ready_s": _ready_s(out / "serve_qwen3mps.log"),

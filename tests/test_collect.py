@@ -147,7 +147,7 @@ def test_smcap_step_keys_per_server(tmp_path):
     # Step `smcap`: one server per SM cap (a repeated cap's server gets a suffix), each benched at c=1,
     # c=16 and 3/s; a level with failed requests gives no numbers.
     for name, c1, c16, rate, ready in (("smcap100", 424.0, 913.0, 1428.0, 49.4), ("smcap50", 373.0, 780.0, 1251.0, 55.0),
-                                       ("smcap50b", 380.0, 790.0, 1300.0, 51.0)):
+                                       ("smcap50b", 380.0, 790.0, 1300.0, 51.0), ("smcap50_30", 371.0, 800.0, 1200.0, 50.0)):
         _bench(tmp_path / f"{name}_c1.json", ttfp_ms={"p50": c1}, rtf={"p50": 0.21})
         _bench(tmp_path / f"{name}_c16.json", ttfp_ms={"p50": c16}, rtf={"p50": 0.47})
         _bench(tmp_path / f"{name}_rate.json", ttfp_ms={"p50": rate}, rtf={"p50": 0.6},
@@ -158,3 +158,5 @@ def test_smcap_step_keys_per_server(tmp_path):
     assert (r["smcap50_ttfp_ms_c1"], r["smcap50_rtf_c16"], r["smcap50_rate_rtf"], r["smcap50_ready_s"]) == \
         (373.0, 0.47, 0.6, 55.0)
     assert r["smcap50b_ttfp_ms_c16"] == 790.0 and r["smcap50b_rate_ttfp_ms"] is None
+    assert r["smcap50_30_rate_ttfp_ms"] == 1200.0  # (SMCAP "50/30": thinker 50%, talker 30%)
+    assert not any(k.startswith("qwen3cap") and v is not None for k, v in r.items())

@@ -252,18 +252,19 @@ step_qkv() {
 step_smcap() {
   # The 7B config with the thinker and talker capped at P% of the SMs under MPS
   # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; the config's own cap since 2026-12-02 is 50, 100 = none), for
-  # each P in SMCAP (default "100 50"; a repeated P gets a suffix: "100 50 100 50" -> smcap100,
-  # smcap50, smcap100b, smcap50b): c=1 and c=16 all at once, then 32 chats at 3/s, one server each,
-  # one after another on this machine (keys smcap<P>_*, smcap<P>_rate_*).
+  # each P in SMCAP (default "100 50"; "T/K": the thinker at T%, the talker at K%, named smcapT_K; a
+  # repeated P gets a suffix: "100 50 100 50" -> smcap100, smcap50, smcap100b, smcap50b): c=1 and
+  # c=16 all at once, then 32 chats at 3/s, one server each, one after another on this machine
+  # (keys smcap<P>_*, smcap<P>_rate_*).
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
   local p name seen=" " B="python3 -m omni_server.cli bench --model $MODEL --max-tokens 100 --audio"
   for p in ${SMCAP:-100 50}; do
-    name=smcap$p
+    name=smcap${p//\//_}
     while [[ "$seen" == *" $name "* ]]; do name=${name}b; done
     seen="$seen$name "
-    serve $name 8044 $CFG --stage-arg thinker.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$p \
-      --stage-arg talker.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$p
+    serve $name 8044 $CFG --stage-arg thinker.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${p%/*} \
+      --stage-arg talker.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${p#*/}
     if wait_ready $name 8044; then
       bench $name 8044
       $B --base-url http://127.0.0.1:8044 --concurrency 16 --requests 32 --request-rate 3 \
@@ -576,6 +577,12 @@ step_qwen3() {
 # The same without the code predictor's compile (the Qwen3 config's since the eleventh run: c=1 talker
 # step 27.0 -> 13.1 ms). Keys qwen3eager_*.
 step_qwen3eager() { step_qwen3 qwen3eager --stage-arg talker.additional_config.code_predictor.compile=false; }
+# The same with its thinker and talker capped at QWEN3_CAP% of the SMs under MPS (default 50: the 7B
+# config's cap, eighteenth run; the Qwen3 config has none yet). Keys qwen3cap_*.
+step_qwen3cap() {
+  step_qwen3 qwen3cap --stage-arg thinker.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${QWEN3_CAP:-50} \
+    --stage-arg talker.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${QWEN3_CAP:-50}
+}
 # Qwen3 under serve's own CUDA MPS daemon (keys qwen3mps_*; the Qwen3 config's own since the tenth
 # run, so now the same as `qwen3`).
 step_qwen3mps() { step_qwen3 qwen3mps --cuda-mps auto; }
