@@ -162,6 +162,16 @@ def test_cuda_mps_setting_and_check_notes(fake_mps, monkeypatch):
     assert len(_on_gpu_host(_pipeline("auto", ("0", "1")), fake_mps).host_notes()) == 0
 
 
+def test_check_notes_an_sm_cap_without_serves_mps(fake_mps):
+    # A stage's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the 7B configs cap the thinker and talker) does
+    # nothing where serve starts no MPS daemon: cuda_mps off, or no two stages on one GPU.
+    for mps, devices, noted in (("auto", ("0", "0"), False), ("false", ("0", "0"), True), ("auto", ("0", "1"), True)):
+        capped = _pipeline(mps, devices).replace("output: text}", "output: text, env: {CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: 50}}")
+        notes = _on_gpu_host(capped, fake_mps).host_notes()
+        assert any("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in the env of a caps" in n for n in notes) == noted, (mps, devices)
+    assert _on_gpu_host(_pipeline("false"), fake_mps).host_notes() == []  # (no cap, nothing to say)
+
+
 def test_serve_flag_overrides_the_configs_cuda_mps(monkeypatch):
     import omni_server.server
     from omni_server import cli

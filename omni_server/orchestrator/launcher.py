@@ -139,6 +139,12 @@ class Launcher:
             notes.append(f"cuda_mps: {MPS_PROGRAM} is not on PATH (it comes with the NVIDIA driver): "
                          + ("the stages sharing a GPU will time-slice it" if self.cfg.cuda_mps == "auto"
                             else "`serve` will not start on a GPU host"))
+        if not (self.cfg.cuda_mps and self.shares_a_gpu()):
+            capped = [s.name for s in self.cfg.stages if "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in s.env]
+            if capped:  # (only an MPS client reads it: time-slicing stages run on every SM)
+                notes.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in the env of {', '.join(capped)} caps their SMs only "
+                             "under MPS, which `serve` starts for stages sharing a GPU with `cuda_mps` on; here "
+                             "it takes effect only if the stages run under an MPS daemon of your own")
         return notes
 
     def start(self, unit: Unit, hold: bool = False) -> None:
