@@ -107,8 +107,9 @@ def test_step_log_lines_and_unset(tmp_path, monkeypatch):
         assert out.read_text().splitlines()[-1] == f"# pid {os.getpid()}"  # written at once
         for running, served in [(3, 3), (4, 0), (5, 2)]:
             log.before(running)
+            t = time.perf_counter()
             torch.randn(256, 256).sum()
-            log.after(served)
+            log.after(served, time.perf_counter() - t)
         assert len(out.read_text().splitlines()) == process * 4 + 3
         log.finish()
     lines = out.read_text().splitlines()
@@ -125,15 +126,15 @@ def test_step_log_time_flush_and_a_failed_write(tmp_path, monkeypatch, caplog):
     log = StepLog.from_env("s")
     log.flush_s = 0.0  # every step's line goes out after it (an idle stage's last lines are not held)
     log.before(1)
-    log.after(1)
+    log.after(1, 0.005)
     assert len((tmp_path / "s.steps").read_text().splitlines()) == 2
     (tmp_path / "s.steps").unlink()
     (tmp_path / "s.steps").mkdir()  # the file cannot be opened now: the log turns off, the stage serves on
     log.before(1)
-    log.after(1)
+    log.after(1, 0.005)
     assert log.off and "step log off" in caplog.text
     log.before(1)
-    log.after(1)
+    log.after(1, 0.005)
     assert log.rows == []
     log.finish()
 

@@ -258,7 +258,7 @@ step_smcap() {
   # (keys smcap<P>_*, smcap<P>_rate_*).
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
-  local p name seen=" " B="python3 -m omni_server.cli bench --model $MODEL --max-tokens 100 --audio"
+  local p name seen=" "
   for p in ${SMCAP:-100 50}; do
     name=smcap${p//\//_}
     while [[ "$seen" == *" $name "* ]]; do name=${name}b; done

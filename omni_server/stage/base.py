@@ -267,9 +267,10 @@ class Stage:
                         steplog.before(self.counts()[0])
                     t0 = time.perf_counter()
                     served = self.step()
-                    self.step_s += time.perf_counter() - t0
+                    took = time.perf_counter() - t0
+                    self.step_s += took
                     if steplog is not None:
-                        steplog.after(served)
+                        steplog.after(served, took)
                     if served:  # (not a step that only told the engine of finished requests)
                         self.steps += 1
                         self.batch_sum += served

@@ -122,7 +122,6 @@ class StepLog:
         self.rows: list[str] = [f"# pid {os.getpid()}\n"]
         self.flushed = time.monotonic()
         self.start = 0.0
-        self.t = 0.0
         self.running = 0
         self.off = False
         self.flush()  # (an unwritable file fails here, at the stage's start)
@@ -136,14 +135,13 @@ class StepLog:
         return cls(Path(d) / f"{name}.steps")
 
     def before(self, running: int) -> None:
-        self.start, self.t = time.time(), time.perf_counter()
-        self.running = running
+        self.start, self.running = time.time(), running
 
-    def after(self, served: int) -> None:
+    def after(self, served: int, seconds: float) -> None:
+        """The step's line; `seconds`: its duration as the stage's stats count it (one clock for both)."""
         if self.off:
             return
-        ms = (time.perf_counter() - self.t) * 1e3
-        self.rows.append(f"{self.start:.4f} {self.running} {served} {ms:.3f}\n")
+        self.rows.append(f"{self.start:.4f} {self.running} {served} {seconds * 1e3:.3f}\n")
         if len(self.rows) >= self.flush_every or time.monotonic() - self.flushed > self.flush_s:
             try:
                 self.flush()
