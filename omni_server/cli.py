@@ -105,6 +105,10 @@ def cmd_bench(args) -> int:
         print("error: --reference times transformers answering a chat; it has no /v1/audio/speech "
               "counterpart: leave out one of --speech and --reference", file=sys.stderr)
         return 2
+    if args.speech and args.shared_prefix_words:
+        print("error: --shared-prefix-words opens every chat with one system message; /v1/audio/speech "
+              "takes none: leave out one of --speech and --shared-prefix-words", file=sys.stderr)
+        return 2
     if args.request_rate is not None and not args.request_rate > 0:
         print("error: --request-rate must be a positive number of requests per second", file=sys.stderr)
         return 2
@@ -114,7 +118,8 @@ def cmd_bench(args) -> int:
                       audio=args.audio or args.speech, voice=args.voice, speech=args.speech,
                       reference=args.reference,
                       reference_talker_max_tokens=args.reference_talker_max_tokens,
-                      reference_requests=args.reference_requests, request_rate=args.request_rate)
+                      reference_requests=args.reference_requests, request_rate=args.request_rate,
+                      shared_prefix_words=args.shared_prefix_words)
     result = asyncio.run(run_bench(cfg))
     text = json.dumps(result, indent=2)
     if args.output:
@@ -125,6 +130,7 @@ def cmd_bench(args) -> int:
               f"out tok/s={lv['output_tok_s']}  TTFT p50/p90/p99 ms={lv['ttft_ms']['p50']}/"
               f"{lv['ttft_ms']['p90']}/{lv['ttft_ms']['p99']}  latency p50/p90/p99 ms="
               f"{lv['latency_ms']['p50']}/{lv['latency_ms']['p90']}/{lv['latency_ms']['p99']}"
+              + (f"  prompt tokens {lv['prompt_tokens']} ({lv['cached_tokens']} cached)" if lv["prompt_tokens"] else "")
               + (f"  TTFP p50 ms={lv['ttfp_ms']['p50']}  audio s/wall s={lv['audio_s_per_wall_s']}  "
                  f"RTF p50={lv['rtf']['p50']}  stall p90/max ms={lv['stall_ms']['p90']}/{lv['stall_ms']['max']} "
                  f"({lv['stalled_requests']} requests stalled)" if args.audio or args.speech else ""))
@@ -211,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-rate", type=float, metavar="PER_S",
                    help="send requests as a Poisson process at this rate (the same schedule each run), "
                         "at most --concurrency at once; default: all at once")
+    p.add_argument("--shared-prefix-words", type=int, default=0, metavar="N",
+                   help="open every chat with the same system message of about N words (prefix caching: "
+                        "each level reports prompt and cached tokens)")
     p.set_defaults(fn=cmd_bench)
 
     args = parser.parse_args(argv)

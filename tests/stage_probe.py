@@ -1,19 +1,23 @@
 """Run one AR stage of a pipeline in this process on one prompt and save what it sends downstream.
 
     python -m tests.stage_probe CONFIG STAGE OUT_DIR --processor NAME --prompt-ids 1,2,3 [--max-tokens N]
-        [--stream CHUNK] [--requests N]
+        [--stream CHUNK] [--requests N] [--then-prompt-ids 1,2,4]
 
 A sink stage reading STAGE through input processor NAME is added (never started), so STAGE captures
 and forwards its hidden states as in a served pipeline (`--stream`: the sink streams its input in
 chunks of CHUNK positions); every StagePayload it sends for the request is written to
 OUT_DIR/probe.<n>.safetensors (tensors, with the token ids and the engine step that sent it, by
 batch index, in the metadata). `--requests N`: N - 1 more requests with the same prompt run beside
-it. Greedy, ignore_eos.
+it. Greedy, ignore_eos. `--then-prompt-ids`: once those are done, request `then` runs that prompt
+(its prefix may hit the cache the first one filled) beside one that feeds no stage, then request
+`cold` the same prompt under another cache salt (computed whole); OUT_DIR/cached.json holds each
+request's prefix cache hit in tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -28,9 +32,12 @@ class _Recorder:
     def __init__(self):
         self.payloads = []  # (engine step, payload)
         self.step = 0
+        self.cached: dict[str, int] = {}  # request id -> prompt tokens its prefix cache hit spared
 
     def send_api(self, msg) -> None:
-        pass
+        for delta in getattr(msg, "deltas", ()):
+            if delta.num_prompt_tokens:
+                self.cached.setdefault(delta.request_id, delta.num_cached_tokens)
 
     def send_stage(self, stage_id, msg, replica: int = 0) -> None:
         self.payloads.append((self.step, msg))
@@ -49,6 +56,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=6)
     p.add_argument("--stream", type=int, default=0, metavar="CHUNK")
     p.add_argument("--requests", type=int, default=1)
+    p.add_argument("--then-prompt-ids", default="")
     a = p.parse_args()
     from omni_server.config import load_config
     from omni_server.config.schema import PipelineConfig
@@ -75,15 +83,36 @@ def main() -> None:
     # numbered by batch, so the chunk timing reads the same on both paths.
     rec.step = -1 if engine.vllm_config.scheduler_config.async_scheduling else 0
     ids = [int(t) for t in a.prompt_ids.split(",")]
+    sampling = SamplingSpec(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(a.requests):
         engine._handle(AddRequest(request_id="probe" if i == 0 else f"other{i}", prompt_token_ids=ids,
-                                  forward_to=[sink], sampling=SamplingSpec(max_tokens=a.max_tokens, temperature=0.0,
-                                                                           ignore_eos=True)))
-    while engine.has_work():
-        engine.step()
-        rec.step += 1
+                                  forward_to=[sink], sampling=sampling))
+
+    def run() -> None:
+        while engine.has_work():
+            engine.step()
+            rec.step += 1
+
+    run()
+    if a.then_prompt_ids:
+        then = [int(t) for t in a.then_prompt_ids.split(",")]
+        # Beside `then`, a request that feeds nobody: its rows sit between the emitted ones.
+        engine._add("plain", {"type": "token", "prompt_token_ids": ids[::-1][:20]}, sampling, [])
+        engine._add("then", {"type": "token", "prompt_token_ids": then}, sampling, [sink])
+        run()
+        engine._add("cold", {"type": "token", "prompt_token_ids": then, "cache_salt": "cold"}, sampling, [sink])
+        run()
+        # Two new requests sharing a new prefix, added together: the second may hit the blocks the
+        # first computes in the same step.
+        for rid, tail in (("twin_a", [7]), ("twin_b", [8, 9])):
+            engine._add(rid, {"type": "token", "prompt_token_ids": then[::-1] + tail, "cache_salt": "twins"},
+                        sampling, [sink])
+        run()
     a.out.mkdir(parents=True, exist_ok=True)
-    for n, (step, msg) in enumerate([(step, m) for step, m in rec.payloads if m.request_id == "probe"]):
+    (a.out / "cached.json").write_text(json.dumps(rec.cached))
+    counts: dict[str, int] = {}
+    for step, msg in [(step, m) for step, m in rec.payloads if not m.request_id.startswith("other")]:
+        n = counts[msg.request_id] = counts.get(msg.request_id, -1) + 1
         meta = {"prompt_token_ids": ",".join(map(str, msg.prompt_token_ids)),
                 "output_token_ids": ",".join(map(str, msg.output_token_ids)), "step": str(step),
                 "final": str(msg.final)}

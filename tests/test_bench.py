@@ -145,3 +145,19 @@ def test_bench_speech_has_no_reference_counterpart(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "bench", "--model", "m", "--speech",
                            "--reference", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--reference" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_shared_prefix_reports_what_the_prefix_cache_spared(speech_server, tmp_path):
+    """Every chat opens with one long system message: after the first, each starts on the text
+    stage's prefix cache (whole 128-token blocks on the CPU), and the level adds up the usage."""
+    out = tmp_path / "bench.json"
+    proc = _bench(speech_server.base_url, out, "--concurrency", "1", "--requests", "3", "--max-tokens", "4",
+                  "--prompt-words", "10", "--shared-prefix-words", "200", "--audio")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (lv,) = json.loads(out.read_text())["levels"]
+    assert lv["errors"] == 0 and lv["prompt_tokens"] > 3 * 200
+    assert 2 * 128 <= lv["cached_tokens"] < lv["prompt_tokens"] and lv["cached_tokens"] % 128 == 0
+    assert "cached)" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "omni_server.cli", "bench", "--model", "m", "--speech",
+                          "--shared-prefix-words", "9"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--shared-prefix-words" in bad.stderr and "Traceback" not in bad.stderr

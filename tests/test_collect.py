@@ -160,3 +160,20 @@ def test_smcap_step_keys_per_server(tmp_path):
     assert r["smcap50b_ttfp_ms_c16"] == 790.0 and r["smcap50b_rate_ttfp_ms"] is None
     assert r["smcap50_30_rate_ttfp_ms"] == 1200.0  # (SMCAP "50/30": thinker 50%, talker 30%)
     assert not any(k.startswith("qwen3cap") and v is not None for k, v in r.items())
+
+
+def test_prefix_step_keys(tmp_path):
+    # Step `prefix`: the thinker's prefix caching on and off under one shared system message, and the
+    # runner benchmark with caching on in both engines (its own keys, not p1 / p5).
+    for v, ttft, cached in (("on", 60.0, 30000), ("off", 140.0, 0)):
+        for c in (1, 16):
+            _bench(tmp_path / f"prefix_{v}_c{c}.json", ttft_ms={"p50": ttft * c}, ttfp_ms={"p50": 300.0 + ttft},
+                   rtf={"p50": 0.2}, prompt_tokens=40000, cached_tokens=cached)
+    (tmp_path / "runner_pc_omni.txt").write_text(
+        'RESULT {"model": "qwen2-7b", "mode": "vllm", "batch": 1, "tok_s": 200.0, "hbm_tb_s": 2.9}\n'
+        'RESULT {"model": "qwen2-7b", "mode": "omni-emit", "batch": 1, "tok_s": 196.0, "hbm_tb_s": 2.84}\n')
+    r = _collect(tmp_path)
+    assert (r["prefix_on_ttft_ms_c1"], r["prefix_on_ttft_ms_c16"], r["prefix_off_ttfp_ms_c16"]) == (60.0, 960.0, 440.0)
+    assert (r["prefix_on_cached_share_c1"], r["prefix_off_cached_share_c16"]) == (0.75, 0.0)
+    assert r["pc_runner_vs_vllm_bs1"] == 0.98 and r["pc_hbm_fraction_bs1"] == round(2.84 / 4.3, 3)
+    assert r["p1_runner_vs_vllm_bs1"] is None and r["p5_hbm_fraction_bs1"] is None

@@ -221,6 +221,27 @@ def test_concurrent_requests_equal_each_alone(client):
         assert np.abs(a["wave"] - b["wave"]).max() < WAVE_TOL
 
 
+def test_next_turn_starts_on_the_prefix_cache_and_still_matches_transformers(client, tiny_models):
+    """A conversation's second turn shares the first's prompt: the thinker computes only what is new
+    (usage counts the cached tokens) and the talker still gets a row for every prompt position, kept
+    beside the KV cache (stage/prefix_rows.py), even though the first turn asked for text only and
+    fed no talker. Tokens, codes and waveform equal transformers' run of the whole prompt."""
+    story = " ".join(["The tide came in over the rocks and the gulls went quiet."] * 12)  # > a 128-token block
+    turn = [{"role": "user", "content": story}]
+    first = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=6, temperature=0, modalities=["text"])
+    turn += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And then?"}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=turn, max_tokens=10, temperature=0, seed=5, modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "wav"}, extra_body={"return_token_ids": True})
+    ours = _outputs(resp)
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 128, resp.usage
+    assert resp.usage.prompt_tokens == len(ours["prompt"])
+    ref_tokens, ref_codes, ref_wave = reference.omni_speech(
+        tiny_models["tiny-qwen2_5-omni"], ours["prompt"], 10, TALKER_MAX_TOKENS, "Chelsie", 5)
+    _assert_equals_reference(ours, ref_tokens, ref_codes, ref_wave)
+
+
 def _int16(wave: np.ndarray) -> np.ndarray:
     return np.round(np.clip(wave, -1, 1) * 32767).astype("<i2")
 

@@ -33,3 +33,37 @@ def test_top_k_stages_register_our_sampler():
     assert not build_engine_args(cfg, 0).logits_processors
     cfg = load_config(REPO / "configs" / "qwen3_omni.yaml", ["talker.sampler=vllm"])
     assert not build_engine_args(cfg, 1).logits_processors
+
+
+def test_a_stage_feeding_hidden_states_keeps_them_beside_its_prefix_cache():
+    """The thinker (its talker reads hidden rows) keeps vLLM's prefix caching and asks its runner
+    for the rows store; `enable_prefix_caching: false` still turns caching off. The talker feeds
+    token2wav codes only: no store (its model class turns caching off on its own)."""
+    from omni_server.stage.prefix_rows import PREFIX_ROWS
+
+    cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml", ["thinker.additional_config={a: 1}"])
+    thinker, talker = build_engine_args(cfg, 0), build_engine_args(cfg, 1)
+    assert thinker.additional_config == {"a": 1, PREFIX_ROWS: True}
+    assert thinker.enable_prefix_caching is not False
+    assert PREFIX_ROWS not in (talker.additional_config or {}) and talker.enable_prefix_caching is False
+    cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml", ["thinker.enable_prefix_caching=false"])
+    assert build_engine_args(cfg, 0).enable_prefix_caching is False
+
+
+def test_the_kv_budget_covers_the_rows_beside_it():
+    """A stage keeping hidden rows beside its KV cache hands vLLM the share of its budget that
+    leaves room for one row per KV token: 7B thinker shapes, 56 KiB of KV and 7 KiB of rows a token."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from omni_server.stage.prefix_rows import kv_share
+
+    layer = SimpleNamespace(page_size_bytes=16 * 2 * 4 * 128 * 2, block_size=16)  # 2 KiB a token
+    specs = {f"layer{i}": layer for i in range(28)}
+    cfg = SimpleNamespace(model_config=SimpleNamespace(get_hidden_size=lambda: 3584, dtype=torch.bfloat16))
+    budget = 16 << 30
+    kv = kv_share(budget, specs, cfg)
+    tokens = kv // (28 * 2048)
+    assert kv + tokens * 3584 * 2 <= budget < kv + (tokens + 1) * (28 * 2048 + 3584 * 2)
+    assert kv_share(budget, {}, cfg) == budget  # no KV layers: nothing to share

@@ -219,10 +219,15 @@ def stop_list(v: str | list[str] | None) -> list[str]:
     return stops
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens the text stage's prefix cache spared
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class AudioResponse(BaseModel):

@@ -153,7 +153,7 @@ class ResponseRun:
         usage = None
         if done:
             n_in, n_out = self.run.n_prompt, self.run.completion_tokens
-            usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": self.run.n_cached, "cache_write_tokens": 0},
                      "output_tokens": n_out,
                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
         text = self.body.get("text") if isinstance(self.body.get("text"), dict) else None

@@ -26,6 +26,7 @@ from omni_server.api.protocol import (
     CompletionChoice,
     DeltaMessage,
     LegacyLogprobs,
+    PromptTokensDetails,
     ResponseMessage,
     TextCompletion,
     TokenLogprob,
@@ -62,6 +63,11 @@ async def typed_events(events: AsyncIterator[dict], abort: Callable[[], Awaitabl
     finally:
         if not finished:
             await abort()
+
+
+def _usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _delta_error(delta) -> APIError:
@@ -156,6 +162,7 @@ class Run(_Pipelined):
         self.audio_format = audio_format
         self.prompt_ids = prompt_ids
         self.n_prompt = len(prompt_ids)
+        self.n_cached = 0  # of the prompt, tokens stage 0's prefix cache spared
         self.token_ids: list[int] = []
         self.detok = state.text.detokenizer(body.stop)
         self.completion_tokens = 0
@@ -179,6 +186,7 @@ class Run(_Pipelined):
                 raise _delta_error(delta)
             if stage_id == 0 and delta.num_prompt_tokens:
                 self.n_prompt = delta.num_prompt_tokens  # as the engine runs it: media count their tokens
+                self.n_cached = max(self.n_cached, delta.num_cached_tokens)
             if stage_id == text_stage:
                 if self.detok.stopped:
                     continue  # tokens the stage made before it heard of the stop string
@@ -341,7 +349,7 @@ class Completion:
     def _usage(self) -> Usage:
         # OpenAI's count: the prompt once (every choice reads the same), the completions summed.
         prompt, completion = self.runs[0].n_prompt, sum(run.completion_tokens for run in self.runs)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return _usage(prompt, completion, self.runs[0].n_cached)
 
     async def collect(self) -> ChatCompletion:
         choices = await self._each(Run.collect)
@@ -391,9 +399,9 @@ class TextCompletionRun(Completion):
 
     def _usage(self) -> Usage:
         # Each prompt counted once (not per choice), the completions summed.
-        prompt = sum(run.n_prompt for run in self.runs if run.index % self.body.n == 0)
+        firsts = [run for run in self.runs if run.index % self.body.n == 0]
         completion = sum(run.completion_tokens for run in self.runs)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return _usage(sum(run.n_prompt for run in firsts), completion, sum(run.n_cached for run in firsts))
 
     def _logprobs(self, index: int, logprobs: ChoiceLogprobs | None) -> LegacyLogprobs | None:
         if logprobs is None:

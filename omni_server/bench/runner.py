@@ -7,6 +7,9 @@ playback stalls (how long a player starting at the first packet would wait for l
 Per stage (`stages`, from the stats route before and after the level): steps, mean step time, busy
 fraction of the level's wall time, mean batch, payload MB sent to other stages, backpressure pauses,
 mean time from a request's start to the stage's first output for it.
+With `shared_prefix_words`, every chat opens with the same system message of that many words (a long
+shared instruction, as many deployments send): what the text stage's prefix cache spares shows in
+TTFT / TTFP, and each level reports prompt and cached tokens from the usage chunks.
 With `speech`, the requests go to /v1/audio/speech instead (each prompt is the text to speak,
 streamed as SSE events): the same audio numbers, no TTFT.
 With `reference`, transformers' own pipeline runs the same prompts in this process afterwards, and
@@ -36,6 +39,15 @@ _SENTENCES = [
     "Speech synthesis turns written text into audio that people can listen to.",
     "Yesterday it rained all afternoon, but this morning the sky was clear and blue.",
 ]
+
+
+def shared_prefix(words: int) -> str:
+    """The system message every chat of a shared-prefix bench opens with (about `words` words)."""
+    text, k = [], 0
+    while sum(len(t.split()) for t in text) < words:
+        text.append(_SENTENCES[k % len(_SENTENCES)])
+        k += 1
+    return "Follow these notes when you answer. " + " ".join(text)
 
 
 def prompt(i: int, words: int) -> str:
@@ -75,6 +87,7 @@ class BenchConfig:
     # the same schedule every run), each level's concurrency still the cap; None: all at once.
     request_rate: float | None = None
     arrival_seed: int = 0
+    shared_prefix_words: int = 0  # > 0: every chat opens with the same system message this long
 
 
 def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
@@ -113,14 +126,17 @@ async def _events(client: httpx.AsyncClient, path: str, body: dict) -> AsyncIter
 async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
     if cfg.speech:
         return await _one_speech(client, cfg, i)
-    body = {"model": cfg.model, "messages": [{"role": "user", "content": prompt(i, cfg.prompt_words)}],
+    messages = [{"role": "user", "content": prompt(i, cfg.prompt_words)}]
+    if cfg.shared_prefix_words:
+        messages.insert(0, {"role": "system", "content": shared_prefix(cfg.shared_prefix_words)})
+    body = {"model": cfg.model, "messages": messages,
             "max_tokens": cfg.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": cfg.ignore_eos}
     if cfg.audio:
         body["modalities"] = ["text", "audio"]
         body["audio"] = {"format": "wav", **({"voice": cfg.voice} if cfg.voice else {})}
     t0 = time.perf_counter()
-    ttft, tokens, error = None, 0, None
+    ttft, tokens, error, usage = None, 0, None, {}
     audio = _WavStream(t0)
     try:
         async for chunk in _events(client, "/v1/chat/completions", body):
@@ -135,14 +151,16 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
                 if data:
                     audio.add(base64.b64decode(data))
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]
+                tokens = usage["completion_tokens"]
     except _BadStatus as e:
         return {"error": str(e)}
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
     if cfg.audio and error is None and not audio.seconds:
         error = "no audio in the response"
-    return audio.result(ttft, tokens, error)
+    return {**audio.result(ttft, tokens, error), "prompt_tokens": usage.get("prompt_tokens", 0),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 
 async def _one_speech(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
@@ -263,6 +281,9 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
         "concurrency": concurrency, "requests": n, "request_rate": cfg.request_rate, "errors": n - len(ok),
         "error_examples": sorted({r["error"] for r in results if r.get("error")})[:3],
         "started_at": round(started_at, 3), "wall_s": round(wall, 3), "output_tokens": tokens,
+        # (chats: from the usage chunks; cached: what the text stage's prefix cache spared)
+        "prompt_tokens": sum(r.get("prompt_tokens", 0) for r in ok),
+        "cached_tokens": sum(r.get("cached_tokens", 0) for r in ok),
         "output_tok_s": round(tokens / wall, 1) if wall > 0 else None,
         "ttft_ms": {"p50": ms(_pct(ttfts, 50)), "p90": ms(_pct(ttfts, 90)), "p99": ms(_pct(ttfts, 99)),
                     "mean": ms(statistics.fmean(ttfts)) if ttfts else None},

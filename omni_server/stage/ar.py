@@ -17,6 +17,7 @@ from omni_server.config.schema import PipelineConfig
 from omni_server.stage import model_classes, processors
 from omni_server.stage.base import Stage
 from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS
+from omni_server.stage.prefix_rows import PREFIX_ROWS
 from omni_server.stage.processors import StageInput
 from omni_server.stage.scheduler import scheduler_cls_for
 from omni_server.wire.transport import StageSockets
@@ -169,9 +170,10 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
         args["distributed_executor_backend"] = OneProcessExecutor
     if stage.inputs:
         args.setdefault("enable_prompt_embeds", True)
-    if cfg.consumers(stage_id):
-        # Consumers need hidden states for every prompt position; cached prefixes would skip them.
-        args["enable_prefix_caching"] = False
+    if any(processors.reads_hidden(cfg.stage(c).input_processor) for c in cfg.consumers(stage_id)):
+        # Consumers need a hidden row for every prompt position, cached prefixes included: the
+        # runner keeps them beside the KV cache (stage/prefix_rows.py) while prefix caching is on.
+        args["additional_config"] = {**(args.get("additional_config") or {}), PREFIX_ROWS: True}
     if stage.omni_sampler:
         from omni_server.stage.sampling import LOGITS_PROCESSOR
 
@@ -447,10 +449,12 @@ class ARStage(Stage):
                     # 0 once the request has left the scheduler (its finishing delta).
                     req = self.core.scheduler.requests.get(rid) if self.send_tokens else None
                     n_prompt = req.num_prompt_tokens if req is not None else 0
+                    prefill = out.prefill_stats if self.send_tokens else None  # (its first output only)
                     deltas.append(RequestDelta(
                         request_id=rid,
                         new_token_ids=list(out.new_token_ids) if self.send_tokens else [],
                         num_prompt_tokens=n_prompt,
+                        num_cached_tokens=prefill.num_cached_tokens if prefill is not None else 0,
                         finished=finished,
                         finish_reason=reason,
                         error=f"stage {self.stage.name}: engine error" if reason == "error" else None,

@@ -9,6 +9,7 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from omni_server.stage.prefix_rows import RowsBudget
 from omni_server.stage.runner import HiddenStatesEmitter, StepEmbedsAdder, StepPredictor, UpstreamPositions
 from omni_server.models import register_vllm_models
 
@@ -20,7 +21,7 @@ class CPUOmniModelRunner(UpstreamPositions, StepPredictor, StepEmbedsAdder, Hidd
     pass
 
 
-class CPUOmniWorker(CPUWorker):
+class CPUOmniWorker(RowsBudget, CPUWorker):
     def init_device(self):
         if self.use_v2_model_runner:
             raise RuntimeError("omni-server stages need vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0")

@@ -15,6 +15,7 @@ import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from omni_server.models import register_vllm_models
+from omni_server.stage.prefix_rows import RowsBudget
 from omni_server.stage.runner import GPUOmniModelRunner
 from omni_server.stage.moe_warmup import warm_fused_moe
 from omni_server.stage.sampler_warmup import pin_triton_cache, warm_top_k_top_p
@@ -29,7 +30,7 @@ def require_v1(worker) -> None:
         raise RuntimeError("omni-server stages need vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0")
 
 
-class GPUOmniWorker(Worker):
+class GPUOmniWorker(RowsBudget, Worker):
     def init_device(self):
         require_v1(self)
         super().init_device()

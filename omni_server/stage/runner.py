@@ -3,7 +3,9 @@
 They subclass vLLM's V1 runners (GPUModelRunner, and CPUModelRunner which derives from it) and only
 wrap `sample_tokens`: the forward pass and CUDA graphs are untouched. Rows are emitted only for
 requests flagged with EMIT_HIDDEN (those with a downstream stage), as a HiddenCapture attached to
-the step's ModelRunnerOutput as `omni_hidden` (the OmniScheduler takes it off).
+the step's ModelRunnerOutput as `omni_hidden` (the OmniScheduler takes it off). With prefix caching
+every computed row is also kept at its KV slot (`prefix_rows`), so a request that starts on a cache
+hit still emits its whole prompt.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from omni_server.stage import prefix_rows
 from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS, HiddenCapture
 from omni_server.stage.sampling import reads_output_tokens, requested
 from omni_server.stage.transfer import host_index, receive, to_device
@@ -39,6 +42,7 @@ class HiddenStatesEmitter:
 
     _copy_stream: torch.cuda.Stream | None = None
     _emit_aux = False  # the model's emitted rows are its auxiliary output, not the final states
+    _prefix_rows: prefix_rows.PrefixRows | None = None
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -50,23 +54,48 @@ class HiddenStatesEmitter:
             model.set_aux_hidden_state_layers((layer,))
             self.use_aux_hidden_state_outputs = self._emit_aux = True
 
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False):
+        super().initialize_kv_cache(kv_cache_config, is_profiling)
+        if not is_profiling and prefix_rows.wanted(self.vllm_config):
+            self._prefix_rows = prefix_rows.PrefixRows(kv_cache_config, self.model_config.get_hidden_size(),
+                                                       self.dtype, self.device)
+
     def sample_tokens(self, grammar_output):
         state = self.execute_model_state
         if state is None or self.speculative_config is not None:
             return super().sample_tokens(grammar_output)
-        selection = self._select_rows(state.scheduler_output)
-        if selection is None:
+        hidden = state.aux_hidden_states[0] if self._emit_aux else state.hidden_states
+        if self._prefix_rows is not None:
+            # Every request's rows, not only emitting ones: a later request may start on any
+            # block. Queued on the compute stream before the next step rebuilds the slot mapping.
+            n = state.scheduler_output.total_num_scheduled_tokens
+            self._prefix_rows.write(self.input_batch.block_table[0].slot_mapping.gpu[:n], hidden[:n])
+        picks, everything = self._select_rows(state.scheduler_output)
+        if not picks:
             return super().sample_tokens(grammar_output)
-        req_ids, counts, starts, index = selection
+        # (request, offset in the step's rows, rows this step, first position, cached positions before it)
+        req_ids = [rid for rid, *_ in picks]
+        counts = [n + cached for _, _, n, _, cached in picks]
+        starts = [start - cached for _, _, _, start, cached in picks]
         positions = {}
         if self.uses_mrope:
             for rid, start in zip(req_ids, starts):
                 mrope = self.requests[rid].mrope_positions
                 if start == 0 and mrope is not None:
                     positions[rid] = mrope[:, : len(self.requests[rid].prompt_token_ids or ())].clone()
-        hidden = state.aux_hidden_states[0] if self._emit_aux else state.hidden_states
         # A private copy of the rows, enqueued before sampling on the compute stream.
-        rows = hidden[index] if index is not None else hidden[: sum(counts)].clone()
+        if any(cached for *_, cached in picks):
+            parts = []
+            for rid, offset, n, _, cached in picks:
+                if cached:  # a cache hit: the prefix's rows from its blocks' slots
+                    parts.append(self._prefix_rows.read(self.requests[rid].block_ids[0], cached))
+                parts.append(hidden[offset: offset + n])
+            rows = torch.cat(parts)
+        elif everything:
+            rows = hidden[: sum(counts)].clone()
+        else:
+            idx = np.concatenate([np.arange(offset, offset + n) for _, offset, n, _, _ in picks])
+            rows = hidden[to_device(torch.from_numpy(idx), self.device)]  # (pageable memory would sync the stream)
         ready = None
         if rows.device.type == "cuda":
             ready = torch.cuda.Event()
@@ -82,8 +111,11 @@ class HiddenStatesEmitter:
         return out
 
     def _select_rows(self, scheduler_output):
+        """The step's emitting requests as (request, offset, rows, first position, cached positions:
+        a new request's prefix cache hit), and whether they are all of the step's requests."""
         num_sched = scheduler_output.num_scheduled_tokens
-        req_ids, counts, starts, ranges = [], [], [], []
+        new = {r.req_id for r in scheduler_output.scheduled_new_reqs} if self._prefix_rows is not None else ()
+        picks = []
         offset = 0
         everything = True
         for i, rid in enumerate(self.input_batch.req_ids):
@@ -93,20 +125,12 @@ class HiddenStatesEmitter:
             params = self.requests[rid].sampling_params
             extra = params.extra_args if params is not None else None
             if extra and extra.get(EMIT_HIDDEN):
-                req_ids.append(rid)
-                counts.append(n)
-                starts.append(int(self.input_batch.num_computed_tokens_cpu[i]))
-                ranges.append((offset, n))
+                start = int(self.input_batch.num_computed_tokens_cpu[i])
+                picks.append((rid, offset, n, start, start if rid in new else 0))
             else:
                 everything = False
             offset += n
-        if not req_ids:
-            return None
-        if everything:
-            return req_ids, counts, starts, None
-        idx = np.concatenate([np.arange(o, o + n) for o, n in ranges])
-        index = to_device(torch.from_numpy(idx), self.device)  # (pageable memory would sync the stream)
-        return req_ids, counts, starts, index
+        return picks, everything
 
     def _to_host(self, req_ids, counts, starts, rows: torch.Tensor, ready) -> HiddenCapture:
         if ready is None:

@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import msgspec
 
-WIRE_VERSION = 4  # 4: StageStats.underruns, underrun_s (a stage of 4 would fail an api of 3 on them)
+WIRE_VERSION = 5  # 5: RequestDelta.num_cached_tokens (4: StageStats.underruns, underrun_s)
 AUDIO_SAMPLE_RATE = 16000
 VIDEO_FPS = 2.0  # frames a second the api keeps of a video; the first stage's processor is told so
 
@@ -149,6 +149,8 @@ class RequestDelta(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     request_id: str
     new_token_ids: list[int] = []
     num_prompt_tokens: int = 0
+    # Of those, the prompt tokens a prefix cache hit spared (the request's first delta from the stage).
+    num_cached_tokens: int = 0
     finished: bool = False
     # vLLM's finish reason ("stop", "length", "abort") or "error".
     finish_reason: str | None = None
