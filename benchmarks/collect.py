@@ -44,7 +44,7 @@ def _runner(out: Path, batch: int, model: str = "qwen2-7b", variant: str = "") -
     `variant`: a session step's own runs (runner_<variant>_*.txt, e.g. `splits`)."""
     # (Not runner_prof*: the profiled run's steps are slowed by the profiler; nor a variant's.)
     files = sorted(out.glob(f"runner_{variant}_*.txt")) if variant else \
-        [f for f in sorted(out.glob("runner_*.txt")) if not f.name.startswith(("runner_prof", "runner_splits"))]
+        [f for f in sorted(out.glob("runner_*.txt")) if not f.name.startswith(("runner_prof", "runner_splits", "runner_pc"))]
     return {r.get("mode", ""): r for r in _results(files)
             if r.get("batch") == batch and Path(str(r.get("model", ""))).name == model}
 
@@ -124,6 +124,20 @@ def _served(out: Path, bench: str, key: str) -> dict:
             for what, field in (("ttfp_ms", "ttfp_ms"), ("rtf", "rtf")) for c in (1, 16)}
 
 
+def _prefix(out: Path) -> dict:
+    """Step `prefix`: TTFT and TTFP (p50) and RTF at c=1 and c=16 with the thinker's prefix caching
+    on and off, and the share of prompt tokens the cache spared."""
+    keys = {}
+    for v in ("on", "off"):
+        keys |= _served(out, f"prefix_{v}", f"prefix_{v}")
+        for c in (1, 16):
+            lv = _level(out / f"prefix_{v}_c{c}.json")
+            keys[f"prefix_{v}_ttft_ms_c{c}"] = _get(lv, "ttft_ms", "p50")
+            prompt = _get(lv, "prompt_tokens")
+            keys[f"prefix_{v}_cached_share_c{c}"] = round(lv["cached_tokens"] / prompt, 3) if prompt else None
+    return keys
+
+
 def _smcap(out: Path) -> dict:
     """Step `smcap`: per server smcap<P>[b...]: TTFP and RTF at c=1 and c=16, at 3/s, and its ready time."""
     keys = {}
@@ -178,6 +192,12 @@ def collect(out: Path) -> dict:
         "splits_hbm_fraction_bs1": _hbm_fraction(out, "splits"),
         "splits_vllm_hbm_fraction_bs1": _hbm_fraction(out, "splits", "vllm"),
         **_served(out, "splits", "splits"),
+        # step `prefix`: a shared 1500-word system message, the thinker's prefix caching on / off,
+        # and runner_overhead.py with prefix caching on in both engines (variant `pc`)
+        **_prefix(out),
+        "pc_runner_vs_vllm_bs1": _runner_ratio(out, 1, variant="pc"),
+        "pc_runner_vs_vllm_bs32": _runner_ratio(out, 32, variant="pc"),
+        "pc_hbm_fraction_bs1": _hbm_fraction(out, "pc"),
         "p6_ready_s_cold": _ready_s(out / "serve_bench7b.log"),
         # the same config started again from its compile cache (step `warm`), or before that step
         # existed the full-payload server, which started second

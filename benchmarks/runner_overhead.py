@@ -10,7 +10,9 @@ samples as the talker does (temperature, top-k, top-p, repetition penalty) inste
 (`talker-omni`: drawn by omni-server's sampler, as a served talker does):
 with a small model the sampler's per-step host work is a large share of a decode step. `omni` runs our stage loop (ARStage: EngineCore + OmniScheduler +
 hidden-emitting runner) with every request forwarding its hidden states to a consumer, whose
-payloads are encoded as for the wire and dropped; `vllm` runs vllm.LLM.generate. Prints one JSON
+payloads are encoded as for the wire and dropped; `vllm` runs vllm.LLM.generate. `--prefix-caching`
+turns vLLM's prefix caching on for both (each timed run's prompts new to the cache): `omni` then also
+keeps every row beside the KV cache (stage/prefix_rows.py), the cost a served thinker pays per step. Prints one JSON
 line per batch size: decode tokens/s = batch * output_len / median wall time of `--repeats` whole
 generates (after a warm-up one), with the range of the runs.
 """
@@ -68,8 +70,10 @@ def decode_bytes_per_step(model_dir: str, batch: int, context: int, dtype_bytes:
     return (weights + kv_bytes) * dtype_bytes
 
 
-def prompts(n: int, length: int) -> list[list[int]]:
-    return [[(i * 7919 + j * 104729) % 1000 + 10 for j in range(length)] for i in range(n)]
+def prompts(n: int, length: int, run: int = 0) -> list[list[int]]:
+    """n prompts; another `run` gives others that share no prefix block with them (prefix caching on:
+    each timed run computes its prompts)."""
+    return [[(i * 7919 + j * 104729 + run * 31) % 1000 + 10 for j in range(length)] for i in range(n)]
 
 
 def _rate(mode: str, bs: int, out_len: int, walls: list[float]) -> dict:
@@ -95,9 +99,9 @@ def run_vllm(engine_args: dict, batches: list[int], in_len: int, out_len: int, r
     sp = SamplingParams(max_tokens=out_len, ignore_eos=True, detokenize=False, **params)
     results = []
     for bs in batches:
-        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(bs, in_len)]
         walls = []
         for rep in range(repeats + 1):
+            ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(bs, in_len, rep)]
             t0 = time.perf_counter()
             llm.generate(ps, sp, use_tqdm=False)
             if rep:
@@ -151,7 +155,7 @@ def run_omni(engine_args: dict, batches: list[int], in_len: int, out_len: int, e
     for bs in batches:
         walls = []
         for rep in range(repeats + 1):
-            ps = prompts(bs, in_len)
+            ps = prompts(bs, in_len, rep)
             t0 = time.perf_counter()
             for i, p in enumerate(ps):
                 stage._handle(AddRequest(request_id=f"r{bs}-{rep}-{i}", prompt_token_ids=p, sampling=spec,
@@ -186,6 +190,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="measured runs per batch size (median), after a warm-up")
     p.add_argument("--attention-splits", type=int, default=None,
                    help="FlashAttention's most KV splits in decode CUDA graphs (vLLM's default 32)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="vLLM's prefix caching on (for `omni`: with the hidden rows kept beside the KV cache)")
     a = p.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     shapes = {"qwen2-7b": qwen2_7b_dir, "talker-7b": talker_7b_dir}
@@ -193,7 +199,7 @@ def main() -> None:
     engine_args = dict(model=model, dtype=a.dtype, load_format="dummy", skip_tokenizer_init=a.model in shapes,
                        max_model_len=a.input_len + a.output_len + 64, max_num_seqs=max(a.batch),
                        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=a.prefix_caching)
     if a.attention_splits is not None:
         engine_args["attention_config"] = {"flash_attn_max_num_splits_for_cuda_graph": a.attention_splits}
     if a.mode == "vllm":
@@ -205,7 +211,8 @@ def main() -> None:
         # Achieved HBM read bandwidth of the decode steps (prefill's share of the wall time ignored).
         step = decode_bytes_per_step(model, r["batch"], a.input_len + a.output_len // 2)
         r["hbm_tb_s"] = round(r["tok_s"] / r["batch"] * step / 1e12, 3)
-        print("RESULT " + json.dumps({"model": a.model, "sampling": a.sampling, **r}), flush=True)
+        print("RESULT " + json.dumps({"model": a.model, "sampling": a.sampling, "prefix_caching": a.prefix_caching,
+                                      **r}), flush=True)
 
 
 if __name__ == "__main__":
