@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "default.yaml"
-BLOCK = 128  # vLLM's CPU block size: a hit covers whole blocks
+BLOCK = 128  # the hits: whole blocks (one of 128 tokens on the CPU, 8 of 16 on a GPU)
 
 PREFIX = [10 + (i * 37) % 900 for i in range(136)]  # more than a block, shared
 FIRST, THEN = PREFIX + [5, 6, 7, 8], PREFIX + [901, 902, 903]
