@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: prefix pcab qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -522,6 +522,17 @@ step_prefix() {
       > $R/runner_pc_$mode.txt 2>&1
     say "runner $mode prefix caching: $(grep RESULT $R/runner_pc_$mode.txt | tr '\n' ' ')"
   done
+}
+
+step_pcab() {
+  # The 7B config benched as `main` does (the bench's own prompts: ~100 tokens of them shared, the
+  # chat template's system prompt), with the thinker's prefix caching on, off, then on again: its
+  # effect on the usual numbers, one machine (keys pcon_*, pcoff_*, pcon2_*).
+  free_gpus
+  export VLLM_CACHE_ROOT=/tmp/vc
+  served pcon 8061
+  served pcoff 8062 --stage-arg thinker.enable_prefix_caching=false
+  served pcon2 8063
 }
 
 step_rate() {
