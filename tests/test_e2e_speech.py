@@ -221,7 +221,7 @@ def test_concurrent_requests_equal_each_alone(client):
         assert np.abs(a["wave"] - b["wave"]).max() < WAVE_TOL
 
 
-def test_next_turn_starts_on_the_prefix_cache_and_still_matches_transformers(client, tiny_models):
+def test_next_turn_starts_on_the_prefix_cache_and_still_matches_transformers(client, tiny_models, speech_server):
     """A conversation's second turn shares the first's prompt: the thinker computes only what is new
     (usage counts the cached tokens) and the talker still gets a row for every prompt position, kept
     beside the KV cache (stage/prefix_rows.py), even though the first turn asked for text only and
@@ -240,6 +240,17 @@ def test_next_turn_starts_on_the_prefix_cache_and_still_matches_transformers(cli
     ref_tokens, ref_codes, ref_wave = reference.omni_speech(
         tiny_models["tiny-qwen2_5-omni"], ours["prompt"], 10, TALKER_MAX_TOKENS, "Chelsie", 5)
     _assert_equals_reference(ours, ref_tokens, ref_codes, ref_wave)
+    # The same turn again: now the talker's prompt (the thinker's rows, projected) starts on its
+    # own prefix cache too, and the reply is the same.
+    talker_cached = speech_server.stats(1)["cached_tokens"]
+    again = _outputs(client.chat.completions.create(
+        model=MODEL, messages=turn, max_tokens=10, temperature=0, seed=5, modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "wav"}, extra_body={"return_token_ids": True}))
+    assert speech_server.stats(1)["cached_tokens"] - talker_cached >= 128
+    scraped = httpx.get(f"{speech_server.base_url}/metrics").text.splitlines()
+    (line,) = [m for m in scraped if m.startswith("omni_stage_prefix_cached_tokens_total{") and 'stage="talker"' in m]
+    assert float(line.split()[-1]) == speech_server.stats(1)["cached_tokens"]
+    _assert_equals_reference(again, ref_tokens, ref_codes, ref_wave)
 
 
 def _int16(wave: np.ndarray) -> np.ndarray:

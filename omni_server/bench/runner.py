@@ -309,7 +309,7 @@ async def _stage_counters(client: httpx.AsyncClient) -> list[dict]:
 
 def _stage_profile(before: list[dict], after: list[dict], wall: float) -> list[dict]:
     """Per stage over one level: steps, mean step time, busy fraction of the wall time, mean batch,
-    payload MB sent downstream, backpressure pauses, audio underruns (pieces sent after their
+    payload MB sent downstream, backpressure pauses, prompt tokens its prefix cache spared, audio underruns (pieces sent after their
     listener ran dry, and seconds dry: the stage's own view of playback stalls), and the mean time from a request's start to the
     stage's first output for it (`first_output_ms`: which stage holds the first packet back)."""
     rows = []
@@ -323,6 +323,7 @@ def _stage_profile(before: list[dict], after: list[dict], wall: float) -> list[d
                      "payload_mb": round(d["payload_bytes"] / 2**20, 2),
                      "backpressure_pauses": d["backpressure_pauses"],
                      "underruns": d["underruns"], "underrun_s": round(d["underrun_s"], 3),
+                     "cached_tokens": d["cached_tokens"],
                      "first_output_ms": round(1000 * d["first_output_s"] / d["first_outputs"], 1)
                      if d["first_outputs"] else None})
     return rows

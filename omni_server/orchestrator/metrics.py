@@ -50,11 +50,14 @@ class Metrics:
                                      labels, registry=r)
         self.stage_underrun_s = Gauge("omni_stage_audio_underrun_seconds_total", "Seconds streamed listeners' "
                                       "audio was out before a stage's next piece, summed", labels, registry=r)
+        self.stage_cached = Gauge("omni_stage_prefix_cached_tokens_total", "Prompt tokens a stage's prefix cache "
+                                  "spared", labels, registry=r)
         self._stage_fields = {"num_running": self.stage_running, "num_waiting": self.stage_waiting,
                               "steps": self.stage_steps, "step_s": self.stage_step_s,
                               "payload_bytes": self.stage_payload, "backpressure_pauses": self.stage_pauses,
                               "first_outputs": self.stage_firsts, "first_output_s": self.stage_first_s,
-                              "underruns": self.stage_underruns, "underrun_s": self.stage_underrun_s}
+                              "underruns": self.stage_underruns, "underrun_s": self.stage_underrun_s,
+                              "cached_tokens": self.stage_cached}
         self.stage_up = Gauge("omni_stage_up", "1 when the stage replica answered the scrape's stats query",
                               labels, registry=r)
 

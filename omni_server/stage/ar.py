@@ -438,6 +438,9 @@ class ARStage(Stage):
             for out in eco.outputs:
                 rid = out.request_id
                 finished = out.finish_reason is not None
+                prefill = out.prefill_stats  # (on a request's first output only)
+                if prefill is not None:
+                    self.cached_tokens += prefill.num_cached_tokens
                 tracked = self.tracked.get(rid)
                 if tracked is not None:
                     tracked.output_token_ids.extend(out.new_token_ids)
@@ -449,12 +452,11 @@ class ARStage(Stage):
                     # 0 once the request has left the scheduler (its finishing delta).
                     req = self.core.scheduler.requests.get(rid) if self.send_tokens else None
                     n_prompt = req.num_prompt_tokens if req is not None else 0
-                    prefill = out.prefill_stats if self.send_tokens else None  # (its first output only)
                     deltas.append(RequestDelta(
                         request_id=rid,
                         new_token_ids=list(out.new_token_ids) if self.send_tokens else [],
                         num_prompt_tokens=n_prompt,
-                        num_cached_tokens=prefill.num_cached_tokens if prefill is not None else 0,
+                        num_cached_tokens=prefill.num_cached_tokens if prefill is not None and self.send_tokens else 0,
                         finished=finished,
                         finish_reason=reason,
                         error=f"stage {self.stage.name}: engine error" if reason == "error" else None,

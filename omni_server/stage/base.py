@@ -119,6 +119,7 @@ class Stage:
         # starts at the first piece, real time): pieces and seconds of pause (generation stages).
         self.underruns = 0
         self.underrun_s = 0.0
+        self.cached_tokens = 0  # prompt tokens the prefix cache spared (AR stages)
         self.payload_bytes = 0
         # Arrival time of each request not yet past its first output (a per-stage timeline: with
         # every stage told of a request at its start, the mean delay shows which stage holds it).
@@ -321,7 +322,7 @@ class Stage:
                 request_ids=sorted(self.known_requests()), steps=self.steps,
                 step_s=round(self.step_s, 6), batch_sum=self.batch_sum,
                 backpressure_pauses=self.backpressure_pauses, payload_bytes=self.payload_bytes,
-                underruns=self.underruns, underrun_s=round(self.underrun_s, 6),
+                underruns=self.underruns, underrun_s=round(self.underrun_s, 6), cached_tokens=self.cached_tokens,
                 first_outputs=self.first_outputs, first_output_s=round(self.first_output_s, 6), pid=os.getpid(),
                 startup_s=round(self.startup_s, 2), info=self.info(), replica=self.replica))
         elif isinstance(msg, Shutdown):

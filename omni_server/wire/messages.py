@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import msgspec
 
-WIRE_VERSION = 5  # 5: RequestDelta.num_cached_tokens (4: StageStats.underruns, underrun_s)
+WIRE_VERSION = 5  # 5: RequestDelta.num_cached_tokens, StageStats.cached_tokens (4: StageStats.underruns, underrun_s)
 AUDIO_SAMPLE_RATE = 16000
 VIDEO_FPS = 2.0  # frames a second the api keeps of a video; the first stage's processor is told so
 
@@ -188,6 +188,8 @@ class StageStats(_Msg):
     # Streamed audio pieces sent after their listener's audio ran out, and the seconds it was out.
     underruns: int = 0
     underrun_s: float = 0.0
+    # Prompt tokens the stage's prefix cache spared (AR stages), summed over requests.
+    cached_tokens: int = 0
     # Requests that sent their first output (downstream or to the client), and the seconds from
     # each one's arrival here (at the request's start, for every stage on its route) to that output.
     first_outputs: int = 0
@@ -202,7 +204,7 @@ class StageStats(_Msg):
 # meaningful); both sum over replicas.
 STAGE_GAUGES = ("num_running", "num_waiting")
 STAGE_COUNTERS = ("steps", "step_s", "batch_sum", "backpressure_pauses", "payload_bytes", "first_outputs",
-                  "first_output_s", "underruns", "underrun_s")
+                  "first_output_s", "underruns", "underrun_s", "cached_tokens")
 
 
 Message = Union[

@@ -14,8 +14,10 @@ model_classes.register("qwen2_5_omni.talker", model_classes.ModelClass(
     architecture="OmniServerQwen2_5OmniTalker",
     target="omni_server.models.qwen2_5_omni.talker:Qwen2_5OmniTalker",
     sub_config="talker_config",
-    # The talker reads embeddings, never text; prefix caching would skip the per-request prompt rows.
-    engine_defaults={"skip_tokenizer_init": True, "enable_prompt_embeds": True, "enable_prefix_caching": False},
+    # The talker reads embeddings, never text. Its prefix cache keys blocks by their embeddings'
+    # bytes (vLLM hashes prompt embeds), so a turn whose prompt starts like an earlier one's (the
+    # thinker's cached rows are the very same values) reuses that prefix's KV here too.
+    engine_defaults={"skip_tokenizer_init": True, "enable_prompt_embeds": True},
 ))
 
 generators.register("qwen2_5_omni.token2wav", "omni_server.models.qwen2_5_omni.token2wav:Token2Wav")
