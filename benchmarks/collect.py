@@ -192,11 +192,11 @@ def collect(out: Path) -> dict:
         "splits_hbm_fraction_bs1": _hbm_fraction(out, "splits"),
         "splits_vllm_hbm_fraction_bs1": _hbm_fraction(out, "splits", "vllm"),
         **_served(out, "splits", "splits"),
-        # step `prefix`: a shared 1500-word system message, the thinker's prefix caching on / off,
+        # step `prefix`: a shared 1500-word system message, prefix caching on / off,
         # and runner_overhead.py with prefix caching on in both engines (variant `pc`)
         **_prefix(out),
-        # step `pcab`: the 7B config benched as `main` with the thinker's prefix caching on, off, on
-        **_served(out, "pcon", "pcon"), **_served(out, "pcoff", "pcoff"), **_served(out, "pcon2", "pcon2"),
+        # ... each of its servers also benched as `main` (keys pcon_*, pcoff_*)
+        **_served(out, "pcon", "pcon"), **_served(out, "pcoff", "pcoff"),
         "pc_runner_vs_vllm_bs1": _runner_ratio(out, 1, variant="pc"),
         "pc_runner_vs_vllm_bs32": _runner_ratio(out, 32, variant="pc"),
         "pc_hbm_fraction_bs1": _hbm_fraction(out, "pc"),

@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: prefix pcab qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -493,46 +493,39 @@ step_splits() {
 }
 
 step_prefix() {
-  # Prefix caching beside the talker (omni_server/stage/prefix_rows.py): every chat opens with the
-  # same system message of PREFIX_WORDS words (default 1500), so after the first the thinker computes
-  # only each prompt's own tail. The 7B config as shipped (caching on, the thinker's rows kept beside
-  # its KV cache), then with the thinker's caching off (keys prefix_on_*, prefix_off_*); then
-  # runner_overhead.py with prefix caching on in both engines (the served thinker's per-step cost of
-  # keeping the rows: keys pc_runner_vs_vllm_bs1/32, pc_hbm_fraction_bs1).
+  # Prefix caching beside the talker (omni_server/stage/prefix_rows.py), one server with it on (as
+  # shipped: the thinker's rows kept beside its KV cache, the talker caching its projected rows),
+  # one with the thinker's and the talker's caching off. Each is benched as `main` does (the bench's
+  # prompts share the chat template's system prompt: keys pcon_*, pcoff_*), then with every chat
+  # opening on one system message of PREFIX_WORDS words (default 1500: keys prefix_on_*, prefix_off_*).
+  # Then (unless PREFIX_RUNNER=0) runner_overhead.py with prefix caching on in both engines: the
+  # served thinker's per-step cost of keeping the rows (keys pc_runner_vs_vllm_bs1/32, pc_hbm_fraction_bs1).
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
   local v port=8050 mode
   for v in on off; do
     port=$((port + 1))
-    if [ $v = on ]; then serve prefix_$v $port $CFG; else
-      serve prefix_$v $port $CFG --stage-arg thinker.enable_prefix_caching=false; fi
+    if [ $v = on ]; then serve prefix_$v $port $CFG; else serve prefix_$v $port $CFG \
+      --stage-arg thinker.enable_prefix_caching=false --stage-arg talker.enable_prefix_caching=false; fi
     if wait_ready prefix_$v $port; then
+      bench pc$v $port
       local P="$B --base-url http://127.0.0.1:$port --shared-prefix-words ${PREFIX_WORDS:-1500}"
       $P --concurrency 1 --requests 1 --output $R/warm_prefix_$v.json > $R/bench_prefix_$v.log 2>&1
       $P --concurrency 1 --requests 3 --output $R/prefix_${v}_c1.json >> $R/bench_prefix_$v.log 2>&1
       $P --concurrency 16 --requests 16 --output $R/prefix_${v}_c16.json >> $R/bench_prefix_$v.log 2>&1
-      say "prefix caching $v: $(python3 benchmarks/gpu/brief.py $R/prefix_${v}_c1.json $R/prefix_${v}_c16.json)"
+      say "prefix caching $v, shared prefix: $(python3 benchmarks/gpu/brief.py $R/prefix_${v}_c1.json $R/prefix_${v}_c16.json)"
+      say "cached tokens per stage at c=16: $(python3 -c "import json,sys; print([s.get('cached_tokens') for s in json.load(open(sys.argv[1]))['levels'][0]['stages']])" $R/prefix_${v}_c16.json)"
       grep -a "KV cache size" $R/serve_prefix_$v.log | head -2 | cut -c1-200 | tee -a $R/progress.log
     fi
     stop prefix_$v
   done
   [ -z "${DRY:-}" ] || return 0  # (a CPU rehearsal: the runner benchmark is 7B-shaped)
+  [ "${PREFIX_RUNNER:-1}" = 1 ] || return 0
   for mode in vllm omni; do
     timeout 400 python3 benchmarks/runner_overhead.py --model qwen2-7b --mode $mode --batch 1 32 --prefix-caching \
       > $R/runner_pc_$mode.txt 2>&1
     say "runner $mode prefix caching: $(grep RESULT $R/runner_pc_$mode.txt | tr '\n' ' ')"
   done
-}
-
-step_pcab() {
-  # The 7B config benched as `main` does (the bench's own prompts: ~100 tokens of them shared, the
-  # chat template's system prompt), with the thinker's prefix caching on, off, then on again: its
-  # effect on the usual numbers, one machine (keys pcon_*, pcoff_*, pcon2_*).
-  free_gpus
-  export VLLM_CACHE_ROOT=/tmp/vc
-  served pcon 8061
-  served pcoff 8062 --stage-arg thinker.enable_prefix_caching=false
-  served pcon2 8063
 }
 
 step_rate() {
