@@ -110,6 +110,13 @@ def main() -> None:
         run()
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "cached.json").write_text(json.dumps(rec.cached))
+    kv = engine.core.scheduler.kv_cache_config
+    spec = kv.kv_cache_groups[0].kv_cache_spec
+    layers = len(kv.kv_cache_groups[0].layer_names)
+    (a.out / "kv.json").write_text(json.dumps({  # what the engine's KV budget bought
+        "budget": engine.vllm_config.cache_config.kv_cache_memory_bytes, "tokens": kv.num_blocks * spec.block_size,
+        "kv_bytes_per_token": layers * spec.page_size_bytes // spec.block_size,
+        "row_bytes": engine.vllm_config.model_config.get_hidden_size() * engine.dtype.itemsize}))
     counts: dict[str, int] = {}
     for step, msg in [(step, m) for step, m in rec.payloads if not m.request_id.startswith("other")]:
         n = counts[msg.request_id] = counts.get(msg.request_id, -1) + 1

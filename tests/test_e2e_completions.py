@@ -131,3 +131,14 @@ def test_echo_returns_the_prompt_as_sent(client):
 def test_refused_requests_are_400(client, kw, says):
     with pytest.raises(openai.BadRequestError, match=says):
         client.completions.create(model=MODEL, **kw)
+
+
+def test_usage_counts_what_the_prefix_cache_spared_once_per_prompt(client):
+    """A prompt sent again starts on the text stage's prefix cache: its usage says how many of its
+    tokens came from there (whole 128-token blocks on the CPU), each prompt counted once whatever n."""
+    text = "A long shared opening that repeats itself for a while. " * 30  # > one block of tokens
+    first = client.completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=[text, text + "More."], n=2, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens > 128
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 2 * 128 and cached % 128 == 0 and cached < again.usage.prompt_tokens

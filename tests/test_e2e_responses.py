@@ -166,3 +166,12 @@ def test_errors_and_streams_without_the_client(text_server):
         assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert '"response.completed"' in lines[-1] or '"response.incomplete"' in lines[-1]
+
+
+def test_usage_reports_the_prefix_cache(client):
+    """The same long input twice: the second response's input starts on the prefix cache."""
+    text = "Describe the harbour at dawn, the boats, the nets and the birds. " * 20
+    client.responses.create(model=MODEL, input=text, max_output_tokens=2, temperature=0)
+    again = client.responses.create(model=MODEL, input=text, max_output_tokens=2, temperature=0)
+    assert again.usage.input_tokens > 128
+    assert 128 <= again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens

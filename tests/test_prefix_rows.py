@@ -54,3 +54,7 @@ def test_a_cache_hit_still_sends_every_prompt_row(tmp_path, stream):
     assert a_steps == b_steps and b.shape[0] == len(THEN) + 2 + n_out - 1
     assert torch.equal(a[:BLOCK], b[:BLOCK])
     torch.testing.assert_close(a[:len(THEN)], b[:len(THEN)], rtol=1e-4, atol=1e-5)
+    # The stage's KV budget holds its KV and the rows beside it: as many tokens as fit in both.
+    kv = json.loads((tmp_path / "kv.json").read_text())
+    per_token = kv["kv_bytes_per_token"] + kv["row_bytes"]
+    assert kv["tokens"] * per_token <= kv["budget"] < (kv["tokens"] + BLOCK) * per_token
