@@ -124,17 +124,17 @@ def _served(out: Path, bench: str, key: str) -> dict:
             for what, field in (("ttfp_ms", "ttfp_ms"), ("rtf", "rtf")) for c in (1, 16)}
 
 
-def _prefix(out: Path) -> dict:
-    """Step `prefix`: TTFT and TTFP (p50) and RTF at c=1 and c=16 with the thinker's prefix caching
-    on and off, and the share of prompt tokens the cache spared."""
+def _prefix(out: Path, names=("prefix_on", "prefix_off")) -> dict:
+    """Steps `prefix` / `qwen3prefix` (shared-prefix benches): TTFT and TTFP (p50) and RTF at c=1 and
+    c=16 with prefix caching on and off, and the share of prompt tokens the cache spared."""
     keys = {}
-    for v in ("on", "off"):
-        keys |= _served(out, f"prefix_{v}", f"prefix_{v}")
+    for name in names:
+        keys |= _served(out, name, name)
         for c in (1, 16):
-            lv = _level(out / f"prefix_{v}_c{c}.json")
-            keys[f"prefix_{v}_ttft_ms_c{c}"] = _get(lv, "ttft_ms", "p50")
+            lv = _level(out / f"{name}_c{c}.json")
+            keys[f"{name}_ttft_ms_c{c}"] = _get(lv, "ttft_ms", "p50")
             prompt = _get(lv, "prompt_tokens")
-            keys[f"prefix_{v}_cached_share_c{c}"] = round(lv["cached_tokens"] / prompt, 3) if prompt else None
+            keys[f"{name}_cached_share_c{c}"] = round(lv["cached_tokens"] / prompt, 3) if prompt else None
     return keys
 
 
@@ -222,6 +222,9 @@ def collect(out: Path) -> dict:
         # ... and with its thinker and talker capped at part of the SMs (step `qwen3cap`)
         **_served(out, "qwen3cap", "qwen3cap"),
         "qwen3cap_ready_s": _ready_s(out / "serve_qwen3cap.log"),
+        # with its thinker's prefix caching on / off, each benched as `qwen3` and with a shared prefix (`qwen3prefix`)
+        **_served(out, "qwen3pcon", "qwen3pcon"), **_served(out, "qwen3pcoff", "qwen3pcoff"),
+        **_prefix(out, ("qwen3pcon_prefix", "qwen3pcoff_prefix")),
         # and under serve's own CUDA MPS daemon (step `qwen3mps`)
         **_served(out, "qwen3mps", "qwen3mps"),
         "qwen3mps_ready_s": _ready_s(out / "serve_qwen3mps.log"),

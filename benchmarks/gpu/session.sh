@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps t2wact talker t2w t2wfast runner mps
+# one GPU; also: prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -74,6 +74,17 @@ bench() {  # NAME PORT [MODEL]: warm-up, c=1 x3, c=16 x16
   say "$1 benched: $(python3 benchmarks/gpu/brief.py $R/$1_c1.json $R/$1_c16.json)"
 }
 
+bench_prefix() {  # NAME PORT [MODEL]: bench's warm-up, c=1 x3, c=16 x16, every chat opening on one
+  # system message of PREFIX_WORDS words (default 1500); prints each stage's cached tokens at c=16
+  local P="python3 -m omni_server.cli bench --model ${3:-$MODEL} --max-tokens 100 --audio"
+  P="$P --base-url http://127.0.0.1:$2 --shared-prefix-words ${PREFIX_WORDS:-1500}"
+  $P --concurrency 1 --requests 1 --output $R/warm_$1.json > $R/bench_$1.log 2>&1
+  $P --concurrency 1 --requests 3 --output $R/$1_c1.json >> $R/bench_$1.log 2>&1
+  $P --concurrency 16 --requests 16 --output $R/$1_c16.json >> $R/bench_$1.log 2>&1
+  say "$1 (shared prefix) benched: $(python3 benchmarks/gpu/brief.py $R/$1_c1.json $R/$1_c16.json)"
+  say "$1 cached tokens per stage at c=16: $(python3 -c "import json,sys; print([s.get('cached_tokens') for s in json.load(open(sys.argv[1]))['levels'][0]['stages']])" $R/$1_c16.json)"
+}
+
 served() {  # NAME PORT [serve arguments]: the 7B config ($CFG) with them, started, benched, stopped
   local name=$1 port=$2; shift 2
   serve $name $port $CFG "$@"
@@ -83,7 +94,7 @@ served() {  # NAME PORT [serve arguments]: the 7B config ($CFG) with them, start
 
 # (The steps that serve or read the 7B shape need it; ~20 s to write.)
 NEED7B=
-for s in $STEPS; do case $s in qwen3|qwen3eager|qwen3mps|aa|tests) ;; *) NEED7B=1 ;; esac; done
+for s in $STEPS; do case $s in qwen3|qwen3eager|qwen3mps|qwen3cap|qwen3prefix|aa|tests) ;; *) NEED7B=1 ;; esac; done
 if [ ! -f $M/config.json ] && [ -n "$NEED7B" ]; then
   python3 benchmarks/qwen2_5_omni_shape.py --out $M --size 7b --device cuda > $R/shape.log 2>&1
   say "7B shape checkpoint written (rc $?)"
@@ -509,12 +520,7 @@ step_prefix() {
       --stage-arg thinker.enable_prefix_caching=false --stage-arg talker.enable_prefix_caching=false; fi
     if wait_ready prefix_$v $port; then
       bench pc$v $port
-      local P="$B --base-url http://127.0.0.1:$port --shared-prefix-words ${PREFIX_WORDS:-1500}"
-      $P --concurrency 1 --requests 1 --output $R/warm_prefix_$v.json > $R/bench_prefix_$v.log 2>&1
-      $P --concurrency 1 --requests 3 --output $R/prefix_${v}_c1.json >> $R/bench_prefix_$v.log 2>&1
-      $P --concurrency 16 --requests 16 --output $R/prefix_${v}_c16.json >> $R/bench_prefix_$v.log 2>&1
-      say "prefix caching $v, shared prefix: $(python3 benchmarks/gpu/brief.py $R/prefix_${v}_c1.json $R/prefix_${v}_c16.json)"
-      say "cached tokens per stage at c=16: $(python3 -c "import json,sys; print([s.get('cached_tokens') for s in json.load(open(sys.argv[1]))['levels'][0]['stages']])" $R/prefix_${v}_c16.json)"
+      bench_prefix prefix_$v $port
       grep -a "KV cache size" $R/serve_prefix_$v.log | head -2 | cut -c1-200 | tee -a $R/progress.log
     fi
     stop prefix_$v
@@ -604,7 +610,8 @@ step_qwen3() {
     --stage-arg thinker.jit_monitor_verbose=true --stage-arg talker.jit_monitor_verbose=true \
     --stage-arg talker.env.OMNI_PROFILE=dir=$R/prof_$name,batch=1,skip=$skip,steps=$steps "$@"
   wait_ready $name 8021 && { nvidia-smi --query-gpu=index,memory.used --format=csv >> $R/progress.log
-                             bench $name 8021 ${MODEL3:-qwen3-omni}; }
+                             bench $name 8021 ${MODEL3:-qwen3-omni}
+                             [ -z "${QWEN3_PREFIX:-}" ] || bench_prefix ${name}_prefix 8021 ${MODEL3:-qwen3-omni}; }
   stop $name
   say "$name warm-up: $(grep -a 'warm-up:' $R/serve_$name.log | cut -c1-240 | tr '\n' ' ')"
   say "$name slow loop turns: $(grep -ac 'between engine steps' $R/serve_$name.log), kernels compiled while serving: $(grep -ac 'JIT compilation during inference' $R/serve_$name.log)"
@@ -612,6 +619,12 @@ step_qwen3() {
 }
 # The same without the code predictor's compile (the Qwen3 config's since the eleventh run: c=1 talker
 # step 27.0 -> 13.1 ms). Keys qwen3eager_*.
+# Qwen3 with and without its thinker's prefix caching, each also benched with a shared PREFIX_WORDS
+# system message (keys qwen3pcon_*, qwen3pcoff_*, qwen3pcon_prefix_*, qwen3pcoff_prefix_*).
+step_qwen3prefix() {
+  QWEN3_PREFIX=1 step_qwen3 qwen3pcon
+  QWEN3_PREFIX=1 step_qwen3 qwen3pcoff --stage-arg thinker.enable_prefix_caching=false
+}
 step_qwen3eager() { step_qwen3 qwen3eager --stage-arg talker.additional_config.code_predictor.compile=false; }
 # The same with its thinker and talker capped at QWEN3_CAP% of the SMs under MPS (default 50: the 7B
 # config's cap, eighteenth run; the Qwen3 config has none yet). Keys qwen3cap_*.
