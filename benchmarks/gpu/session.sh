@@ -434,10 +434,14 @@ step_spy() {
   # (benchmarks/gpu/cpu_threads.py: a host-bound loop shows its thread near 1.0 of wall) and py-spy's
   # samples of their Python stacks (non-blocking, idle frames kept: waits show as such; summed by
   # benchmarks/gpu/spy_top.py). py-spy: a static binary in .gpu/extra (README).
+  # SPY_PREFIX=N: every chat opens on one N-word system message (bench --shared-prefix-words), and
+  # the c=16 samples start with the burst (where its first outputs wait).
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
   serve spy 8035 $CFG
   wait_ready spy 8035 || return
+  local B=$B
+  [ -z "${SPY_PREFIX:-}" ] || B="$B --shared-prefix-words $SPY_PREFIX"
   mkdir -p $R/spy
   SPY_PIDS=""
   local s p
@@ -445,7 +449,7 @@ step_spy() {
   echo "stage pids (thinker talker token2wav):$SPY_PIDS" > $R/spy/pids.txt
   $B --base-url http://127.0.0.1:8035 --concurrency 1 --requests 1 --output $R/warm_spy.json > $R/bench_spy.log 2>&1
   spy_during 1 3 1 4
-  spy_during 16 16 1 4
+  spy_during 16 16 $([ -n "${SPY_PREFIX:-}" ] && echo 0 || echo 1) 4
   say "spy: $(python3 benchmarks/gpu/brief.py $R/spy_c1.json $R/spy_c16.json); $(grep -h 'pid' $R/spy/cpu_c*.txt | tr '\n' ' ')"
   stop spy
 }
@@ -621,9 +625,13 @@ step_qwen3() {
 # step 27.0 -> 13.1 ms). Keys qwen3eager_*.
 # Qwen3 with and without its thinker's prefix caching, each also benched with a shared PREFIX_WORDS
 # system message (keys qwen3pcon_*, qwen3pcoff_*, qwen3pcon_prefix_*, qwen3pcoff_prefix_*).
+# QWEN3_PC: which of the two (default "on off").
 step_qwen3prefix() {
-  QWEN3_PREFIX=1 step_qwen3 qwen3pcon
-  QWEN3_PREFIX=1 step_qwen3 qwen3pcoff --stage-arg thinker.enable_prefix_caching=false
+  local v
+  for v in ${QWEN3_PC:-on off}; do
+    if [ $v = on ]; then QWEN3_PREFIX=1 step_qwen3 qwen3pcon
+    else QWEN3_PREFIX=1 step_qwen3 qwen3pcoff --stage-arg thinker.enable_prefix_caching=false; fi
+  done
 }
 step_qwen3eager() { step_qwen3 qwen3eager --stage-arg talker.additional_config.code_predictor.compile=false; }
 # The same with its thinker and talker capped at QWEN3_CAP% of the SMs under MPS (default 50: the 7B
