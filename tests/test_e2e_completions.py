@@ -127,6 +127,7 @@ def test_echo_returns_the_prompt_as_sent(client):
     (dict(prompt=["1", 2]), "prompt"),  # (not coerced to token ids)
     (dict(prompt=["x"] * 40, n=8), "limit is 256 at a time"),  # (a 429 would never clear)
     (dict(prompt="x", stream_options={"include_usage": True}), "stream_options"),  # (without stream)
+    (dict(prompt="x", extra_body={"cache_salt": ""}), "cache_salt"),
 ])
 def test_refused_requests_are_400(client, kw, says):
     with pytest.raises(openai.BadRequestError, match=says):
@@ -142,3 +143,20 @@ def test_usage_counts_what_the_prefix_cache_spared_once_per_prompt(client):
     assert first.usage.prompt_tokens > 128
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached >= 2 * 128 and cached % 128 == 0 and cached < again.usage.prompt_tokens
+
+
+def test_cache_salt_keeps_cached_prefixes_apart(client):
+    """`cache_salt` (vLLM's extension): a prompt is served from the prefix cache only to requests
+    with the salt it was first computed under; another salt, or none, computes it again."""
+    text = "Salted words about a quiet orchard and its old stone wall. " * 30
+
+    def cached(**salt) -> int:
+        resp = client.completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0,
+                                          extra_body=salt or None)
+        return resp.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="alpha") == 0
+    assert cached(cache_salt="alpha") >= 128
+    assert cached(cache_salt="beta") == 0
+    assert cached() == 0  # (the unsalted cache never held it)
+    assert cached() >= 128

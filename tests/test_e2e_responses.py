@@ -175,3 +175,7 @@ def test_usage_reports_the_prefix_cache(client):
     again = client.responses.create(model=MODEL, input=text, max_output_tokens=2, temperature=0)
     assert again.usage.input_tokens > 128
     assert 128 <= again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
+    # Under a salt the same input is computed again (and then shared with that salt only).
+    salted = [client.responses.create(model=MODEL, input=text, max_output_tokens=2, temperature=0,
+                                      extra_body={"cache_salt": "tenant-1"}) for _ in range(2)]
+    assert [r.usage.input_tokens_details.cached_tokens >= 128 for r in salted] == [False, True]

@@ -253,6 +253,34 @@ def test_next_turn_starts_on_the_prefix_cache_and_still_matches_transformers(cli
     _assert_equals_reference(again, ref_tokens, ref_codes, ref_wave)
 
 
+def test_cache_salt_reaches_the_talker(client, speech_server):
+    """A speech chat's `cache_salt` salts the talker's prefix cache too (its prompt embeddings alone
+    would match another tenant's): the same turn under one salt hits in both AR stages, under
+    another in neither."""
+    story = " ".join(["Rain on the tin roof kept time with the old clock in the hall."] * 12)
+
+    def turn(salt: str) -> tuple[int, int]:
+        before = speech_server.stats(1)["cached_tokens"]
+        resp = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": story}], max_tokens=4, temperature=0, seed=3,
+            modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"},
+            extra_body={"cache_salt": salt})
+        return resp.usage.prompt_tokens_details.cached_tokens, speech_server.stats(1)["cached_tokens"] - before
+
+    assert turn("one") == (0, 0)
+    thinker, talker = turn("one")
+    assert thinker >= 128 and talker >= 128
+    assert turn("two") == (0, 0)
+    # /v1/audio/speech takes it too: unsalted first, then salted twice.
+    spoken = []
+    for salt in (None, "three", "three"):
+        before = speech_server.stats(0)["cached_tokens"]
+        client.audio.speech.create(model=MODEL, input=story, voice="Chelsie", response_format="pcm",
+                                   extra_body={"seed": 1, **({"cache_salt": salt} if salt else {})})
+        spoken.append(speech_server.stats(0)["cached_tokens"] - before)
+    assert spoken[1] == 0 and spoken[2] >= 128, spoken
+
+
 def _int16(wave: np.ndarray) -> np.ndarray:
     return np.round(np.clip(wave, -1, 1) * 32767).astype("<i2")
 

@@ -32,7 +32,7 @@ from omni_server.api.runs import Completion, Run, SpeechStream, TextCompletionRu
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.orchestrator import Orchestrator, RequestState, StageUnavailable
-from omni_server.wire.messages import (AUDIO_SAMPLE_RATE, REPLY_FROM_OPTION, STAGE_COUNTERS, STAGE_GAUGES,
+from omni_server.wire.messages import (AUDIO_SAMPLE_RATE, CACHE_SALT_OPTION, REPLY_FROM_OPTION, STAGE_COUNTERS, STAGE_GAUGES,
                                        VOICE_OPTION, SamplingSpec)
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"model `{state.cfg.model}` has no text output for logprobs", param="logprobs")
         decoded, prompt_ids = await _chat_prompt(state, body)
         outputs = _modalities(state, body)
-        options: dict[str, str] = {}
+        options = _salted({}, body)
         audio_format = None
         if "audio" in outputs:
             options[VOICE_OPTION] = state.check_voice(body.audio.voice if body.audio else None, "audio.voice")
@@ -207,7 +207,7 @@ def create_app(state: ServerState) -> FastAPI:
         decoded, prompt_ids = await _chat_prompt(state, body, param="input")
         orch = _orch(state)
         [req] = await _submit(state, orch, [f"resp-{uuid.uuid4().hex}"], [prompt_ids], [_sampling(state, body)],
-                              {"text"}, {}, decoded)
+                              {"text"}, _salted({}, body), decoded)
         out = responses.ResponseRun(Run(state, orch, req, body, prompt_ids), raw, state.cfg.model)
         if body.stream:
             return await _streamed(request, out, lambda first: typed_events(out.events(first), out.abort))
@@ -229,7 +229,7 @@ def create_app(state: ServerState) -> FastAPI:
         completion_id, n, total = f"cmpl-{uuid.uuid4().hex}", body.n, len(prompts) * body.n
         # Choice k answers prompt k // n, seeded as a chat's choice k % n.
         reqs = await _submit(state, orch, _request_ids(completion_id, total), [prompts[k // n] for k in range(total)],
-                             [_choice_sampling(sampling, k % n) for k in range(total)], {"text"}, {})
+                             [_choice_sampling(sampling, k % n) for k in range(total)], {"text"}, _salted({}, body))
         echoes = completions.echoes(state.text, body.prompt, prompts) if body.echo else [""] * len(prompts)
         done = TextCompletionRun(completion_id, [Run(state, orch, req, chat, prompts[k // n], index=k)
                                                for k, req in enumerate(reqs)], [echoes[k // n] for k in range(total)])
@@ -258,7 +258,7 @@ def create_app(state: ServerState) -> FastAPI:
         orch = _orch(state)
         request_id = f"speech-{uuid.uuid4().hex}"
         [req] = await _submit(state, orch, [request_id], [prompt_ids], [sampling], {"audio"},
-                              {VOICE_OPTION: voice, REPLY_FROM_OPTION: str(len(prefix))})
+                              _salted({VOICE_OPTION: voice, REPLY_FROM_OPTION: str(len(prefix))}, body))
 
         speech_out = SpeechStream(state, orch, req, fmt, n_input=len(reply), speed=body.speed)
         if body.stream_format == "sse":
@@ -422,6 +422,13 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
     if response_format == "text":
         return Response(text, media_type="text/plain; charset=utf-8")
     return {"text": text, "usage": transcription.usage(run.n_prompt, run.completion_tokens)}
+
+
+def _salted(options: dict[str, str], body) -> dict[str, str]:
+    """The request's options plus its prefix-cache salt, when it gave one (every AR stage uses it)."""
+    if body.cache_salt:
+        options[CACHE_SALT_OPTION] = body.cache_salt
+    return options
 
 
 def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:

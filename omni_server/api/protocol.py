@@ -171,6 +171,8 @@ class ChatCompletionRequest(_Lenient):
     # Extensions (vLLM-compatible names), passed by the openai client through `extra_body`.
     ignore_eos: bool = False
     return_token_ids: bool = False
+    # Prefix-cache salt (vLLM's name): only requests with the same salt reuse each other's cached prefixes.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     _stream_options = field_validator("stream_options")(classmethod(stream_options_need_stream))
 
@@ -344,6 +346,8 @@ class CompletionRequest(_Lenient):
     user: str | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    # Prefix-cache salt (vLLM's name): only requests with the same salt reuse each other's cached prefixes.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     _bias = field_validator("logit_bias")(classmethod(lambda cls, v: logit_bias(v)))
     _stop_list = field_validator("stop")(classmethod(lambda cls, v: stop_list(v)))
@@ -405,6 +409,8 @@ class SpeechRequest(_Lenient):
     stream_format: Literal["audio", "sse"] = "audio"
     # Extension: seed of every sampling stage (talker, the vocoder's noise): same seed, same waveform.
     seed: Seed = None
+    # Prefix-cache salt (vLLM's name): only requests with the same salt reuse each other's cached prefixes.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
 
 class VoiceList(BaseModel):

@@ -26,6 +26,7 @@ from omni_server.wire.messages import (
     ExpectRequest,
     RequestDelta,
     AUDIO_SAMPLE_RATE,
+    CACHE_SALT_OPTION,
     VIDEO_FPS,
     SamplingSpec,
     StagePayload,
@@ -279,7 +280,7 @@ class ARStage(Stage):
         except Exception as e:  # media that are not what the api sends
             self.fail(msg.request_id, f"stage {self.stage.name}: bad media: {e}", code=400)
             return
-        self._add(msg.request_id, prompt, msg.sampling, msg.forward_to)
+        self._add(msg.request_id, prompt, msg.sampling, msg.forward_to, cache_salt=msg.options.get(CACHE_SALT_OPTION))
 
     def _prompt(self, msg: AddRequest) -> dict[str, Any]:
         # A typed dict is input vLLM takes as already processed; a prompt with media must go through
@@ -305,7 +306,8 @@ class ARStage(Stage):
 
     def start(self, expect: ExpectRequest, stage_input: StageInput, final: bool = True) -> None:
         self._add(expect.request_id, stage_input.prompt, expect.sampling, expect.forward_to,
-                  step_embeds=stage_input.step_embeds, positions=stage_input.positions)
+                  step_embeds=stage_input.step_embeds, positions=stage_input.positions,
+                  cache_salt=expect.options.get(CACHE_SALT_OPTION))
         if not final and expect.request_id in self.in_engine:
             rows = stage_input.step_embeds
             self.stream_in[expect.request_id] = 0 if rows is None else len(rows)
@@ -334,7 +336,10 @@ class ARStage(Stage):
         return sources if self.stream_in.pop(request_id, None) is not None else None
 
     def _add(self, request_id: str, prompt: dict, spec: SamplingSpec, forward_to: list[int],
-             step_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
+             step_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+             cache_salt: str | None = None) -> None:
+        if cache_salt:  # (vLLM hashes it into the first block, so every later block's hash differs too)
+            prompt = {**prompt, "cache_salt": cache_salt}
         try:
             with_hidden = any(processors.reads_hidden(self.cfg.stage(c).input_processor) for c in forward_to)
             params = self._sampling_params(spec, emit_hidden=with_hidden, step_embeds=step_embeds,

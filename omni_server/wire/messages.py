@@ -19,6 +19,9 @@ VIDEO_FPS = 2.0  # frames a second the api keeps of a video; the first stage's p
 # Request option names (AddRequest/ExpectRequest.options) the api sets and stages read.
 VOICE_OPTION = "voice"  # the generator's / talker's voice
 REPLY_FROM_OPTION = "reply_from"  # text-to-speech: prompt index where the given reply starts
+# The request's prefix-cache salt: AR stages key its KV blocks by it too, so only requests with the
+# same salt share cached prefixes (tenants that must not learn of each other's prompts by timing).
+CACHE_SALT_OPTION = "cache_salt"
 
 
 class _Msg(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=True):
