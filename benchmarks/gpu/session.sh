@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix t2wact talker t2w t2wfast runner mps
+# one GPU; also: prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -309,6 +309,20 @@ step_prof() {
   wait_ready prof 8016 && bench prof 8016
   stop prof
   say "profiles: $(ls $R/prof 2>/dev/null | tr '\n' ' ')"
+}
+
+step_prefixprof() {
+  # Where the first outputs of 16 long-prompt chats at once wait (twentieth run: the thinker's came
+  # ~500 ms after arrival with 95% of the prompt cached): `prefix`'s shared-prefix bench with
+  # torch-profiler Chrome traces (trace=1) of the thinker's and talker's first 40 steps once 12
+  # requests run (the c=16 burst's start). In $R/pprof (*.json: chrome://tracing or Perfetto).
+  free_gpus
+  export VLLM_CACHE_ROOT=/tmp/vc
+  local p="dir=$R/pprof,batch=${PPROF_BATCH:-12},skip=0,steps=40,trace=1"
+  serve pprof 8052 $CFG --stage-arg thinker.env.OMNI_PROFILE=$p --stage-arg talker.env.OMNI_PROFILE=$p
+  wait_ready pprof 8052 && bench_prefix pprof 8052
+  stop pprof
+  say "prefix profiles: $(ls $R/pprof 2>/dev/null | tr '\n' ' ')"
 }
 
 first_window() {  # FRAMES PORT [--stage-arg ...]: the one-GPU layout, token2wav's first window FRAMES mel frames
