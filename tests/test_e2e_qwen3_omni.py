@@ -397,6 +397,28 @@ def _check_speech(client):
     assert np.abs(pcm - wave.clamp(-1, 1).numpy()).max() < 2e-4  # pcm16 rounding
 
 
+def test_repeated_turn_starts_on_the_talkers_prefix_cache(client, qwen3_server):
+    """The same long speech turn again: the talker's prompt (the user turn's rows, then the
+    assistant's) starts on its own prefix cache, and codes and waveform are still transformers'."""
+    import base64
+
+    story = " ".join(["The lighthouse keeper wrote down every ship that passed the point."] * 12)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": story}], max_tokens=MAX_TOKENS, temperature=0,
+                  modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    client.chat.completions.create(**kwargs)
+    before = qwen3_server.stats(1)["cached_tokens"]
+    resp = client.chat.completions.create(**kwargs)
+    assert qwen3_server.stats(1)["cached_tokens"] - before >= 128
+    codes = resp.model_extra["omni_outputs"]["talker"]["token_ids"]
+    thinker, ref_codes, _, wave = _hf_speech(_model_dir(), resp.model_extra["prompt_token_ids"], MAX_TOKENS, "ethan",
+                                             len(codes))
+    assert resp.choices[0].model_extra["token_ids"] == thinker
+    assert codes == ref_codes, (codes, ref_codes)
+    pcm = np.frombuffer(base64.b64decode(resp.choices[0].message.audio.data), dtype="<i2").astype(np.float32) / 32768
+    assert pcm.shape == wave.shape and np.abs(pcm - wave.clamp(-1, 1).numpy()).max() < 2e-4
+
+
 def test_speech_about_an_image_equals_transformers(client):
     """With an image in the prompt the talker's positions are 3-D (the image's grid, from the
     thinker's positions): its codes and the waveform are still transformers'."""

@@ -139,6 +139,32 @@ def test_image_prompt_gives_the_talker_its_3d_positions(tiny_models):
     assert _ours(model_dir, bare, "Ethan").positions is None
 
 
+def test_media_the_talker_never_sees_keys_its_prefix_cache_by_positions(tiny_models):
+    """The talker's prefix cache keys blocks by its prompt rows' bytes. Text rows are the same after
+    any history, and their positions shift only by what the talker prompt drops, one per token; an
+    image in a dropped turn shifts them by its grid, so such a prompt is salted by its positions."""
+    model_dir = tiny_models["tiny-qwen3-omni-moe"]
+    _, proc = _hf(model_dir)
+    rgb = (torch.arange(96 * 160 * 3) % 251).reshape(96, 160, 3).to(torch.uint8).numpy()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+                {"role": "assistant", "content": "A pattern."},
+                {"role": "user", "content": "Say something about the sea."}]
+    text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    payload, out = _check(model_dir, dict(proc(text=text, images=[rgb], return_tensors="pt")), "Ethan")
+    assert "cache_salt" not in out.prompt  # (the image is in the talker's prompt: its rows show it)
+    # The same ids with the image's turn a system turn: the talker drops it, image and all.
+    ids = list(payload.prompt_token_ids)
+    user, system = proc.tokenizer.convert_tokens_to_ids(["user", "system"])
+    ids[ids.index(user)] = system
+    moved = StagePayload(request_id="r", source_stage=0, prompt_token_ids=ids, output_token_ids=payload.output_token_ids,
+                         tensors=payload.tensors)
+    salted = _ours(model_dir, moved, "Ethan")
+    assert salted.prompt["cache_salt"].startswith("positions:")
+    bare = StagePayload(request_id="r", source_stage=0, prompt_token_ids=ids, output_token_ids=payload.output_token_ids,
+                        tensors={k: v for k, v in payload.tensors.items() if k != "mrope_positions"})
+    assert "cache_salt" not in _ours(model_dir, bare, "Ethan").prompt  # (plain positions: the rows say it all)
+
+
 def test_streamed_payload_starts_on_the_first_reply_token_and_grows(tiny_models):
     model_dir = tiny_models["tiny-qwen3-omni-moe"]
     _, proc = _hf(model_dir)

@@ -339,7 +339,8 @@ class ARStage(Stage):
              step_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None,
              cache_salt: str | None = None) -> None:
         if cache_salt:  # (vLLM hashes it into the first block, so every later block's hash differs too)
-            prompt = {**prompt, "cache_salt": cache_salt}
+            own = prompt.get("cache_salt")  # (a processor's own, e.g. for positions the rows do not show)
+            prompt = {**prompt, "cache_salt": f"{cache_salt}|{own}" if own else cache_salt}
         try:
             with_hidden = any(processors.reads_hidden(self.cfg.stage(c).input_processor) for c in forward_to)
             params = self._sampling_params(spec, emit_hidden=with_hidden, step_embeds=step_embeds,

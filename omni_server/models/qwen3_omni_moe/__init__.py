@@ -25,8 +25,9 @@ model_classes.register("qwen3_omni_moe.talker", model_classes.ModelClass(
     architecture="OmniServerQwen3OmniMoeTalker",
     target="omni_server.models.qwen3_omni_moe.talker:Qwen3OmniMoeTalker",
     sub_config="talker_config",
-    # The talker reads embeddings, never text; prefix caching would skip the per-request prompt rows.
-    engine_defaults={"skip_tokenizer_init": True, "enable_prompt_embeds": True, "enable_prefix_caching": False},
+    # The talker reads embeddings, never text. Its prefix cache keys blocks by their embeddings' bytes:
+    # a conversation's earlier user turns (text rows, or the thinker's cached rows of its media) hit.
+    engine_defaults={"skip_tokenizer_init": True, "enable_prompt_embeds": True},
     adapt_config=_talker_mrope,
 ))
 

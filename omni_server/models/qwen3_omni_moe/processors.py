@@ -24,6 +24,7 @@ the 9 rows one position apart; decode continues 1-D after the largest. For text 
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 from dataclasses import dataclass
 
@@ -200,13 +201,18 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
     # The ids are what a repetition penalty counts from the prompt: codec_pad is among the ids the
     # talker never samples (talker.SUPPRESSED_TOP), so the penalty counts the output codes only, as
     # transformers' (its talker.generate gets no input ids).
-    return StageInput(
-        prompt={"type": "embeds", "prompt_embeds": prompt,
-                "prompt_token_ids": [t.codec_pad] * n, "is_token_ids": [False] * n},
-        step_embeds=reply,
-        positions=talker_positions(p.tensors.get("mrope_positions"), user, n - len(user)),
-        host_ready=copied,
-    )
+    positions = talker_positions(p.tensors.get("mrope_positions"), user, n - len(user))
+    talker_prompt = {"type": "embeds", "prompt_embeds": prompt,
+                     "prompt_token_ids": [t.codec_pad] * n, "is_token_ids": [False] * n}
+    # The talker's prefix cache keys blocks by these rows' bytes, not by their positions. Text rows
+    # do not depend on what came before them, and their positions do only through what the talker
+    # prompt leaves out (system and assistant turns), one position a token, unless that holds media:
+    # then the positions go into the key (the same rows after other media are another prefix).
+    dropped = torch.ones(len(ids), dtype=torch.bool)
+    dropped[user] = False
+    if positions is not None and bool(torch.isin(ids[dropped], t.media_ids_host).any()):
+        talker_prompt["cache_salt"] = "positions:" + hashlib.blake2b(positions.numpy().tobytes(), digest_size=16).hexdigest()
+    return StageInput(prompt=talker_prompt, step_embeds=reply, positions=positions, host_ready=copied)
 
 
 def talker_positions(thinker: torch.Tensor | None, user: torch.Tensor, rows: int) -> torch.Tensor | None:
