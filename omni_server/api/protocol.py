@@ -115,6 +115,8 @@ class ResponseFormat(_Lenient):
 
 # A request's `seed`: int64, as vLLM's server takes it (a larger one would fail in the stages: a 500).
 Seed = Annotated[int | None, Field(ge=-(2**63), le=2**63 - 1)]
+# Prefix-cache salt (vLLM's extension): only requests with the same salt reuse each other's cached prefixes.
+CacheSalt = Annotated[str | None, Field(min_length=1, max_length=256)]
 
 # The most choices (`n`) one chat request may ask for.
 MAX_CHOICES = 8
@@ -171,8 +173,7 @@ class ChatCompletionRequest(_Lenient):
     # Extensions (vLLM-compatible names), passed by the openai client through `extra_body`.
     ignore_eos: bool = False
     return_token_ids: bool = False
-    # Prefix-cache salt (vLLM's name): only requests with the same salt reuse each other's cached prefixes.
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: CacheSalt = None
 
     _stream_options = field_validator("stream_options")(classmethod(stream_options_need_stream))
 
@@ -346,8 +347,7 @@ class CompletionRequest(_Lenient):
     user: str | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
-    # Prefix-cache salt (vLLM's name): only requests with the same salt reuse each other's cached prefixes.
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: CacheSalt = None
 
     _bias = field_validator("logit_bias")(classmethod(lambda cls, v: logit_bias(v)))
     _stop_list = field_validator("stop")(classmethod(lambda cls, v: stop_list(v)))
@@ -409,8 +409,7 @@ class SpeechRequest(_Lenient):
     stream_format: Literal["audio", "sse"] = "audio"
     # Extension: seed of every sampling stage (talker, the vocoder's noise): same seed, same waveform.
     seed: Seed = None
-    # Prefix-cache salt (vLLM's name): only requests with the same salt reuse each other's cached prefixes.
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: CacheSalt = None
 
 
 class VoiceList(BaseModel):
