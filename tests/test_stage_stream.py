@@ -304,3 +304,29 @@ def test_a_consumer_waiting_for_input_is_never_too_far_behind():
     assert t.too_far_ahead()
     t.done_to.add(1)  # it finished first (consumed -1)
     assert not t.too_far_ahead()
+
+
+def test_chunks_send_views_of_one_piece_and_cut_the_final_rows():
+    """A chunk within one held piece (a long prompt's rows: one step's) goes out as a view of it,
+    not a copy; the final chunk of a streamed-only request sends the rows not sent yet, up to its
+    last fed position, without joining all of them; rows past that position never go out."""
+    from omni_server.stage.ar import ARStage, _Tracked
+
+    sent = []
+    stage = SimpleNamespace(stage_id=0, send_stage=lambda dst, rid, msg: sent.append(msg))
+    rows = torch.arange(40.0).reshape(10, 4)
+    tracked = _Tracked(list(range(7)), [1], [1], 4)
+    tracked.output_token_ids = [1]
+    tracked.hidden, tracked.hidden_len = [rows[:8]], 8  # prompt + reply position 0, one step's
+    ARStage._send_chunk(stage, "r", tracked, final=False)
+    assert sent[-1].tensors["hidden"].data_ptr() == rows.data_ptr() and tracked.sent_rows == 8
+    assert torch.equal(sent[-1].tensors["hidden"], rows[:8]) and sent[-1].prompt_token_ids == list(range(7))
+    tracked.hidden += [rows[8:9], rows[9:10]]  # the last step ran one position past the end
+    tracked.hidden_len, tracked.output_token_ids = 10, [1, 2, 3]
+    ARStage._send_chunk(stage, "r", tracked, final=True, end=9)
+    assert torch.equal(sent[-1].tensors["hidden"], rows[8:9]) and sent[-1].final and tracked.sent_rows == 9
+    ARStage._send_chunk(stage, "r", tracked, final=True, end=7)  # (all sent already: nothing more)
+    assert sent[-1].tensors["hidden"].shape == (0, 4)  # (the talker appends it to its rows)
+    tracked.sent_rows = 4  # several pieces: joined, then cut at `end`
+    ARStage._send_chunk(stage, "r", tracked, final=True, end=9)
+    assert torch.equal(sent[-1].tensors["hidden"], rows[4:9])

@@ -483,14 +483,16 @@ class ARStage(Stage):
                     if tracked is not None:
                         del self.tracked[rid]
                         self._forward(rid, tracked)
+        # The client's tokens first: a long prompt's first chunk carries its hidden rows (15 MB for
+        # 2,000 rows of the 7B thinker), and a burst of them must not hold up every request's text.
+        if deltas:
+            self.send_outputs(deltas)
         if chunk_due:
             # Sent in this step, not the next (the talker reads one thinker row per step, token2wav
             # windows need whole runs of codes): wait for the rows' copy now (done or nearly: the
             # step's tokens are here).
             self._settle()
             self._stream_out(rows_chunk)
-        if deltas:
-            self.send_outputs(deltas)
         self._report_use()
         return max(scheduled, sum(len(eco.outputs) for eco in outputs.values()))
 
@@ -548,21 +550,31 @@ class ARStage(Stage):
             if tracked.stream_to and tracked.chunk_ready(rows_chunk):
                 self._send_chunk(rid, tracked, final=False)
 
-    def _send_chunk(self, request_id: str, tracked: _Tracked, final: bool, rows: torch.Tensor | None = None) -> None:
-        """`rows`: all of the request's rows (its final chunk); else the rows not sent yet are
-        joined from the last pieces only (joining every piece per chunk is quadratic in length)."""
+    def _send_chunk(self, request_id: str, tracked: _Tracked, final: bool, rows: torch.Tensor | None = None,
+                    end: int | None = None) -> None:
+        """`rows`: all of the request's rows (its final chunk); else the rows not sent yet, up to
+        `end` (default: all held), are taken from the last pieces only (joining every piece per
+        chunk is quadratic in length; one piece is sent as a view of itself, not copied: a long
+        prompt's rows are one piece)."""
         first = tracked.sent_rows == 0 and tracked.sent_tokens == 0
         if rows is not None:
             new, end = rows[tracked.sent_rows:], len(rows)
         else:
-            end, pieces, covered = tracked.hidden_len, [], 0
+            end = tracked.hidden_len if end is None else min(end, tracked.hidden_len)
+            pieces, covered, skip = [], 0, tracked.hidden_len - end  # (rows past `end`: not sent)
             for piece in reversed(tracked.hidden):
-                if covered >= end - tracked.sent_rows:
+                if covered >= tracked.hidden_len - tracked.sent_rows:
                     break
                 pieces.append(piece)
                 covered += len(piece)
-            new = torch.cat(pieces[::-1])[covered - (end - tracked.sent_rows):] if pieces else torch.empty(0)
-        tensors = {"hidden": new} if tracked.with_hidden else {}  # (fresh memory: a cat, not a capture)
+            start = covered - (tracked.hidden_len - tracked.sent_rows)
+            if not pieces:  # (all sent: an empty slice keeps the rows' shape and dtype)
+                new = tracked.hidden[-1][:0] if tracked.hidden else torch.empty(0)
+            elif len(pieces) == 1:
+                new = pieces[0][start:max(len(pieces[0]) - skip, 0)]
+            else:
+                new = torch.cat(pieces[::-1])[start:max(covered - skip, 0)]
+        tensors = {"hidden": new} if tracked.with_hidden else {}
         if first:
             tensors.update(_prompt_tensors(tracked))
         if len(tracked.frames) > tracked.sent_frames:
@@ -581,15 +593,17 @@ class ARStage(Stage):
     def _forward(self, request_id: str, tracked: _Tracked) -> None:
         for capture in self._in_flight:  # (its rows may be in this step's capture)
             capture.wait()
-        hidden = torch.cat(tracked.hidden) if tracked.hidden else torch.empty(0)
         # One row per fed position: prompt + every output token but the last (cut short by
         # finish_early, a step may have run one position further).
-        hidden = hidden[:len(tracked.prompt_token_ids) + len(tracked.output_token_ids) - 1]
+        rows = len(tracked.prompt_token_ids) + len(tracked.output_token_ids) - 1
+        full_to = [d for d in tracked.forward_to if d not in tracked.stream_to]
+        if not full_to:  # (streamed only: the rows not sent yet, without joining all of them)
+            self._send_chunk(request_id, tracked, final=True, end=max(rows, 0))
+            return
+        hidden = torch.cat(tracked.hidden) if tracked.hidden else torch.empty(0)
+        hidden = hidden[:rows]
         if tracked.stream_to:
             self._send_chunk(request_id, tracked, final=True, rows=hidden)
-        full_to = [d for d in tracked.forward_to if d not in tracked.stream_to]
-        if not full_to:
-            return
         payload = StagePayload(
             request_id=request_id, source_stage=self.stage_id,
             prompt_token_ids=tracked.prompt_token_ids, output_token_ids=tracked.output_token_ids,
