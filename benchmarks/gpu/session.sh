@@ -527,12 +527,13 @@ step_prefix() {
   # one with the thinker's and the talker's caching off. Each is benched as `main` does (the bench's
   # prompts share the chat template's system prompt: keys pcon_*, pcoff_*), then with every chat
   # opening on one system message of PREFIX_WORDS words (default 1500: keys prefix_on_*, prefix_off_*).
+  # PREFIX_MODES picks the servers (default "on off").
   # Then (unless PREFIX_RUNNER=0) runner_overhead.py with prefix caching on in both engines: the
   # served thinker's per-step cost of keeping the rows (keys pc_runner_vs_vllm_bs1/32, pc_hbm_fraction_bs1).
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
   local v port=8050 mode
-  for v in on off; do
+  for v in ${PREFIX_MODES:-on off}; do
     port=$((port + 1))
     if [ $v = on ]; then serve prefix_$v $port $CFG; else serve prefix_$v $port $CFG \
       --stage-arg thinker.enable_prefix_caching=false --stage-arg talker.enable_prefix_caching=false; fi
