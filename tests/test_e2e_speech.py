@@ -594,4 +594,7 @@ def test_logprobs_of_a_spoken_reply(client, tiny_models):
     assert [e.token for e in content] == [tok.decode([t]) for t in resp.choices[0].model_extra["token_ids"]]
     streamed = [e for c in client.chat.completions.create(**kwargs, stream=True)
                 for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
-    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    # The same tokens; their logprobs to rounding: the second request prefills on the prefix cache
+    # (fewer rows, other kernel shapes: 5e-7 apart on CUDA in float32).
+    assert [(e.token, e.bytes, e.top_logprobs) for e in streamed] == [(e.token, e.bytes, e.top_logprobs) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], rel=1e-4, abs=1e-5)

@@ -68,6 +68,8 @@ class _Tracked:
     # shared by the step's requests): joined into one tensor of this request's own every
     # COMPACT_EVERY steps, so a long request does not pin every step buffer of its lifetime.
     loose: int = 0
+    # Leading rows no longer held: every consumer had them in chunks and none takes them whole.
+    dropped: int = 0
 
     def chunk_ready(self, rows_chunk: int | None = None) -> bool:
         """Whether the streaming consumers get a chunk now. Hidden rows: once the prompt's and the
@@ -106,7 +108,21 @@ class _Tracked:
         return self.sent_tokens - min(self.acked.get(c, 0) for c in live) >= self.window
 
     def compact(self) -> None:
-        """Join the loose pieces (their captures' copies must be done)."""
+        """Release the pieces already sent where no consumer takes the rows whole (a long prompt's
+        rows: a copy of megabytes saved), then join the loose pieces left (their captures' copies
+        must be done)."""
+        if not any(d not in self.stream_to for d in self.forward_to):
+            held, n = self.dropped, 0
+            for piece in self.hidden:
+                if held + len(piece) > self.sent_rows:
+                    break
+                held, n = held + len(piece), n + 1
+            if n:
+                last = self.hidden[n - 1]
+                del self.hidden[:n]
+                self.dropped, self.loose = held, min(self.loose, len(self.hidden))
+                if not self.hidden:  # (a row-less piece keeps the rows' shape and dtype for _send_chunk)
+                    self.hidden.append(torch.empty((0, *last.shape[1:]), dtype=last.dtype))
         if self.loose:
             self.hidden[-self.loose:] = [torch.cat(self.hidden[-self.loose:])]
             self.loose = 0
@@ -490,9 +506,10 @@ class ARStage(Stage):
         if chunk_due:
             # Sent in this step, not the next (the talker reads one thinker row per step, token2wav
             # windows need whole runs of codes): wait for the rows' copy now (done or nearly: the
-            # step's tokens are here).
-            self._settle()
+            # step's tokens are here). Sent before the compaction: the rows sent need no copy.
+            self._wait_copies()
             self._stream_out(rows_chunk)
+            self._settle()
         self._report_use()
         return max(scheduled, sum(len(eco.outputs) for eco in outputs.values()))
 
@@ -508,11 +525,14 @@ class ARStage(Stage):
             used = req.num_computed_tokens - req.num_prompt_tokens
             self.report_use(rid, sources, used, waiting=used >= self.stream_in.get(rid, 0))
 
-    def _settle(self) -> None:
-        """Wait for the last step's copies; join the pieces of requests with many loose ones."""
+    def _wait_copies(self) -> None:
         for capture in self._in_flight:
             capture.wait()
         self._in_flight = []
+
+    def _settle(self) -> None:
+        """Wait for the last step's copies; compact the requests with many loose pieces or a big one."""
+        self._wait_copies()
         for rid, tracked in self._compact_next:
             if self.tracked.get(rid) is tracked:  # (one that finished meanwhile was joined whole)
                 tracked.compact()
@@ -625,7 +645,11 @@ def _media_index(name: str) -> int:
 
 
 def _truncate(tracked: _Tracked, length: int) -> None:
-    kept, total = [], 0
+    if length <= tracked.dropped:  # (recomputed from before the rows held: their consumers had them)
+        tracked.dropped = tracked.hidden_len = length
+        tracked.hidden, tracked.loose = [], 0
+        return
+    kept, total = [], tracked.dropped
     for chunk in tracked.hidden:
         if total >= length:
             break
