@@ -33,24 +33,26 @@ def _probe(tmp_path: Path, prompt: list[int], max_tokens: int, *extra: str,
 
 
 def test_first_chunk_leaves_in_the_step_that_computed_its_row(tmp_path):
-    """Step 0 prefills the prompt (and samples reply token 0); step 1 computes reply position 0's
-    row and samples token 1, which lets the consumer start: one chunk with all of them leaves in
-    step 1 (not a step later, nor once a whole chunk of reply rows is in). Then, with 8 requests
-    running, every 4 positions (the consumer's chunk), each in the step that computed it, then the
-    rest; together the rows a full-mode consumer gets. Alone, the request sends every row in the
-    step that computed it (few requests: about two chunk messages per step, `ARStage.rows_chunk`)."""
+    """Step 0 prefills the prompt (and samples reply token 0): the prompt's rows leave in step 0,
+    alone (the step's piece as it is, not joined to a later row). Step 1 computes reply position
+    0's row and samples token 1, which lets the consumer start: that row leaves in step 1 (not a
+    step later, nor once a whole chunk of reply rows is in). Then, with 8 requests running, every
+    4 positions (the consumer's chunk), each in the step that computed it, then the rest;
+    together the rows a full-mode consumer gets. Alone, the request sends every row in the step
+    that computed it (few requests: about two chunk messages per step, `ARStage.rows_chunk`)."""
     prompt, n_out = [11, 12, 13, 14, 15, 16, 17], 14
     streamed = _probe(tmp_path / "stream", prompt, n_out, "--stream", "4", "--requests", "8")
     alone = _probe(tmp_path / "alone", prompt, n_out, "--stream", "4")
     (whole,) = _probe(tmp_path / "full", prompt, n_out)
     for sent in (streamed, alone):
-        first = sent[0]
-        assert first["step"] == 1 and len(first["hidden"]) == len(prompt) + 1 and not first["final"]
+        first, second = sent[:2]
+        assert first["step"] == 0 and len(first["hidden"]) == len(prompt) and not first["final"]
+        assert first["out"] == whole["out"][:1]
         # With the token sampled in step 1 too: the consumer knows reply token 0 is not the last.
-        assert first["out"] == whole["out"][:2]
+        assert second["step"] == 1 and len(second["hidden"]) == 1 and second["out"] == whole["out"][1:2]
         # Every chunk leaves in the step that computed its last row (reply position j's row: step j + 1).
         ends = torch.tensor([len(c["hidden"]) for c in sent]).cumsum(0).tolist()
-        assert [c["step"] for c in sent] == [end - len(prompt) for end in ends]
+        assert [c["step"] for c in sent] == [0] + [end - len(prompt) for end in ends[1:]]
         rows = torch.cat([c["hidden"] for c in sent])
         assert rows.shape == whole["hidden"].shape == (len(prompt) + n_out - 1, rows.shape[1])
         if sent is alone:
@@ -59,8 +61,8 @@ def test_first_chunk_leaves_in_the_step_that_computed_its_row(tmp_path):
             torch.testing.assert_close(rows, whole["hidden"], rtol=1e-4, atol=1e-5)
         assert sum((c["out"] for c in sent), []) == whole["out"]
         assert sent[-1]["final"]
-    assert [len(c["hidden"]) for c in streamed[1:]] == [4, 4, 4]
-    assert {len(c["hidden"]) for c in alone[1:-1]} == {1} and len(alone[-1]["hidden"]) <= 1
+    assert [len(c["hidden"]) for c in streamed[2:]] == [4, 4, 4]
+    assert {len(c["hidden"]) for c in alone[2:-1]} == {1} and len(alone[-1]["hidden"]) <= 1
 
 
 def test_token_chunks_leave_in_the_step_that_sampled_them(tmp_path):

@@ -72,9 +72,11 @@ class _Tracked:
     dropped: int = 0
 
     def chunk_ready(self, rows_chunk: int | None = None) -> bool:
-        """Whether the streaming consumers get a chunk now. Hidden rows: once the prompt's and the
-        first reply position's are in (the consumer starts on them, whatever the chunk size), then
-        every `chunk` rows, or `rows_chunk` if fewer (see ARStage.rows_chunk). Tokens only: the
+        """Whether the streaming consumers get a chunk now. Hidden rows: the prompt's once all are
+        in (in the step that computed them: one piece, sent as a view of it, where joining it to
+        the next row copied megabytes for a long prompt), then the first reply position's (the
+        consumer starts on them, whatever the chunk size), then every `chunk` rows, or
+        `rows_chunk` if fewer (see ARStage.rows_chunk). Tokens only: the
         first token, then whenever the output crosses a multiple of `chunk` (a consumer decoding
         windows of a multiple of `chunk` gets each one's last unit in the step that made it, not
         up to a chunk later). The unit is the frame for a
@@ -82,8 +84,10 @@ class _Tracked:
         with them), else the token."""
         if self.with_hidden:
             n, prompt = self.hidden_len, len(self.prompt_token_ids)
+            if self.sent_rows < prompt:
+                return n >= prompt
             chunk = self.chunk if rows_chunk is None else min(self.chunk, rows_chunk)
-            return n > prompt and (self.sent_rows <= prompt or n - self.sent_rows >= chunk)
+            return n > self.sent_rows and (self.sent_rows == prompt or n - self.sent_rows >= chunk)
         if len(self.output_token_ids) <= self.sent_tokens:
             return False
         return self.sent_tokens == 0 or self.units() // self.chunk > self.sent_units // self.chunk
