@@ -270,6 +270,9 @@ def collect(out: Path) -> dict:
         # the 7B config with token2wav's fused q/k/v projection (step `qkv`)
         **_served(out, "qkv", "qkv"),
         "qkv_ready_s": _ready_s(out / "serve_qkv.log"),
+        # the 7B config with token2wav's streams keeping their DiT keys and values (step `pastkv`)
+        **_served(out, "pastkv", "pastkv"),
+        "pastkv_ready_s": _ready_s(out / "serve_pastkv.log"),
         # the 7B config with the talker's attention in another vLLM backend (step `talkerattn`)
         **_served(out, "talkerattn", "talkerattn"),
         # the 7B config benched while py-spy samples its stages (step `spy`)

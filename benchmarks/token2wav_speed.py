@@ -56,7 +56,10 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
          # ... with one DiT graph per solver step, replayed per step (`dit_graph: step`: shorter captures)
          "config_step_graphs": CONFIG | dict(dit_graph="step"),
          # ... with one projection GEMM for the attention's queries, keys and values (`dit_fused_qkv`)
-         "config_fused_qkv": CONFIG | dict(dit_graph="step", dit_fused_qkv=True)}
+         "config_fused_qkv": CONFIG | dict(dit_graph="step", dit_fused_qkv=True),
+         # ... with each stream's look-back keys and values kept between windows (`dit_past_cache`:
+         # no past frames solved again)
+         "config_past_cache": CONFIG | dict(dit_graph="step", dit_fused_qkv=True, dit_past_cache=True)}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

@@ -275,6 +275,109 @@ def test_stream_errors(t2w):
     assert out.numel() == 0 and empty.done
 
 
+# ---- dit_past_cache: a stream keeps its look-back layers' keys and values between windows -------
+
+@pytest.fixture(scope="module")
+def t2w_kv(model_dir) -> Token2Wav:
+    return Token2Wav(model_dir, dit_past_cache=True)
+
+
+def test_past_cache_windows_start_at_their_first_new_frame(t2w_kv, monkeypatch):
+    # No past frames in any window: each is its new frames and the future block (72 + 24), and
+    # together they settle every frame once.
+    assert t2w_kv.frame_buckets == [96] and t2w_kv.stream_lead == 48
+    seen = []
+    solve = t2w_kv._sample_mels
+    monkeypatch.setattr(t2w_kv, "_sample_mels", lambda codes, *a, past=None, **k: seen.append(
+        (codes[0].numel() * 2, past.starts[0], past.settles[0])) or solve(codes, *a, past=past, **k))
+    t2w_kv.stream_all(LONG, "Ethan", seed=5)
+    assert [start for _, start, _ in seen] == [72 * i for i in range(len(seen))]
+    assert all(frames == settles + 24 for frames, _, settles in seen[:-1]) and seen[-1][0] == seen[-1][2]
+    assert sum(settles for *_, settles in seen) == LONG.numel() * 2
+
+
+def test_past_cache_stream_close_to_full_decode(t2w_kv, t2w):
+    full, streamed = t2w_kv(LONG, "Ethan", seed=5), t2w_kv.stream_all(LONG, "Ethan", seed=5)
+    assert torch.equal(full, t2w(LONG, "Ethan", seed=5))  # a whole decode has no past to keep
+    assert full.abs().max() > 0 and (full - streamed).abs().max().item() < 1e-4
+    # The past it kept stands in for the past the other mode solves again: nearly the same waveform.
+    assert (streamed - t2w.stream_all(LONG, "Ethan", seed=5)).abs().max().item() < 1e-5
+    short = LONG[:(t2w_kv.first_chunk_frames + t2w_kv.future_frames) // 2]
+    assert (t2w_kv(short, "Ethan", seed=5) - t2w_kv.stream_all(short, "Ethan", seed=5)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("sizes", [[1], [7, 1, 30]])
+def test_past_cache_stream_is_independent_of_arrival(t2w_kv, sizes):
+    whole = t2w_kv.stream_all(LONG, "Ethan", seed=5)
+    pieces, early = _feed_in_pieces(t2w_kv, LONG, sizes, seed=5)
+    assert torch.equal(torch.cat(pieces), whole) and early > 0
+
+
+def test_past_cache_streams_batched_equal_each_alone(t2w_kv):
+    # Streams at different windows share a pass (one with its past, one without yet): each keeps its own.
+    alone, _ = _feed_in_pieces(t2w_kv, LONG, [5], seed=2)
+    batched, _ = _feed_in_pieces(t2w_kv, LONG, [5], seed=2, batch_with=LONG[40:130])
+    assert (torch.cat(alone) - torch.cat(batched)).abs().max().item() < 1e-5
+
+
+def test_past_cache_is_what_the_next_window_attends_to(t2w_kv):
+    """The kept keys and values: one block of the layers that look back, per evaluation and guidance
+    half; the next window's audio depends on them (changed, it changes), and a done stream lets them go."""
+    dit = t2w_kv.dit
+    heads, head_dim = dit.transformer_blocks[0].attn.heads, dit.transformer_blocks[0].attn.inner_dim // dit.transformer_blocks[0].attn.heads
+    looking_back = sum(1 for behind, _ in windows(dit) if behind)
+
+    def second_piece(change):
+        st = t2w_kv.open_stream("Ethan", 3)
+        st.feed(codes=LONG, final=True)
+        t2w_kv.stream_step([st])
+        assert st.past.shape == (36, looking_back, 2, 2, heads, dit.block_size, head_dim) and st.past_valid == 24
+        change(st)
+        return t2w_kv.stream_step([st])[0]
+
+    same, scaled = second_piece(lambda st: None), second_piece(lambda st: setattr(st, "past", st.past * 1.5))
+    assert same.numel() == scaled.numel() > 0 and (same - scaled).abs().max().item() > 1e-6
+    st = t2w_kv.open_stream("Ethan", 3)
+    st.feed(codes=LONG[:60], final=True)
+    while not st.done:
+        t2w_kv.stream_step([st])
+    assert st.past is None
+
+
+def test_past_cache_keeps_a_streams_solver_settings(t2w_kv):
+    st = t2w_kv.open_stream(None, 0)
+    st.feed(codes=LONG, final=True)
+    t2w_kv.stream_step([st])
+    (out,) = t2w_kv.stream_step([st], num_steps=4)  # its past holds 36 evaluations, not 12
+    assert isinstance(out, ValueError) and "changed" in str(out) and st.done and st.past is None
+
+
+def test_past_cache_as_close_to_the_full_decode_as_solving_the_past_again(model_dir):
+    """On a DiT whose blocks interact strongly (the tiny one's attention weights redrawn larger),
+    streaming with the kept past strays from the one-window decode no more than streaming that
+    solves the past frames again: the kept past is the one the stream itself decoded, from all
+    of its history."""
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    plain, kept = Token2Wav(model_dir), Token2Wav(model_dir, dit_past_cache=True)
+    for t in (plain, kept):
+        for i, layer in enumerate(t.dit.transformer_blocks):
+            for name, scale in (("to_q", 4), ("to_k", 4), ("to_v", 3)):
+                lin = getattr(layer.attn, name)
+                w = weights.setdefault((i, name), torch.randn(lin.weight.shape, generator=gen) * scale
+                                       / lin.weight.shape[1] ** 0.5)
+                with torch.no_grad():
+                    lin.weight.copy_(w)
+    codes = LONG[:120]
+    full = plain(codes, "Ethan", seed=5)
+    assert torch.equal(full, kept(codes, "Ethan", seed=5))
+    err_plain = (plain.stream_all(codes, "Ethan", seed=5) - full).abs()
+    err_kept = (kept.stream_all(codes, "Ethan", seed=5) - full).abs()
+    assert err_plain.mean().item() > 1e-6  # (the windows do interact: the comparison means something)
+    assert err_kept.mean().item() <= 1.1 * err_plain.mean().item()
+    assert err_kept.max().item() <= 1.5 * err_plain.max().item()
+
+
 @pytest.mark.parametrize("kwargs", [{"chunk_frames": 0}, {"chunk_frames": 50}, {"past_frames": 10},
                                     {"first_chunk_frames": 0}, {"first_chunk_frames": 30},
                                     {"first_chunk_frames": []}, {"first_chunk_frames": [24, 30]},
@@ -339,7 +442,9 @@ class _Replayed:
 
     def replay(self):
         self.replays += 1
-        self.out.copy_(self.fn(*self.static, *self.options))
+        got = self.fn(*self.static, *self.options)
+        for dst, src in zip(*((self.out, got) if isinstance(got, tuple) else ((self.out,), (got,)))):
+            dst.copy_(src)
 
 
 def test_step_graphs_replay_one_solver_step_per_step(t2w, monkeypatch):
@@ -372,6 +477,54 @@ def test_step_graphs_replay_one_solver_step_per_step(t2w, monkeypatch):
             assert all(torch.equal(a, b) for a, b in zip(padded, stepped))
     assert len(captured) == 1 and len(graphs.graphs) == 1  # one shape: one graph, for both grids
     assert captured[0].replays == 9 + 3
+
+
+def test_past_cache_step_graphs_replay_with_each_streams_past(t2w_kv, monkeypatch):
+    """Under `dit_past_cache` a step graph also takes its step's evaluations of the windows' kept
+    keys and values and gives back what they keep: replayed, it equals the eager solve exactly,
+    mels and kept pasts; a whole decode (no past) is another graph."""
+    from omni_server.models.qwen2_5_omni.token2wav import DiTStepGraphs, WindowPast
+
+    graphs = DiTStepGraphs(t2w_kv._graph_step(), t2w_kv._solve_masks, 4, 4, t2w_kv.frame_buckets)
+    captured = []
+
+    def capture(inputs, options):
+        static = tuple(t.clone() for t in inputs)
+        out = graphs.fn(*static, *options)
+        captured.append(_Replayed(graphs.fn, static, options, out))
+        return captured[-1], static, out
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)  # (read before a capture)
+    dit, gen = t2w_kv.dit, torch.Generator().manual_seed(4)
+    attn = dit.transformer_blocks[0].attn
+    shape = (36, 1, 2, 2, attn.heads, dit.block_size, attn.inner_dim // attn.heads)
+    codes, voices, noise = _window_inputs(t2w_kv, [48, 36, 20])  # 96, 72 and 40 frames: 4 rows x 96
+
+    def windows_past():  # a stream's first window, and two later ones with 24 and 12 past frames
+        return WindowPast(starts=[0, 72, 144], settles=[72, 48, 40],
+                          caches=[None, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)],
+                          frames=[0, 24, 12])
+
+    with torch.inference_mode():
+        grid = t2w_kv._time_grid(10, -1.0)
+        state = gen.get_state()
+        eager_past = windows_past()
+        padded = t2w_kv._sample_mels(codes, voices, noise, grid, 0.5, pad=True, past=eager_past)
+        gen.set_state(state)
+        graph_past = windows_past()
+        t2w_kv.graphs = graphs
+        try:
+            stepped = t2w_kv._sample_mels(codes, voices, noise, grid, 0.5, past=graph_past)
+            whole = t2w_kv._sample_mels(codes[:1], voices[:1], noise[:1], grid, 0.5)
+        finally:
+            t2w_kv.graphs = None
+    assert all(torch.equal(a, b) for a, b in zip(padded, stepped))
+    assert len(graph_past.kept) == 3 and all(torch.equal(a, b) for a, b in zip(eager_past.kept, graph_past.kept))
+    assert all(k.shape == shape for k in graph_past.kept)
+    assert torch.equal(whole[0], t2w_kv._sample_mels(codes[:1], voices[:1], noise[:1], grid, 0.5)[0])
+    assert len(captured) == 2 and captured[0].replays == 9
+    assert sorted(k[3] for k in graphs.graphs) == ["", "past"]
 
 
 def test_graph_inputs_keep_their_layout():
@@ -478,6 +631,25 @@ def test_cuda_graph_solve_equals_eager(model_dir, unit):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
     # A streamed decode through graphs equals the eager one.
     assert (graphed.stream_all(LONG, seed=4) - eager.stream_all(LONG, seed=4)).abs().max().item() < 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("unit", ["solve", "step"])
+def test_cuda_graphs_with_past_cache(model_dir, unit):
+    """`dit_past_cache` through CUDA graphs (warmed at start, as served): the streams' kept pasts go
+    in and out of the graphs, two streams in one pass at different windows, and the audio equals
+    the eager decode's."""
+    graphed = Token2Wav(model_dir, device="cuda", dit_graph=unit, dit_past_cache=True, warmup_graphs=True,
+                        max_graph_batch=4)
+    eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False, dit_past_cache=True)
+    # (keys: rows, frames, grid length or "step", "past" for streaming windows, then the options)
+    assert graphed.graphs.graphs and all(key[3] == "past" for key in graphed.graphs.graphs)
+    replays = []
+    run = graphed.graphs.run
+    graphed.graphs.run = lambda key, *a: replays.append(key in graphed.graphs.graphs) or run(key, *a)
+    a, b = (_feed_in_pieces(t, LONG, [5], seed=2, batch_with=LONG[40:130])[0] for t in (graphed, eager))
+    assert (torch.cat(a) - torch.cat(b)).abs().max().item() < 1e-4
+    assert replays and all(replays)  # every window replayed a graph captured at start
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -642,20 +814,24 @@ def test_dit_attention_falls_back_where_its_kernel_cannot_run(model_dir, caplog)
 @pytest.mark.parametrize("mode, vocoder, growing, unit", [
     (True, True, False, "solve"), ("blocks", True, False, "solve"), ("blocks", False, False, "solve"),
     ("blocks", "activations", False, "solve"), ("blocks", "activations", True, "solve"),
-    ("blocks", "activations", True, "step"), ("blocks", "activations", True, "step+qkv")])
+    ("blocks", "activations", True, "step"), ("blocks", "activations", True, "step+qkv"),
+    ("blocks", "activations", True, "step+qkv+past")])
 def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder, growing, unit):
     """The graphs capture the compiled DiT and vocoder (or the DiT only: `compile_vocoder` false;
     or the vocoder's activations only) (warmed, so no compile inside a capture), with the polyphase
     upsampler too, and replay what the eager float32 modules compute; `growing`: with the 7B
     configs' windows (48, 48, 72, 96, then 144 new frames), each size its own graphs; `unit`: a
-    DiT graph per solve or per solver step (`dit_graph`; "+qkv": with `dit_fused_qkv`)."""
+    DiT graph per solve or per solver step (`dit_graph`; "+qkv": with `dit_fused_qkv`; "+past":
+    with `dit_past_cache`, against the eager decode with it)."""
+    unit, *extras = unit.split("+")
+    past = "past" in extras
     windows = dict(first_chunk_frames=[48, 48, 72, 96], chunk_frames=144) if growing else {}
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # (an earlier case compiled the same DiT blocks: without this it reuses them)
     before = counters["stats"]["unique_graphs"]
     compiled = Token2Wav(model_dir, device="cuda", compile=mode, compile_vocoder=vocoder, polyphase_upsampling=True,
-                         warmup_graphs=True, dit_graph=unit.removesuffix("+qkv"), dit_fused_qkv=unit.endswith("+qkv"),
+                         warmup_graphs=True, dit_graph=unit, dit_fused_qkv="qkv" in extras, dit_past_cache=past,
                          **windows)
     assert (compiled.vocoder_graphs.fn != compiled._vocoder_body) == (vocoder is True)  # (a bound method equals its twin)
     fused = [m for m in compiled.vocoder.modules() if isinstance(m, AntiAliasedSnake)]
@@ -663,7 +839,7 @@ def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder, growing, unit):
     assert all(hasattr(m.fn, "_torchdynamo_orig_callable") for m in fused)  # (their function compiled)
     warmed = counters["stats"]["unique_graphs"]
     assert warmed > before  # compiled in the warm-up
-    eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False, **windows)
+    eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False, dit_past_cache=past, **windows)
     a, b = compiled.stream_all(LONG, seed=4), eager.stream_all(LONG, seed=4)
     compiled.stream_all(LONG[:37], seed=5)  # a shorter last window: outside the graphs, eager
     assert counters["stats"]["unique_graphs"] == warmed  # nothing compiled while decoding

@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
+# one GPU; also: pastkv prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -258,6 +258,18 @@ step_qkv() {
   say "qkv alone: $(grep RESULT $R/t2w.txt | grep 'step_graphs\|fused_qkv' | cut -c8- | tr '\n' ' ')"
   export VLLM_CACHE_ROOT=/tmp/vc
   served qkv 8042 --stage-arg token2wav.generator_args.dit_fused_qkv=true
+}
+
+step_pastkv() {
+  # token2wav keeping each stream's look-back keys and values between windows (`dit_past_cache`:
+  # windows hold no past frames; 1,216 instead of 1,648 frame evaluations for 10 s of speech):
+  # alone against the configs' settings (batch 1 and 16), then served (keys `pastkv_*`).
+  free_gpus
+  t2w_alone config_fused_qkv config_past_cache
+  say "pastkv alone: $(grep RESULT $R/t2w.txt | grep 'fused_qkv\|past_cache' | cut -c8- | tr '\n' ' ')"
+  export VLLM_CACHE_ROOT=/tmp/vc
+  served pastkv 8044 --stage-arg token2wav.generator_args.dit_past_cache=true
+  say "pastkv: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_pastkv.log | cut -c1-220 | tr '\n' ' ')"
 }
 
 step_smcap() {
@@ -560,30 +572,33 @@ step_rate() {
   # all at once, so token2wav's streams stay in step; here new streams' small first windows meet
   # others' 144-frame ones in one padded DiT pass (keys `rate_*`). (2026-12-02 sixteenth run: not
   # padding but all three stages on the GPU at once makes those passes dear.) RATE_ARGS: more serve
-  # arguments, e.g. "--stage-arg thinker.quantization=fp8" or a stage's MPS priority.
+  # arguments, e.g. "--stage-arg thinker.quantization=fp8" or a stage's MPS priority. RATE_NAME: the
+  # files' and server's name instead of "rate" (a second rate server on one machine; collect.py
+  # reads "rate" only).
   free_gpus
+  local n=${RATE_NAME:-rate}
   export VLLM_CACHE_ROOT=/tmp/vc
   # OMNI_STEP_LOG: every stage's steps (batch, ms) for benchmarks/step_log.py (steps_rate.txt).
-  local sl=$R/steps_rate
-  serve rate 8041 $CFG --stage-arg thinker.env.OMNI_STEP_LOG=$sl --stage-arg talker.env.OMNI_STEP_LOG=$sl \
+  local sl=$R/steps_$n
+  serve $n 8041 $CFG --stage-arg thinker.env.OMNI_STEP_LOG=$sl --stage-arg talker.env.OMNI_STEP_LOG=$sl \
     --stage-arg ${VOCODER:-token2wav}.env.OMNI_STEP_LOG=$sl ${RATE_ARGS:-}
-  if wait_ready rate 8041; then
-    $B --base-url http://127.0.0.1:8041 --concurrency 1 --requests 1 --output $R/warm_rate.json > $R/bench_rate.log 2>&1
+  if wait_ready $n 8041; then
+    $B --base-url http://127.0.0.1:8041 --concurrency 1 --requests 1 --output $R/warm_$n.json > $R/bench_$n.log 2>&1
     # RATE may list several (e.g. "3 2"): the first's file is rate_c16.json (keys rate_*), the others' rate_r<R>.json.
     local r out=
     for r in ${RATE:-3}; do
-      out=${out:+$R/rate_r$r.json}; out=${out:-$R/rate_c16.json}
+      out=${out:+$R/${n}_r$r.json}; out=${out:-$R/${n}_c16.json}
       $B --base-url http://127.0.0.1:8041 --concurrency 16 --requests 32 --request-rate $r \
-        --output $out >> $R/bench_rate.log 2>&1
-      say "rate $r/s: $(python3 benchmarks/gpu/brief.py $out)"
+        --output $out >> $R/bench_$n.log 2>&1
+      say "$n $r/s: $(python3 benchmarks/gpu/brief.py $out)"
     done
     # RATE_ALL=1: then the usual all-at-once levels on this server (files ratesrv_c1/c16.json).
-    [ -z "${RATE_ALL:-}" ] || bench ratesrv 8041
+    [ -z "${RATE_ALL:-}" ] || bench ${n}srv 8041
   fi
-  stop rate
+  stop $n
   # (the steps during the first rate's level; keys rate_<stage>_steps, _mean_served, _step_ms_p50, _busy)
-  python3 benchmarks/step_log.py $sl --bench $R/rate_c16.json --json $R/steps_rate.json > $R/steps_rate.txt 2>&1
-  say "rate steps: $(grep -A12 ${VOCODER:-token2wav} $R/steps_rate.txt | tr -s ' ' | tr '\n' ';' | cut -c1-600)"
+  python3 benchmarks/step_log.py $sl --bench $R/${n}_c16.json --json $R/steps_$n.json > $R/steps_$n.txt 2>&1
+  say "$n steps: $(grep -A12 ${VOCODER:-token2wav} $R/steps_$n.txt | tr -s ' ' | tr '\n' ';' | cut -c1-600)"
 }
 
 step_talkerlow() {

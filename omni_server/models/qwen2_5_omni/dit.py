@@ -8,6 +8,10 @@ eleventh run). The layers differ only in how many blocks they see behind and ahe
 the 7B), so `block_masks` makes each kind's additive mask once, its rows padded to that alignment,
 and `run_layer` restates the layer's forward with the mask passed in: the same modules and the
 same operations in the same order.
+
+A streaming decode may also keep, per stream, the keys and values its layers that look back saw in
+the last settled frames (`run_layer_with_past`): the next window then starts at its first new frame
+instead of recomputing past frames only to attend to them (token2wav's `dit_past_cache`).
 """
 
 from __future__ import annotations
@@ -48,16 +52,16 @@ def windows(dit: torch.nn.Module) -> list[tuple[int, int]]:
 
 def block_masks(block_diff: torch.Tensor, kinds: Sequence[tuple[int, int]], dtype: torch.dtype) -> list[torch.Tensor]:
     """One additive mask (0 where a frame attends, -inf elsewhere) per (behind, ahead) kind, from
-    `block_diff` ([rows, 1, F, F]: key block - query block). Each is a [rows, 1, F, F] view whose rows
-    start at aligned offsets."""
-    rows, _, frames, _ = block_diff.shape
-    padded = -(-frames // _ALIGN) * _ALIGN
+    `block_diff` ([rows, 1, F, K]: key block - query block, K keys). Each is a [rows, 1, F, K] view
+    whose rows start at aligned offsets."""
+    rows, _, frames, keys = block_diff.shape
+    padded = -(-keys // _ALIGN) * _ALIGN
     masks = []
     for behind, ahead in kinds:
         out = torch.empty(rows, 1, frames, padded, dtype=dtype, device=block_diff.device)
         seen = (block_diff >= -float(behind)) & (block_diff <= float(ahead))
-        out[..., :frames] = torch.zeros((), dtype=dtype, device=block_diff.device).masked_fill(~seen, float("-inf"))
-        masks.append(out[..., :frames])
+        out[..., :keys] = torch.zeros((), dtype=dtype, device=block_diff.device).masked_fill(~seen, float("-inf"))
+        masks.append(out[..., :keys])
     return masks
 
 
@@ -99,9 +103,25 @@ def run_layer(layer: torch.nn.Module, h: torch.Tensor, temb: torch.Tensor, cos: 
     return h + gate_mlp.unsqueeze(1) * layer.ff(norm)
 
 
+def run_layer_with_past(layer: torch.nn.Module, h: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, mask: torch.Tensor, backend: SDPBackend | None, past: torch.Tensor,
+                        keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`run_layer` for a layer that looks back, whose keys and values also hold P past frames before
+    the window's F (`past`: [2, rows, heads, P, head_dim], keys then values, rotated at their
+    positions; `mask`: [rows, 1, F, P + F]). Returns the layer's output and the keys and values of
+    the P frames at `keep` ([rows, 1, P, 1] indices into past + window: the last settled ones), the
+    next window's `past`."""
+    norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = layer.attn_norm(h, emb=temb)
+    out, kept = _attention(layer.attn, norm, cos, sin, mask, backend, past, keep)
+    h = h + gate_msa.unsqueeze(1) * out
+    norm = layer.ff_norm(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+    return h + gate_mlp.unsqueeze(1) * layer.ff(norm), kept
+
+
 def _attention(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-               backend: SDPBackend | None) -> torch.Tensor:
-    """`DiTAttention.forward` (transformers' sdpa path) with an additive mask."""
+               backend: SDPBackend | None, past: torch.Tensor | None = None, keep: torch.Tensor | None = None):
+    """`DiTAttention.forward` (transformers' sdpa path) with an additive mask; with `past`, also
+    the kept keys and values (`run_layer_with_past`)."""
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import apply_rotary_pos_emb, deinterleave_head_dim
 
     rows, heads = x.shape[0], attn.heads
@@ -118,10 +138,16 @@ def _attention(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: t
         # The checkpoint was trained with RoPE on the first head only, in the interleaved layout.
         query[:, :1], key[:, :1] = apply_rotary_pos_emb(deinterleave_head_dim(query[:, :1]),
                                                         deinterleave_head_dim(key[:, :1]), cos, sin)
+    kept = None
+    if past is not None:
+        key, value = torch.cat([past[0], key], dim=2), torch.cat([past[1], value], dim=2)
+        index = keep.expand(-1, key.shape[1], -1, key.shape[3])
+        kept = torch.stack([key.gather(2, index), value.gather(2, index)])
     if backend is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
     else:
         with sdpa_kernel([backend]):
             out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
     out = out.transpose(1, 2).reshape(rows, -1, attn.inner_dim).to(query.dtype)
-    return attn.to_out[1](attn.to_out[0](out))
+    out = attn.to_out[1](attn.to_out[0](out))
+    return out if past is None else (out, kept)
