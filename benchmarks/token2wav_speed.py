@@ -149,7 +149,8 @@ def main() -> None:
             audio_s = args.codes * t2w.dit.repeats * t2w.hop / t2w.sample_rate
             print("RESULT " + json.dumps({
                 "mode": name, "batch": b, "device": args.device, "step_ms_p50": round(statistics.median(steps) * 1e3, 1),
-                "steps": len(steps), "audio_s_per_stream": round(audio_s, 2), "rtf": round(wall / audio_s, 4),
+                "steps": len(steps), "step_ms": [round(t * 1e3, 1) for t in steps],
+                "audio_s_per_stream": round(audio_s, 2), "rtf": round(wall / audio_s, 4),
                 "audio_s_per_wall_s": round(b * audio_s / wall, 2),
                 "graphs": len(t2w.graphs.graphs) if t2w.graphs is not None else 0,
                 "vocoder_graphs": len(t2w.vocoder_graphs.graphs) if t2w.vocoder_graphs is not None else 0,

@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: pastkv prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
+# one GPU; also: pastkv pastkvab prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -270,6 +270,26 @@ step_pastkv() {
   export VLLM_CACHE_ROOT=/tmp/vc
   served pastkv 8044 --stage-arg token2wav.generator_args.dit_past_cache=true
   say "pastkv: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_pastkv.log | cut -c1-220 | tr '\n' ' ')"
+}
+
+step_pastkvab() {
+  # `pastkv`'s A/B on one machine with the stages' steps logged: token2wav alone at batch 16 (each
+  # window's step time: step_ms), then the 7B config served without and with dit_past_cache (keys
+  # pkvoff_*, pkvon_*; steps by batch size in steps_pkvoff.txt / steps_pkvon.txt).
+  free_gpus
+  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 16 \
+    --modes config_fused_qkv config_past_cache --first-chunk-frames 48 48 72 96 --chunk-frames 144 --sdpa cudnn \
+    >> $R/t2w.txt 2>&1
+  say "pastkvab alone: $(grep RESULT $R/t2w.txt | tail -2 | cut -c8-400 | tr '\n' ' ')"
+  export VLLM_CACHE_ROOT=/tmp/vc
+  local v sl
+  for v in off on; do
+    sl=$R/steps_pkv$v
+    served pkv$v 8045 --stage-arg token2wav.env.OMNI_STEP_LOG=$sl --stage-arg talker.env.OMNI_STEP_LOG=$sl \
+      --stage-arg token2wav.generator_args.dit_past_cache=$([ $v = on ] && echo true || echo false)
+    python3 benchmarks/step_log.py $sl --bench $R/pkv${v}_c16.json --json $R/steps_pkv$v.json > $R/steps_pkv$v.txt 2>&1
+    say "pkv$v steps: $(grep -A12 token2wav $R/steps_pkv$v.txt | tr -s ' ' | tr '\n' ';' | cut -c1-500)"
+  done
 }
 
 step_smcap() {
