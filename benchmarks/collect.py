@@ -150,10 +150,10 @@ def _smcap(out: Path) -> dict:
     return keys
 
 
-def _rate_steps(out: Path) -> dict:
-    """Each stage's steps during the rate step's first level (steps_rate.json from
-    benchmarks/step_log.py --bench): rate_<stage>_{steps,mean_served,step_ms_p50,busy}."""
-    path = out / "steps_rate.json"
+def _rate_steps(out: Path, name: str = "rate", key: str = "rate") -> dict:
+    """Each stage's steps during a step's first bench level (steps_<name>.json from
+    benchmarks/step_log.py --bench): <key>_<stage>_{steps,mean_served,step_ms_p50,busy}."""
+    path = out / f"steps_{name}.json"
     if not path.exists():
         return {}
     keys = {}
@@ -161,8 +161,23 @@ def _rate_steps(out: Path) -> dict:
         if "busy" not in s:  # (a summary of the server's whole life, not of the level)
             continue
         stage = name.split("-")[1]  # stage<id>-<name>-r<replica>
-        keys |= {f"rate_{stage}_steps": s["steps"], f"rate_{stage}_mean_served": s["mean_served"],
-                 f"rate_{stage}_step_ms_p50": s["ms_p50"], f"rate_{stage}_busy": s["busy"]}
+        keys |= {f"{key}_{stage}_steps": s["steps"], f"{key}_{stage}_mean_served": s["mean_served"],
+                 f"{key}_{stage}_step_ms_p50": s["ms_p50"], f"{key}_{stage}_busy": s["busy"]}
+    return keys
+
+
+# Rate servers under another RATE_NAME (session.sh's step `rate`): files <name>_c16.json and
+# steps_<name>.json -> keys <key>_*. ("rate2" was a second plain one: rate2_* keys mean rate_r2.json.)
+NAMED_RATES = {"ratekv": "ratekv", "ratekv2": "ratekv2", "rate2": "rate_again"}
+
+
+def _named_rates(out: Path) -> dict:
+    keys = {}
+    for name, key in NAMED_RATES.items():
+        level = _level(out / f"{name}_c16.json")
+        if level is not None:
+            keys |= {f"{key}_ttfp_ms_c16": _get(level, "ttfp_ms", "p50"), f"{key}_rtf_c16": _get(level, "rtf", "p50"),
+                     f"{key}_stall_ms_p90_c16": _get(level, "stall_ms", "p90")} | _rate_steps(out, name, key)
     return keys
 
 
@@ -260,6 +275,8 @@ def collect(out: Path) -> dict:
         "rate2_rtf_c16": _get(_level(out / "rate_r2.json"), "rtf", "p50"),
         **_served(out, "ratesrv", "ratesrv"),
         **_rate_steps(out),
+        **_named_rates(out),
+        "rate_stall_ms_p90_c16": _get(_level(out / "rate_c16.json"), "stall_ms", "p90"),
         # the 7B config with the thinker and talker capped at P% of the SMs (step `smcap`)
         **_smcap(out),
         # the 7B config with the thinker (or more stages) quantized to FP8 at load (step `fp8`)
@@ -273,6 +290,10 @@ def collect(out: Path) -> dict:
         # the 7B config with token2wav's streams keeping their DiT keys and values (step `pastkv`)
         **_served(out, "pastkv", "pastkv"),
         "pastkv_ready_s": _ready_s(out / "serve_pastkv.log"),
+        # ... its A/B on one machine with the stages' steps logged (step `pastkvab`)
+        **_served(out, "pkvoff", "pkvoff"), **_rate_steps(out, "pkvoff", "pkvoff"),
+        **_served(out, "pkvon", "pkvon"), **_rate_steps(out, "pkvon", "pkvon"),
+        **_served(out, "ratekvsrv", "ratekvsrv"),
         # the 7B config with the talker's attention in another vLLM backend (step `talkerattn`)
         **_served(out, "talkerattn", "talkerattn"),
         # the 7B config benched while py-spy samples its stages (step `spy`)

@@ -58,7 +58,7 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
          # ... with one projection GEMM for the attention's queries, keys and values (`dit_fused_qkv`)
          "config_fused_qkv": CONFIG | dict(dit_graph="step", dit_fused_qkv=True),
          # ... with each stream's look-back keys and values kept between windows (`dit_past_cache`:
-         # no past frames solved again)
+         # no past frames solved again): the 7B configs' token2wav since 2026-12-04
          "config_past_cache": CONFIG | dict(dit_graph="step", dit_fused_qkv=True, dit_past_cache=True)}
 
 

@@ -177,3 +177,27 @@ def test_prefix_step_keys(tmp_path):
     assert (r["prefix_on_cached_share_c1"], r["prefix_off_cached_share_c16"]) == (0.75, 0.0)
     assert r["pc_runner_vs_vllm_bs1"] == 0.98 and r["pc_hbm_fraction_bs1"] == round(2.84 / 4.3, 3)
     assert r["p1_runner_vs_vllm_bs1"] is None and r["p5_hbm_fraction_bs1"] is None
+
+
+def test_named_rate_servers_and_past_cache_ab_keys(tmp_path):
+    # Step `rate` under RATE_NAME (its own files: <name>_c16.json, steps_<name>.json) and step
+    # `pastkvab` (servers pkvoff / pkvon, their steps windowed to the c=16 level).
+    _bench(tmp_path / "rate_c16.json", ttfp_ms={"p50": 1202.0}, rtf={"p50": 0.6}, stall_ms={"p90": 686.0})
+    _bench(tmp_path / "ratekv_c16.json", ttfp_ms={"p50": 1101.0}, rtf={"p50": 0.63}, stall_ms={"p90": 558.0})
+    _bench(tmp_path / "rate2_c16.json", ttfp_ms={"p50": 1222.0}, rtf={"p50": 0.62}, stall_ms={"p90": 683.0})
+    _bench(tmp_path / "ratekv2_c16.json", ttfp_ms={"p50": 975.0}, rtf={"p50": 0.6}, errors=1)
+    (tmp_path / "steps_ratekv.json").write_text(json.dumps({
+        "stage2-token2wav-r0": {"steps": 50, "mean_served": 5.76, "ms_p50": 275.9, "busy": 0.935}}))
+    for name, c16 in (("pkvoff", 845.7), ("pkvon", 818.0)):
+        _bench(tmp_path / f"{name}_c1.json", ttfp_ms={"p50": 365.0}, rtf={"p50": 0.19})
+        _bench(tmp_path / f"{name}_c16.json", ttfp_ms={"p50": c16}, rtf={"p50": 0.41})
+    (tmp_path / "steps_pkvon.json").write_text(json.dumps({
+        "stage2-token2wav-r0": {"steps": 9, "mean_served": 16.0, "ms_p50": 399.0, "busy": 0.793},
+        "stage1-talker-r0": {"steps": 502, "mean_served": 15.97, "ms_p50": 5.38}}))  # (no busy: not windowed)
+    r = _collect(tmp_path)
+    assert (r["rate_ttfp_ms_c16"], r["rate_stall_ms_p90_c16"]) == (1202.0, 686.0)
+    assert (r["ratekv_ttfp_ms_c16"], r["ratekv_rtf_c16"], r["ratekv_stall_ms_p90_c16"]) == (1101.0, 0.63, 558.0)
+    assert (r["ratekv_token2wav_steps"], r["ratekv_token2wav_busy"]) == (50, 0.935)
+    assert r["rate_again_ttfp_ms_c16"] == 1222.0 and "ratekv2_ttfp_ms_c16" not in r  # (failed requests: no numbers)
+    assert (r["pkvoff_ttfp_ms_c16"], r["pkvon_ttfp_ms_c16"], r["pkvon_rtf_c1"]) == (845.7, 818.0, 0.19)
+    assert (r["pkvon_token2wav_steps"], r["pkvon_token2wav_step_ms_p50"]) == (9, 399.0) and "pkvon_talker_steps" not in r

@@ -447,13 +447,8 @@ class _Replayed:
             dst.copy_(src)
 
 
-def test_step_graphs_replay_one_solver_step_per_step(t2w, monkeypatch):
-    """`dit_graph: step`: one graph per shape holds one RK4 step and is replayed once per step of
-    the grid, each replay fed the state the last one left (through the graph's own input tensors),
-    so the solve equals the eager one exactly; a grid of another length replays the same graph."""
-    from omni_server.models.qwen2_5_omni.token2wav import DiTStepGraphs
-
-    graphs = DiTStepGraphs(t2w._graph_step(), t2w._solve_masks, 4, 4, t2w.frame_buckets)
+def _replay_captures(graphs, monkeypatch) -> list[_Replayed]:
+    """Make `graphs` "capture" `_Replayed` stand-ins (listed in the returned list) on this host."""
     captured = []
 
     def capture(inputs, options):
@@ -464,6 +459,17 @@ def test_step_graphs_replay_one_solver_step_per_step(t2w, monkeypatch):
 
     monkeypatch.setattr(graphs, "_capture", capture)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)  # (read before a capture)
+    return captured
+
+
+def test_step_graphs_replay_one_solver_step_per_step(t2w, monkeypatch):
+    """`dit_graph: step`: one graph per shape holds one RK4 step and is replayed once per step of
+    the grid, each replay fed the state the last one left (through the graph's own input tensors),
+    so the solve equals the eager one exactly; a grid of another length replays the same graph."""
+    from omni_server.models.qwen2_5_omni.token2wav import DiTStepGraphs
+
+    graphs = DiTStepGraphs(t2w._graph_step(), t2w._solve_masks, 4, 4, t2w.frame_buckets)
+    captured = _replay_captures(graphs, monkeypatch)
     codes, voices, noise = _window_inputs(t2w, [50, 23, 37])
     with torch.inference_mode():
         for steps in (10, 4):
@@ -486,16 +492,7 @@ def test_past_cache_step_graphs_replay_with_each_streams_past(t2w_kv, monkeypatc
     from omni_server.models.qwen2_5_omni.token2wav import DiTStepGraphs, WindowPast
 
     graphs = DiTStepGraphs(t2w_kv._graph_step(), t2w_kv._solve_masks, 4, 4, t2w_kv.frame_buckets)
-    captured = []
-
-    def capture(inputs, options):
-        static = tuple(t.clone() for t in inputs)
-        out = graphs.fn(*static, *options)
-        captured.append(_Replayed(graphs.fn, static, options, out))
-        return captured[-1], static, out
-
-    monkeypatch.setattr(graphs, "_capture", capture)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)  # (read before a capture)
+    captured = _replay_captures(graphs, monkeypatch)
     dit, gen = t2w_kv.dit, torch.Generator().manual_seed(4)
     attn = dit.transformer_blocks[0].attn
     shape = (36, 1, 2, 2, attn.heads, dit.block_size, attn.inner_dim // attn.heads)

@@ -260,16 +260,22 @@ step_qkv() {
   served qkv 8042 --stage-arg token2wav.generator_args.dit_fused_qkv=true
 }
 
+t2w_variant() {  # NAME PORT ARG MODE...: token2wav alone in each MODE (t2w_alone), then the 7B
+  # config served with `--stage-arg ARG` (keys NAME_*)
+  local name=$1 port=$2 arg=$3; shift 3
+  free_gpus
+  t2w_alone "$@"
+  say "$name alone: $(grep RESULT $R/t2w.txt | tail -$(( 2 * $# )) | cut -c8- | tr '\n' ' ')"
+  export VLLM_CACHE_ROOT=/tmp/vc
+  served $name $port --stage-arg $arg
+  say "$name: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_$name.log | cut -c1-220 | tr '\n' ' ')"
+}
+
 step_pastkv() {
   # token2wav keeping each stream's look-back keys and values between windows (`dit_past_cache`:
   # windows hold no past frames; 1,216 instead of 1,648 frame evaluations for 10 s of speech):
-  # alone against the configs' settings (batch 1 and 16), then served (keys `pastkv_*`).
-  free_gpus
-  t2w_alone config_fused_qkv config_past_cache
-  say "pastkv alone: $(grep RESULT $R/t2w.txt | grep 'fused_qkv\|past_cache' | cut -c8- | tr '\n' ' ')"
-  export VLLM_CACHE_ROOT=/tmp/vc
-  served pastkv 8044 --stage-arg token2wav.generator_args.dit_past_cache=true
-  say "pastkv: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_pastkv.log | cut -c1-220 | tr '\n' ' ')"
+  # alone against the settings before (batch 1 and 16), then served (keys `pastkv_*`).
+  t2w_variant pastkv 8044 token2wav.generator_args.dit_past_cache=true config_fused_qkv config_past_cache
 }
 
 step_pastkvab() {
@@ -323,12 +329,7 @@ step_t2wstep() {
   # instead of per solve: each shape's warm-up is 2 steps of host work, not 10 (25 DiT graphs took 22.5-39.2 s of a
   # 49-83 s warm start on 2026-12-02). Alone (start and ms per step, batch 1 and 16, each mode in its
   # own process, the Inductor cache warm from `main`), then served (keys `t2wstep_*`).
-  free_gpus
-  t2w_alone config config_step_graphs
-  say "t2wstep alone: $(grep RESULT $R/t2w.txt | grep config | cut -c8- | tr '\n' ' ')"
-  export VLLM_CACHE_ROOT=/tmp/vc
-  served t2wstep 8038 --stage-arg token2wav.generator_args.dit_graph=step
-  say "t2wstep: $(grep -a 'graphs captured\|capture failed\|stages ready' $R/serve_t2wstep.log | cut -c1-220 | tr '\n' ' ')"
+  t2w_variant t2wstep 8038 token2wav.generator_args.dit_graph=step config config_step_graphs
 }
 
 step_prof() {
