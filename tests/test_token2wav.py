@@ -344,6 +344,16 @@ def test_past_cache_is_what_the_next_window_attends_to(t2w_kv):
     assert st.past is None
 
 
+def test_past_cache_says_past_frames_goes_unused(model_dir, caplog):
+    with caplog.at_level(logging.WARNING):
+        t = Token2Wav(model_dir, dit_past_cache=True, past_frames=24)
+    assert "past_frames is not used with dit_past_cache" in caplog.text and t.frame_buckets == [96]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Token2Wav(model_dir, dit_past_cache=True)
+    assert "past_frames" not in caplog.text
+
+
 def test_past_cache_keeps_a_streams_solver_settings(t2w_kv):
     st = t2w_kv.open_stream(None, 0)
     st.feed(codes=LONG, final=True)

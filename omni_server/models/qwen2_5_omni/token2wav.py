@@ -106,7 +106,7 @@ class Token2Wav:
     streamed (`open_stream`, `stream_step`)."""
 
     def __init__(self, model_dir: str, device: str | torch.device = "cpu", chunk_frames: int = 72,
-                 past_frames: int = 48, future_frames: int = 24, vocoder_context_frames: int = 20,
+                 past_frames: int | None = None, future_frames: int = 24, vocoder_context_frames: int = 20,
                  first_chunk_frames: int | list[int] | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
                  dit_dtype: str = "float32", polyphase_upsampling: bool = False, compile: bool | str = False,
@@ -160,6 +160,9 @@ class Token2Wav:
         }
         self.voices: list[str] = sorted(self._speakers)
         block, repeats = dit_config.block_size, dit_config.repeats
+        if past_frames is not None and dit_past_cache:
+            log.warning("token2wav: past_frames is not used with dit_past_cache (windows hold no past frames)")
+        past_frames = 48 if past_frames is None else past_frames
         starts = [chunk_frames] if first_chunk_frames is None else first_chunk_frames
         starts = [starts] if isinstance(starts, int) else list(starts)
         if not starts:
