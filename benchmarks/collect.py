@@ -157,10 +157,10 @@ def _rate_steps(out: Path, name: str = "rate", key: str = "rate") -> dict:
     if not path.exists():
         return {}
     keys = {}
-    for name, s in json.loads(path.read_text()).items():
+    for label, s in json.loads(path.read_text()).items():
         if "busy" not in s:  # (a summary of the server's whole life, not of the level)
             continue
-        stage = name.split("-")[1]  # stage<id>-<name>-r<replica>
+        stage = label.split("-")[1]  # stage<id>-<name>-r<replica>
         keys |= {f"{key}_{stage}_steps": s["steps"], f"{key}_{stage}_mean_served": s["mean_served"],
                  f"{key}_{stage}_step_ms_p50": s["ms_p50"], f"{key}_{stage}_busy": s["busy"]}
     return keys

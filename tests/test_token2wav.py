@@ -278,69 +278,69 @@ def test_stream_errors(t2w):
 # ---- dit_past_cache: a stream keeps its look-back layers' keys and values between windows -------
 
 @pytest.fixture(scope="module")
-def t2w_kv(model_dir) -> Token2Wav:
+def t2w_past(model_dir) -> Token2Wav:
     return Token2Wav(model_dir, dit_past_cache=True)
 
 
-def test_past_cache_windows_start_at_their_first_new_frame(t2w_kv, monkeypatch):
+def test_past_cache_windows_start_at_their_first_new_frame(t2w_past, monkeypatch):
     # No past frames in any window: each is its new frames and the future block (72 + 24), and
     # together they settle every frame once.
-    assert t2w_kv.frame_buckets == [96] and t2w_kv.stream_lead == 48
+    assert t2w_past.frame_buckets == [96] and t2w_past.stream_lead == 48
     seen = []
-    solve = t2w_kv._sample_mels
-    monkeypatch.setattr(t2w_kv, "_sample_mels", lambda codes, *a, past=None, **k: seen.append(
+    solve = t2w_past._sample_mels
+    monkeypatch.setattr(t2w_past, "_sample_mels", lambda codes, *a, past=None, **k: seen.append(
         (codes[0].numel() * 2, past.starts[0], past.settles[0])) or solve(codes, *a, past=past, **k))
-    t2w_kv.stream_all(LONG, "Ethan", seed=5)
+    t2w_past.stream_all(LONG, "Ethan", seed=5)
     assert [start for _, start, _ in seen] == [72 * i for i in range(len(seen))]
     assert all(frames == settles + 24 for frames, _, settles in seen[:-1]) and seen[-1][0] == seen[-1][2]
     assert sum(settles for *_, settles in seen) == LONG.numel() * 2
 
 
-def test_past_cache_stream_close_to_full_decode(t2w_kv, t2w):
-    full, streamed = t2w_kv(LONG, "Ethan", seed=5), t2w_kv.stream_all(LONG, "Ethan", seed=5)
+def test_past_cache_stream_close_to_full_decode(t2w_past, t2w):
+    full, streamed = t2w_past(LONG, "Ethan", seed=5), t2w_past.stream_all(LONG, "Ethan", seed=5)
     assert torch.equal(full, t2w(LONG, "Ethan", seed=5))  # a whole decode has no past to keep
     assert full.abs().max() > 0 and (full - streamed).abs().max().item() < 1e-4
     # The past it kept stands in for the past the other mode solves again: nearly the same waveform.
     assert (streamed - t2w.stream_all(LONG, "Ethan", seed=5)).abs().max().item() < 1e-5
-    short = LONG[:(t2w_kv.first_chunk_frames + t2w_kv.future_frames) // 2]
-    assert (t2w_kv(short, "Ethan", seed=5) - t2w_kv.stream_all(short, "Ethan", seed=5)).abs().max().item() < 1e-5
+    short = LONG[:(t2w_past.first_chunk_frames + t2w_past.future_frames) // 2]
+    assert (t2w_past(short, "Ethan", seed=5) - t2w_past.stream_all(short, "Ethan", seed=5)).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("sizes", [[1], [7, 1, 30]])
-def test_past_cache_stream_is_independent_of_arrival(t2w_kv, sizes):
-    whole = t2w_kv.stream_all(LONG, "Ethan", seed=5)
-    pieces, early = _feed_in_pieces(t2w_kv, LONG, sizes, seed=5)
+def test_past_cache_stream_is_independent_of_arrival(t2w_past, sizes):
+    whole = t2w_past.stream_all(LONG, "Ethan", seed=5)
+    pieces, early = _feed_in_pieces(t2w_past, LONG, sizes, seed=5)
     assert torch.equal(torch.cat(pieces), whole) and early > 0
 
 
-def test_past_cache_streams_batched_equal_each_alone(t2w_kv):
+def test_past_cache_streams_batched_equal_each_alone(t2w_past):
     # Streams at different windows share a pass (one with its past, one without yet): each keeps its own.
-    alone, _ = _feed_in_pieces(t2w_kv, LONG, [5], seed=2)
-    batched, _ = _feed_in_pieces(t2w_kv, LONG, [5], seed=2, batch_with=LONG[40:130])
+    alone, _ = _feed_in_pieces(t2w_past, LONG, [5], seed=2)
+    batched, _ = _feed_in_pieces(t2w_past, LONG, [5], seed=2, batch_with=LONG[40:130])
     assert (torch.cat(alone) - torch.cat(batched)).abs().max().item() < 1e-5
 
 
-def test_past_cache_is_what_the_next_window_attends_to(t2w_kv):
+def test_past_cache_is_what_the_next_window_attends_to(t2w_past):
     """The kept keys and values: one block of the layers that look back, per evaluation and guidance
     half; the next window's audio depends on them (changed, it changes), and a done stream lets them go."""
-    dit = t2w_kv.dit
+    dit = t2w_past.dit
     heads, head_dim = dit.transformer_blocks[0].attn.heads, dit.transformer_blocks[0].attn.inner_dim // dit.transformer_blocks[0].attn.heads
     looking_back = sum(1 for behind, _ in windows(dit) if behind)
 
     def second_piece(change):
-        st = t2w_kv.open_stream("Ethan", 3)
+        st = t2w_past.open_stream("Ethan", 3)
         st.feed(codes=LONG, final=True)
-        t2w_kv.stream_step([st])
+        t2w_past.stream_step([st])
         assert st.past.shape == (36, looking_back, 2, 2, heads, dit.block_size, head_dim) and st.past_valid == 24
         change(st)
-        return t2w_kv.stream_step([st])[0]
+        return t2w_past.stream_step([st])[0]
 
     same, scaled = second_piece(lambda st: None), second_piece(lambda st: setattr(st, "past", st.past * 1.5))
     assert same.numel() == scaled.numel() > 0 and (same - scaled).abs().max().item() > 1e-6
-    st = t2w_kv.open_stream("Ethan", 3)
+    st = t2w_past.open_stream("Ethan", 3)
     st.feed(codes=LONG[:60], final=True)
     while not st.done:
-        t2w_kv.stream_step([st])
+        t2w_past.stream_step([st])
     assert st.past is None
 
 
@@ -354,11 +354,11 @@ def test_past_cache_says_past_frames_goes_unused(model_dir, caplog):
     assert "past_frames" not in caplog.text
 
 
-def test_past_cache_keeps_a_streams_solver_settings(t2w_kv):
-    st = t2w_kv.open_stream(None, 0)
+def test_past_cache_keeps_a_streams_solver_settings(t2w_past):
+    st = t2w_past.open_stream(None, 0)
     st.feed(codes=LONG, final=True)
-    t2w_kv.stream_step([st])
-    (out,) = t2w_kv.stream_step([st], num_steps=4)  # its past holds 36 evaluations, not 12
+    t2w_past.stream_step([st])
+    (out,) = t2w_past.stream_step([st], num_steps=4)  # its past holds 36 evaluations, not 12
     assert isinstance(out, ValueError) and "changed" in str(out) and st.done and st.past is None
 
 
@@ -495,18 +495,18 @@ def test_step_graphs_replay_one_solver_step_per_step(t2w, monkeypatch):
     assert captured[0].replays == 9 + 3
 
 
-def test_past_cache_step_graphs_replay_with_each_streams_past(t2w_kv, monkeypatch):
+def test_past_cache_step_graphs_replay_with_each_streams_past(t2w_past, monkeypatch):
     """Under `dit_past_cache` a step graph also takes its step's evaluations of the windows' kept
     keys and values and gives back what they keep: replayed, it equals the eager solve exactly,
     mels and kept pasts; a whole decode (no past) is another graph."""
     from omni_server.models.qwen2_5_omni.token2wav import DiTStepGraphs, WindowPast
 
-    graphs = DiTStepGraphs(t2w_kv._graph_step(), t2w_kv._solve_masks, 4, 4, t2w_kv.frame_buckets)
+    graphs = DiTStepGraphs(t2w_past._graph_step(), t2w_past._solve_masks, 4, 4, t2w_past.frame_buckets)
     captured = _replay_captures(graphs, monkeypatch)
-    dit, gen = t2w_kv.dit, torch.Generator().manual_seed(4)
+    dit, gen = t2w_past.dit, torch.Generator().manual_seed(4)
     attn = dit.transformer_blocks[0].attn
     shape = (36, 1, 2, 2, attn.heads, dit.block_size, attn.inner_dim // attn.heads)
-    codes, voices, noise = _window_inputs(t2w_kv, [48, 36, 20])  # 96, 72 and 40 frames: 4 rows x 96
+    codes, voices, noise = _window_inputs(t2w_past, [48, 36, 20])  # 96, 72 and 40 frames: 4 rows x 96
 
     def windows_past():  # a stream's first window, and two later ones with 24 and 12 past frames
         return WindowPast(starts=[0, 72, 144], settles=[72, 48, 40],
@@ -514,22 +514,22 @@ def test_past_cache_step_graphs_replay_with_each_streams_past(t2w_kv, monkeypatc
                           frames=[0, 24, 12])
 
     with torch.inference_mode():
-        grid = t2w_kv._time_grid(10, -1.0)
+        grid = t2w_past._time_grid(10, -1.0)
         state = gen.get_state()
         eager_past = windows_past()
-        padded = t2w_kv._sample_mels(codes, voices, noise, grid, 0.5, pad=True, past=eager_past)
+        padded = t2w_past._sample_mels(codes, voices, noise, grid, 0.5, pad=True, past=eager_past)
         gen.set_state(state)
         graph_past = windows_past()
-        t2w_kv.graphs = graphs
+        t2w_past.graphs = graphs
         try:
-            stepped = t2w_kv._sample_mels(codes, voices, noise, grid, 0.5, past=graph_past)
-            whole = t2w_kv._sample_mels(codes[:1], voices[:1], noise[:1], grid, 0.5)
+            stepped = t2w_past._sample_mels(codes, voices, noise, grid, 0.5, past=graph_past)
+            whole = t2w_past._sample_mels(codes[:1], voices[:1], noise[:1], grid, 0.5)
         finally:
-            t2w_kv.graphs = None
+            t2w_past.graphs = None
     assert all(torch.equal(a, b) for a, b in zip(padded, stepped))
     assert len(graph_past.kept) == 3 and all(torch.equal(a, b) for a, b in zip(eager_past.kept, graph_past.kept))
     assert all(k.shape == shape for k in graph_past.kept)
-    assert torch.equal(whole[0], t2w_kv._sample_mels(codes[:1], voices[:1], noise[:1], grid, 0.5)[0])
+    assert torch.equal(whole[0], t2w_past._sample_mels(codes[:1], voices[:1], noise[:1], grid, 0.5)[0])
     assert len(captured) == 2 and captured[0].replays == 9
     assert sorted(k[3] for k in graphs.graphs) == ["", "past"]
 

@@ -145,7 +145,7 @@ class Token2Wav:
         self.dit_past_cache = bool(dit_past_cache)
         self._past_len = max(behind for behind, _ in kinds) * self.dit.block_size
         self._past_layers = sum(1 for behind, _ in kinds if behind)
-        self._kv = self.dit_past_cache and self._past_len > 0
+        self._keeps_past = self.dit_past_cache and self._past_len > 0
         self.vocoder = model.code2wav_bigvgan_model
         if polyphase_upsampling:  # the same output to rounding, without a transposed convolution
             use_polyphase_upsampling(self.vocoder)
@@ -301,7 +301,7 @@ class Token2Wav:
                 codes = [torch.zeros(frames // repeats, dtype=torch.long)] * rows
                 noise = [torch.zeros(frames, self.dit.mel_dim)] * rows
                 # (streaming windows' graphs: with a past under dit_past_cache)
-                past = WindowPast([0] * rows, [frames] * rows, [None] * rows, [0] * rows) if self._kv else None
+                past = WindowPast([0] * rows, [frames] * rows, [None] * rows, [0] * rows) if self._keeps_past else None
                 if self.graphs.serves(rows, frames):  # (False once a capture failed: no eager runs here)
                     t = time.monotonic()
                     self._sample_mels(codes, [self.voices[0]] * rows, noise, grid, 0.5, past=past)
@@ -399,7 +399,7 @@ class Token2Wav:
                 windows.append((k, *plan))
         if windows:
             past = None
-            if self._kv:
+            if self._keeps_past:
                 past = WindowPast(starts=[w[5] for w in windows], settles=[w[4] for w in windows],
                                   caches=[streams[w[0]].past for w in windows],
                                   frames=[streams[w[0]].past_valid for w in windows])
@@ -580,7 +580,7 @@ class Token2Wav:
         graphs = self.graphs if self.graphs is not None and self.graphs.serves(count, frames) else None
         if pad is None:
             pad = graphs is not None
-        if not self._kv:
+        if not self._keeps_past:
             past = None
         if not pad or shape is None:  # graphs only ever see bucketed shapes
             graphs = None
