@@ -580,8 +580,6 @@ class Token2Wav:
         graphs = self.graphs if self.graphs is not None and self.graphs.serves(count, frames) else None
         if pad is None:
             pad = graphs is not None
-        if not self._keeps_past:
-            past = None
         if not pad or shape is None:  # graphs only ever see bucketed shapes
             graphs = None
         else:
@@ -590,6 +588,9 @@ class Token2Wav:
             codes, voices, noise = (list(v) + [v[0]] * (rows - count) for v in (codes, voices, noise))
             lengths = lengths + [lengths[0]] * (rows - count)
         n = len(codes)
+        # (padding rows repeat window 0's past, as their inputs repeat its codes)
+        rows_past = None if past is None else \
+            WindowPast(*(v + v[:1] * (n - count) for v in (past.starts, past.settles, past.caches, past.frames)))
         code_batch = torch.zeros(n, frames // repeats, dtype=torch.long, device=self.device)
         x = torch.zeros(n, frames, dit.mel_dim, device=self.device)
         for b, (c, x0) in enumerate(zip(codes, noise)):
@@ -609,14 +610,13 @@ class Token2Wav:
                            speaker.unsqueeze(1).expand(-1, frames, -1)], dim=-1)
         positions = torch.arange(frames, device=self.device)[None].expand(n * halves, -1)
         if past is not None:  # rotary positions from the stream's start (kept keys were rotated so)
-            starts = past.starts + [past.starts[0]] * (n - count)
-            positions = positions + torch.tensor(starts, device=self.device).repeat(halves)[:, None]
+            positions = positions + torch.tensor(rows_past.starts, device=self.device).repeat(halves)[:, None]
         cos, sin = dit.rotary_embed(fixed, positions)
-        kv = () if past is None else self._past_inputs(past, n, frames, halves, grid, fixed.dtype)
+        kv = () if past is None else self._past_inputs(rows_past, frames, halves, grid, fixed.dtype)
         # One head's worth ([rows, 1, F, F]): every head has the same mask, and attention broadcasts it.
         block_diff = dit._create_block_diff(fixed[:, :, :1])[:, :1]
         if past is not None:  # keys: the kept past (P frames, the blocks before the window's), then the window
-            block_diff = self._past_block_diff(past, n, frames, halves)
+            block_diff = self._past_block_diff(rows_past, frames, halves)
         if any(length < frames for length in lengths):
             # A real frame never attends padding: those keys fall outside every layer's block window.
             valid = torch.arange(frames, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
@@ -637,34 +637,31 @@ class Token2Wav:
             past.kept = [kept[:, :, :, :, b].clone() for b in range(count)]
         return [x[b:b + 1, :lengths[b]].permute(0, 2, 1) for b in range(count)]
 
-    def _past_inputs(self, past: WindowPast, n: int, frames: int, halves: int, grid: torch.Tensor,
+    def _past_inputs(self, past: WindowPast, frames: int, halves: int, grid: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pass's kept keys and values ([evals, layers, 2, halves * n, heads, P, head_dim]: row
-        half * n + b is window b's, padding rows repeat window 0's, zeros where a stream has none
-        yet) and each row's P key indices (into past + window) that its next window keeps: the last
-        P of those it settles."""
+        """The pass's kept keys and values ([evals, layers, 2, halves * rows, heads, P, head_dim]:
+        row half * rows + b is window b's, zeros where a stream has none yet) and each row's P key
+        indices (into past + window) that its next window keeps: the last P of those it settles."""
         attn = self.dit.transformer_blocks[0].attn
         heads, head_dim, P = attn.heads, attn.inner_dim // attn.heads, self._past_len
         evals = (grid.shape[0] - 1) * _EVALS_PER_STEP
-        caches = past.caches + [past.caches[0]] * (n - len(past.caches))
         none = torch.zeros(evals, self._past_layers, 2, halves, heads, P, head_dim, dtype=dtype, device=self.device)
-        stacked = torch.stack([none if c is None else c for c in caches], dim=4).flatten(3, 4)
-        settles = past.settles + [past.settles[0]] * (n - len(past.settles))
-        keep = torch.tensor(settles, device=self.device)[:, None] + torch.arange(P, device=self.device)
+        stacked = torch.stack([none if c is None else c for c in past.caches], dim=4).flatten(3, 4)
+        keep = torch.tensor(past.settles, device=self.device)[:, None] + torch.arange(P, device=self.device)
         keep = keep.clamp_(max=P + frames - 1).repeat(halves, 1)[:, None, :, None]
         return stacked, keep
 
-    def _past_block_diff(self, past: WindowPast, n: int, frames: int, halves: int) -> torch.Tensor:
+    def _past_block_diff(self, past: WindowPast, frames: int, halves: int) -> torch.Tensor:
         """Key block - query block ([rows, 1, F, P + F]) with the kept past's P frames before the
         window's F as the blocks right before it; past frames a stream does not have yet lie
         outside every layer's window."""
         P, block, device = self._past_len, self.dit.block_size, self.device
         key_block = torch.div(torch.arange(-P, frames, device=device), block, rounding_mode="floor")
         query_block = torch.arange(frames, device=device) // block
-        diff = (key_block[None, :] - query_block[:, None]).expand(n * halves, 1, -1, -1)
-        have = past.frames + [past.frames[0]] * (n - len(past.frames))
-        missing = torch.arange(P, device=device)[None] < P - torch.tensor(have, device=device)[:, None]
-        missing = torch.cat([missing, torch.zeros(n, frames, dtype=torch.bool, device=device)], dim=1)
+        rows = len(past.frames)
+        diff = (key_block[None, :] - query_block[:, None]).expand(rows * halves, 1, -1, -1)
+        missing = torch.arange(P, device=device)[None] < P - torch.tensor(past.frames, device=device)[:, None]
+        missing = torch.cat([missing, torch.zeros(rows, frames, dtype=torch.bool, device=device)], dim=1)
         return diff.masked_fill(missing.repeat(halves, 1)[:, None, None, :], frames + block + P)
 
     def _rk4(self, x: torch.Tensor, fixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -674,19 +671,17 @@ class Token2Wav:
         guidance_scale), and then the result is (x, kept: [evals, ...] as `past`).
         `layers`: `_dit_body` or a compiled one."""
         *kv, grid, cfg, guidance_scale = rest
+        past, keep = kv or (None, None)
         masks = self._solve_masks(block_diff, fixed.dtype)  # once per solve, not per layer call
-        if not kv:
-            for i in range(grid.shape[0] - 1):
-                x = self._rk4_step(x, grid[i:i + 2], fixed, cos, sin, masks, cfg, guidance_scale, layers)
-            return x
-        past, keep = kv
         kept = []
         for i in range(grid.shape[0] - 1):
-            evals = past[i * _EVALS_PER_STEP:(i + 1) * _EVALS_PER_STEP]
-            x, step_kept = self._rk4_step(x, grid[i:i + 2], fixed, cos, sin, masks, cfg, guidance_scale, layers,
-                                          past=evals, keep=keep)
-            kept.append(step_kept)
-        return x, torch.cat(kept)
+            evals = None if past is None else past[i * _EVALS_PER_STEP:(i + 1) * _EVALS_PER_STEP]
+            x = self._rk4_step(x, grid[i:i + 2], fixed, cos, sin, masks, cfg, guidance_scale, layers,
+                               past=evals, keep=keep)
+            if past is not None:
+                x, step_kept = x
+                kept.append(step_kept)
+        return x if past is None else (x, torch.cat(kept))
 
     def _solve_masks(self, block_diff: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
         if block_diff.shape[3] == block_diff.shape[2]:  # no past keys
@@ -828,17 +823,15 @@ class DiTStepGraphs(DiTGraphs):
         x, fixed, cos, sin, block_diff, *kv, grid = inputs
         masks = self.masks(block_diff, fixed.dtype)
         key = (x.shape[0], x.shape[1], "step", "past" if kv else "", *options)
-        if not kv:
-            for i in range(grid.shape[0] - 1):
-                x = self.run(key, (x, grid[i:i + 2], fixed, cos, sin, *masks), options)
-            return x
-        past, keep = kv  # (dit_past_cache: each replay takes and gives its step's evaluations' keys and values)
+        past, keep = kv or (None, None)  # (dit_past_cache: each replay takes and gives its step's evaluations')
         kept = []
         for i in range(grid.shape[0] - 1):
-            evals = past[i * _EVALS_PER_STEP:(i + 1) * _EVALS_PER_STEP]
-            x, step_kept = self.run(key, (x, grid[i:i + 2], fixed, cos, sin, *masks, evals, keep), options)
-            kept.append(step_kept)
-        return x, torch.cat(kept)
+            extra = () if past is None else (past[i * _EVALS_PER_STEP:(i + 1) * _EVALS_PER_STEP], keep)
+            x = self.run(key, (x, grid[i:i + 2], fixed, cos, sin, *masks, *extra), options)
+            if past is not None:
+                x, step_kept = x
+                kept.append(step_kept)
+        return x if past is None else (x, torch.cat(kept))
 
 
 def _rng(seed: int | None) -> torch.Generator:
