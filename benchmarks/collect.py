@@ -181,6 +181,26 @@ def _named_rates(out: Path) -> dict:
     return keys
 
 
+def _variants(out: Path) -> dict:
+    """Step `variants`: per variant v_<name> its 3/s level (v_<name>_*), c=1 / c=16 all at once
+    (v_<name>srv_*) and each stage's steps in both (v_<name>_<stage>_*, v_<name>srv_<stage>_*)."""
+    keys = {}
+    for path in sorted(out.glob("v_*_c16.json")):
+        name = path.name.removesuffix("_c16.json")
+        if name.endswith("srv"):
+            continue
+        rate = _level(path)
+        keys |= {f"{name}_ttfp_ms_rate": _get(rate, "ttfp_ms", "p50"), f"{name}_rtf_rate": _get(rate, "rtf", "p50"),
+                 f"{name}_stall_ms_p90_rate": _get(rate, "stall_ms", "p90"),
+                 f"{name}_ready_s": _ready_s(out / f"serve_{name}.log")}
+        c16 = _level(out / f"{name}srv_c16.json")
+        keys |= _rate_steps(out, name, name) | _served(out, f"{name}srv", f"{name}srv") | \
+            _rate_steps(out, f"{name}srv", f"{name}srv") | {
+                f"{name}srv_audio_s_per_wall_s_c16": _get(c16, "audio_s_per_wall_s"),
+                f"{name}srv_stall_ms_p90_c16": _get(c16, "stall_ms", "p90")}
+    return keys
+
+
 def collect(out: Path) -> dict:
     c1, c16 = _level(out / "bench7b_c1.json"), _level(out / "bench7b_c16.json")
     full_c1, full_c16 = _level(out / "bench7b_full_c1.json"), _level(out / "bench7b_full_c16.json")
@@ -276,6 +296,8 @@ def collect(out: Path) -> dict:
         **_served(out, "ratesrv", "ratesrv"),
         **_rate_steps(out),
         **_named_rates(out),
+        # serve-argument variants, one server each on one machine (step `variants`)
+        **_variants(out),
         "rate_stall_ms_p90_c16": _get(_level(out / "rate_c16.json"), "stall_ms", "p90"),
         # the 7B config with the thinker and talker capped at P% of the SMs (step `smcap`)
         **_smcap(out),

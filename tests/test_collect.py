@@ -162,6 +162,25 @@ def test_smcap_step_keys_per_server(tmp_path):
     assert not any(k.startswith("qwen3cap") and v is not None for k, v in r.items())
 
 
+def test_variants_step_keys_per_server(tmp_path):
+    # Step `variants`: one server per VARIANTS entry (v_<name>), its 3/s level, then c=1 and c=16 all
+    # at once (v_<name>srv_*); a level with failed requests gives no numbers.
+    for name, rate, c16, errors in (("v_base", 1100.0, 820.0, 0), ("v_t2wlow", 1000.0, 760.0, 3)):
+        _bench(tmp_path / f"{name}_c16.json", ttfp_ms={"p50": rate}, rtf={"p50": 0.6}, stall_ms={"p90": 250.0})
+        _bench(tmp_path / f"{name}srv_c1.json", ttfp_ms={"p50": 360.0}, rtf={"p50": 0.19})
+        _bench(tmp_path / f"{name}srv_c16.json", ttfp_ms={"p50": c16}, rtf={"p50": 0.4}, audio_s_per_wall_s=39.5,
+               stall_ms={"p90": 0.0}, errors=errors)
+        (tmp_path / f"serve_{name}.log").write_text("... all 3 stages ready in 45.0 s; serving on http://x\n")
+    r = _collect(tmp_path)
+    assert (r["v_base_ttfp_ms_rate"], r["v_base_rtf_rate"], r["v_base_stall_ms_p90_rate"], r["v_base_ready_s"]) == \
+        (1100.0, 0.6, 250.0, 45.0)
+    assert (r["v_basesrv_ttfp_ms_c1"], r["v_basesrv_ttfp_ms_c16"], r["v_basesrv_rtf_c16"],
+            r["v_basesrv_audio_s_per_wall_s_c16"], r["v_basesrv_stall_ms_p90_c16"]) == (360.0, 820.0, 0.4, 39.5, 0.0)
+    assert r["v_t2wlow_ttfp_ms_rate"] == 1000.0 and r["v_t2wlowsrv_ttfp_ms_c16"] is None
+    assert r["v_t2wlowsrv_audio_s_per_wall_s_c16"] is None and r["v_t2wlowsrv_ttfp_ms_c1"] == 360.0
+    assert not any(k.startswith("v_basesrv_ttfp_ms_rate") for k in r)
+
+
 def test_prefix_step_keys(tmp_path):
     # Step `prefix`: the thinker's prefix caching on and off under one shared system message, and the
     # runner benchmark with caching on in both engines (its own keys, not p1 / p5).

@@ -622,6 +622,24 @@ step_rate() {
   say "$n steps: $(grep -A12 ${VOCODER:-token2wav} $R/steps_$n.txt | tr -s ' ' | tr '\n' ';' | cut -c1-600)"
 }
 
+step_variants() {
+  # Serve-argument variants of the 7B config, one after another on this machine, each as step
+  # `rate` (3/s, then c=1 and c=16 all at once) with its stages' steps logged. VARIANTS: entries
+  # "NAME [serve arguments]" separated by ';' (no arguments: the config as it is), e.g.
+  # VARIANTS="base; t2wlow --stage-arg token2wav.env.CUDA_MPS_CLIENT_PRIORITY=1; base2"
+  # (keys v_NAME_*: the 3/s level's, v_NAMEsrv_* c=1 / c=16, v_NAMEsrv_<stage>_* the c=16 steps).
+  local entries entry name args
+  IFS=';' read -ra entries <<< "$VARIANTS"
+  for entry in "${entries[@]}"; do
+    read -r name args <<< "$entry"
+    [ -n "$name" ] || continue
+    RATE_NAME=v_$name RATE_ALL=1 RATE_ARGS="$args" step_rate
+    python3 benchmarks/step_log.py $R/steps_v_$name --bench $R/v_${name}srv_c16.json \
+      --json $R/steps_v_${name}srv.json > $R/steps_v_${name}srv.txt 2>&1
+    say "v_$name c=16 steps: $(grep -A12 talker $R/steps_v_${name}srv.txt | tr -s ' ' | tr '\n' ';' | cut -c1-600)"
+  done
+}
+
 step_talkerlow() {
   # The 7B config with the talker at MPS's below-normal client priority: at c=1 first audio waits
   # for 36 talker codes, each gated by a thinker step (6.2-6.4 ms beside the talker, 4.9 alone).
