@@ -709,32 +709,6 @@ def test_compile_needs_graphs_captured_at_start(model_dir):
         Token2Wav(model_dir, compile="yes")
 
 
-def test_cudnn_benchmark_needs_graphs_captured_at_start(model_dir):
-    # (It times algorithms in the start's warm-up only: without one it would do nothing.)
-    with pytest.raises(ValueError, match="cudnn_benchmark needs CUDA graphs captured at start"):
-        Token2Wav(model_dir, cudnn_benchmark=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cudnn_benchmark_only_while_capturing_at_start(model_dir):
-    """The warm-up's captures time cuDNN's algorithms (the search runs then, as the flag is on), the
-    process's flag is as before afterwards (serving's eager shapes never search), the decode repeats
-    exactly (deterministic algorithms only) and stays close to the eager one."""
-    from unittest import mock
-
-    seen = []
-    real = Token2Wav._warm_graphs
-    with mock.patch.object(Token2Wav, "_warm_graphs", lambda self: seen.append(torch.backends.cudnn.benchmark)
-                           or real(self)):
-        timed = Token2Wav(model_dir, device="cuda", warmup_graphs=True, cudnn_benchmark=True, max_graph_batch=2)
-    assert seen == [True] and not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
-    eager = Token2Wav(model_dir, device="cuda", cuda_graphs=False)
-    first = timed.stream_all(LONG, seed=4)
-    assert timed.vocoder_graphs.graphs and torch.equal(first, timed.stream_all(LONG, seed=4))
-    want = eager.stream_all(LONG, seed=4)
-    assert ((first - want).norm() / want.norm()).item() < 1e-3
-
-
 @pytest.mark.parametrize("fused_qkv", [False, True])
 def test_dit_compiled_block_by_block_equals_its_layers(model_dir, fused_qkv):
     # compile "blocks": one compiled `run_layer` for every layer (a module's parameters are inputs

@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: variants cudnnb pastkv pastkvab prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
+# one GPU; also: pastkv pastkvab prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -13,11 +13,7 @@ if [ -z "${SESSION_REPO:-}" ]; then
   SESSION_REPO=$(cd "$(dirname "$0")/../.." && pwd) && cp "$0" /tmp/session.run.$$.sh && \
     SESSION_REPO=$SESSION_REPO exec bash /tmp/session.run.$$.sh "$@"
 fi
-R=/tmp/res
-# A new session starts from an empty $R (a reused machine kept an earlier session's files, which
-# collect.py would have read as this run's); more.sh's runs (MORE=1) add to it.
-[ -n "${MORE:-}" ] || [ ! -d $R ] || mv $R $R.before.$(date +%s)
-mkdir -p $R
+R=/tmp/res; mkdir -p $R
 # One session at a time (a second would share the GPU and the ports, and spoil both's numbers).
 exec 9>/tmp/session.lock
 flock -n 9 || { echo "another session.sh runs: not starting"; exit 1; }
@@ -280,14 +276,6 @@ step_pastkv() {
   # windows hold no past frames; 1,216 instead of 1,648 frame evaluations for 10 s of speech):
   # alone against the settings before (batch 1 and 16), then served (keys `pastkv_*`).
   t2w_variant pastkv 8044 token2wav.generator_args.dit_past_cache=true config_fused_qkv config_past_cache
-}
-
-step_cudnnb() {
-  # token2wav with its captured convolutions on cuDNN's fastest deterministic algorithms in the
-  # warm-up (`cudnn_benchmark`) against the configs' settings, alone (batch 1 and 16, start time).
-  free_gpus
-  t2w_alone config_past_cache config_cudnn_benchmark
-  say "cudnnb alone: $(grep RESULT $R/t2w.txt | tail -4 | cut -c8-300 | tr '\n' ' ')"
 }
 
 step_pastkvab() {

@@ -111,7 +111,7 @@ class Token2Wav:
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
                  dit_dtype: str = "float32", polyphase_upsampling: bool = False, compile: bool | str = False,
                  compile_vocoder: bool | str = True, dit_attention: str | None = None, dit_graph: str = "solve",
-                 dit_fused_qkv: bool = False, dit_past_cache: bool = False, cudnn_benchmark: bool = False):
+                 dit_fused_qkv: bool = False, dit_past_cache: bool = False):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
@@ -227,14 +227,6 @@ class Token2Wav:
         if compile_vocoder == "activations" and not (graphs and warmup_graphs):
             raise ValueError("compile_vocoder \"activations\" needs CUDA graphs captured at start (a CUDA device, "
                              "cuda_graphs and warmup_graphs)")
-        # cudnn_benchmark: the convolutions captured at start (the vocoder's, the DiT's position
-        # embedding) use the cuDNN algorithms that ran fastest in their warm-up, not its heuristic's
-        # pick (deterministic ones either way). Only then: a shape met while serving runs eagerly on
-        # the heuristic's pick, so no request waits for a search.
-        if cudnn_benchmark and not (graphs and warmup_graphs):
-            raise ValueError("cudnn_benchmark needs CUDA graphs captured at start (a CUDA device, cuda_graphs and "
-                             "warmup_graphs)")
-        self.cudnn_benchmark = cudnn_benchmark
         if compile == "blocks":
             dit_layers = functools.partial(self._dit_body, block=torch.compile(run_layer, dynamic=True),
                                            block_with_past=torch.compile(run_layer_with_past, dynamic=True))
@@ -291,13 +283,7 @@ class Token2Wav:
                             dit_attention, why)
                 self._attention_backend = None
         if self.graphs is not None and warmup_graphs:
-            # (compiles too: an eager run precedes each capture; with cudnn_benchmark it times the algorithms)
-            benchmark = torch.backends.cudnn.benchmark
-            torch.backends.cudnn.benchmark = benchmark or cudnn_benchmark
-            try:
-                self._warm_graphs()
-            finally:
-                torch.backends.cudnn.benchmark = benchmark
+            self._warm_graphs()  # (compiles too: an eager run precedes each capture)
 
     @torch.inference_mode()
     def _warm_graphs(self) -> None:
