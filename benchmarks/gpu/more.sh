@@ -4,5 +4,5 @@
 # (poll.sh then waits for the new DONE: the old one is renamed.)
 setsid bash -c 'while ! grep -q "DONE" /tmp/res/progress.log 2>/dev/null; do sleep 2; done
   sed -i "s/: DONE\$/: done (first part)/" /tmp/res/progress.log
-  exec bash benchmarks/gpu/session.sh' > /tmp/session.more.out 2>&1 < /dev/null &
+  MORE=1 exec bash benchmarks/gpu/session.sh' > /tmp/session.more.out 2>&1 < /dev/null &
 sleep 1

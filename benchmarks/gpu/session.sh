@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: pastkv pastkvab prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
+# one GPU; also: variants pastkv pastkvab prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -13,7 +13,11 @@ if [ -z "${SESSION_REPO:-}" ]; then
   SESSION_REPO=$(cd "$(dirname "$0")/../.." && pwd) && cp "$0" /tmp/session.run.$$.sh && \
     SESSION_REPO=$SESSION_REPO exec bash /tmp/session.run.$$.sh "$@"
 fi
-R=/tmp/res; mkdir -p $R
+R=/tmp/res
+# A new session starts from an empty $R (a reused machine kept an earlier session's files, which
+# collect.py would have read as this run's); more.sh's runs (MORE=1) add to it.
+[ -n "${MORE:-}" ] || [ ! -d $R ] || mv $R $R.before.$(date +%s)
+mkdir -p $R
 # One session at a time (a second would share the GPU and the ports, and spoil both's numbers).
 exec 9>/tmp/session.lock
 flock -n 9 || { echo "another session.sh runs: not starting"; exit 1; }
