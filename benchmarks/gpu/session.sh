@@ -215,14 +215,11 @@ step_aa() {
 step_t2wprof() {
   # Token2wav alone with the 7B config's settings at batch 16 (c=16's token2wav-bound step) and 1
   # (c=1's windows): how a decode splits between the DiT's solves and the vocoder, and a profiler
-  # table of its kernels; then the config before 2026-12-02 (72-frame windows, the vocoder's
-  # activations eager) for the same split.
+  # table of its kernels (t2wprof/token2wav_<mode>_b<batch>.txt).
   free_gpus
   : > $R/t2wprof.txt
-  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes config --split \
-    --first-chunk-frames 48 48 72 96 --chunk-frames 144 --sdpa cudnn --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
-  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 16 --modes config_dit_only --split \
-    --first-chunk-frames 48 48 --chunk-frames 72 --sdpa cudnn >> $R/t2wprof.txt 2>&1
+  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes config_past_cache \
+    --split --first-chunk-frames 48 48 72 96 --chunk-frames 144 --sdpa cudnn --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
   say "token2wav split: $(grep RESULT $R/t2wprof.txt | cut -c8- | tr '\n' ' ')"
 }
 
