@@ -1,5 +1,6 @@
 """One BigVGAN anti-aliased SnakeBeta activation alone: transformers' module against
-omni_server.models.antialias's expression, eager and compiled, same process, same input.
+omni_server.models.antialias's expression, eager and compiled, and (CUDA) antialias_triton's
+kernels, same process, same input.
 
     python benchmarks/antialias_speed.py --device cpu --batch 16 --channels 96 --length 4000
     python benchmarks/antialias_speed.py --device cuda --batch 16 --channels 768 96 24 --length 2000
@@ -54,12 +55,19 @@ def main() -> None:
         x = torch.randn(a.batch, channels, a.length, generator=g).to(a.device)
         fused = AntiAliasedSnake(act, channels)
         compiled = AntiAliasedSnake(act, channels, wrap=lambda fn: torch.compile(fn, dynamic=True))
+        ours = {"fused_eager_ms": fused, "fused_compiled_ms": compiled}
+        if x.is_cuda:
+            from omni_server.models.antialias_triton import triton_antialiased_snake
+
+            ours["triton_ms"] = AntiAliasedSnake(act, channels, make=triton_antialiased_snake)
         with torch.inference_mode():
             want = act(x)
-            diff = max((m(x) - want).abs().max().item() for m in (fused, compiled))
+            diffs = {k.replace("_ms", "_max_abs_diff"): (m(x) - want).abs().max().item() for k, m in ours.items()}
             result = {"device": a.device, "batch": a.batch, "channels": channels, "length": a.length,
-                      "transformers_ms": _median_ms(act, x, a.repeats), "fused_eager_ms": _median_ms(fused, x, a.repeats),
-                      "fused_compiled_ms": _median_ms(compiled, x, a.repeats), "max_abs_diff": diff}
+                      "transformers_ms": _median_ms(act, x, a.repeats)} | \
+                {k: _median_ms(m, x, a.repeats) for k, m in ours.items()} | diffs
+            # (bytes one pass needs: x read once, the output written once)
+            result["triton_gb_s"] = round(2 * x.numel() * 4 / result["triton_ms"] / 1e6, 1) if "triton_ms" in result else None
         print("RESULT " + json.dumps(result), flush=True)
 
 

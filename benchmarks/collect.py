@@ -316,6 +316,8 @@ def collect(out: Path) -> dict:
         **_served(out, "pkvoff", "pkvoff"), **_rate_steps(out, "pkvoff", "pkvoff"),
         **_served(out, "pkvon", "pkvon"), **_rate_steps(out, "pkvon", "pkvon"),
         **_served(out, "ratekvsrv", "ratekvsrv"),
+        # the 7B config with token2wav's vocoder activations as Triton kernels (step `t2wtriton`)
+        **_served(out, "t2wtriton", "t2wtriton"),
         # the 7B config with the talker's attention in another vLLM backend (step `talkerattn`)
         **_served(out, "talkerattn", "talkerattn"),
         # the 7B config benched while py-spy samples its stages (step `spy`)

@@ -59,7 +59,10 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
          "config_fused_qkv": CONFIG | dict(dit_graph="step", dit_fused_qkv=True),
          # ... with each stream's look-back keys and values kept between windows (`dit_past_cache`:
          # no past frames solved again): the 7B configs' token2wav since 2026-12-04
-         "config_past_cache": CONFIG | dict(dit_graph="step", dit_fused_qkv=True, dit_past_cache=True)}
+         "config_past_cache": CONFIG | dict(dit_graph="step", dit_fused_qkv=True, dit_past_cache=True),
+         # ... with the vocoder's activations as hand-written Triton kernels (`compile_vocoder: triton`)
+         "config_triton_vocoder": CONFIG | dict(dit_graph="step", dit_fused_qkv=True, dit_past_cache=True,
+                                                compile_vocoder="triton")}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

@@ -1,7 +1,12 @@
 """BigVGAN's anti-aliased Snake activation as one expression (omni_server/models/antialias.py)
-against transformers' module, in the tiny vocoder, and compiled once for every activation."""
+against transformers' module, in the tiny vocoder, and compiled once for every activation; and as
+Triton kernels (antialias_triton.py), run on the CPU by Triton's interpreter."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +20,7 @@ from omni_server.models.antialias import AntiAliasedSnake, use_fused_activations
 from omni_server.models.polyphase import use_polyphase_upsampling
 from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
 from omni_server.models.tiny_checkpoints import TINY_OMNI
+from tests.conftest import REPO
 
 
 def _activation(channels: int, seed: int) -> torch.nn.Module:
@@ -96,7 +102,73 @@ def test_one_compile_per_batch_kind_serves_every_activation(tiny_models):
 
 
 def test_token2wav_checks_compile_vocoder(tiny_models):
-    with pytest.raises(ValueError, match="compile_vocoder must be true, false or \"activations\""):
+    with pytest.raises(ValueError, match="compile_vocoder must be true, false, \"activations\" or \"triton\""):
         Token2Wav(str(tiny_models[TINY_OMNI]), compile_vocoder="snake")
     with pytest.raises(ValueError, match="\"activations\" needs CUDA graphs captured at start"):
         Token2Wav(str(tiny_models[TINY_OMNI]), compile_vocoder="activations")  # (CPU: no graphs)
+
+
+# Run in a child process: TRITON_INTERPRET must be set before the kernels are defined, and it runs
+# them on the CPU (numpy), one program at a time.
+_TRITON_CHECK = """
+import sys, torch
+from tests.test_antialias import _activation
+from omni_server.models.antialias import AntiAliasedSnake, use_fused_activations
+from omni_server.models.antialias_triton import triton_antialiased_snake
+from omni_server.models.polyphase import use_polyphase_upsampling
+from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
+worst = 0.0
+for polyphase in (False, True):
+    for length in (1, 2, 5, 64, 333):
+        act = _activation(7, length).float()
+        if polyphase:
+            use_polyphase_upsampling(act)
+        fused = AntiAliasedSnake(act, 7, make=triton_antialiased_snake)
+        x = torch.randn(3, 7, length, generator=torch.Generator().manual_seed(100 + length)) * 2
+        want, got = act(x), fused(x)
+        assert got.shape == want.shape == (3, 7, length) and got.dtype == torch.float32
+        worst = max(worst, (got - want).abs().max().item())
+assert worst < 2e-5, worst
+t2w = Token2Wav(sys.argv[1], polyphase_upsampling=True)
+mel = torch.randn(2, t2w.dit.mel_dim, 23, generator=torch.Generator().manual_seed(0))
+with torch.inference_mode():
+    want = t2w._vocoder_body(mel)
+    assert use_fused_activations(t2w.vocoder, make=triton_antialiased_snake) > 1
+    got = t2w._vocoder_body(mel)
+assert got.shape == want.shape and (got - want).abs().max().item() < 1e-5
+print("ok", worst)
+"""
+
+
+def test_triton_kernels_equal_transformers_activation(tiny_models):
+    """The Triton activation against transformers' module (float32; lengths that are shorter than
+    the filters, so both ends' replicate paddings meet) and in the tiny vocoder, every activation
+    replaced: the waveform unchanged but for float32 rounding."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _TRITON_CHECK, str(tiny_models[TINY_OMNI])], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]
+
+
+def test_triton_activation_checks_its_inputs():
+    from omni_server.models.antialias_triton import triton_antialiased_snake
+
+    with pytest.raises(ValueError, match="unsupported downsampler padding"):
+        triton_antialiased_snake(((1.0,), (1.0,)), (0.5, 0.5), 0, 0, 1, 1)
+    fn = triton_antialiased_snake(((1.0,), (1.0,)), (0.5, 0.5), 0, 0, 1, 0)
+    with pytest.raises(ValueError, match="computes in float32"):
+        fn(torch.zeros(1, 1, 4, dtype=torch.float64), torch.ones(1, 1), torch.ones(1, 1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a GPU")
+def test_token2wav_with_triton_activations_on_cuda(tiny_models):
+    """compile_vocoder "triton" as served (graphs captured at start): every window's vocoder graph
+    replays the kernels, and the audio equals the plain vocoder's to float32 rounding."""
+    model = str(tiny_models[TINY_OMNI])
+    fast = Token2Wav(model, device="cuda", polyphase_upsampling=True, compile_vocoder="triton", warmup_graphs=True,
+                     max_graph_batch=2)
+    plain = Token2Wav(model, device="cuda", polyphase_upsampling=True, compile_vocoder=False)
+    assert any(isinstance(m, AntiAliasedSnake) for m in fast.vocoder.modules()) and fast.vocoder_graphs.graphs
+    codes = torch.randint(0, 100, (90,), generator=torch.Generator().manual_seed(3))
+    a, b = fast.stream_all(codes, seed=4), plain.stream_all(codes, seed=4)
+    assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4

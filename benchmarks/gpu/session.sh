@@ -4,7 +4,7 @@
 # poll.sh packs it into $OUT. On a two-GPU machine the second server starts on GPU 1 while the first
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
-# one GPU; also: variants pastkv pastkvab prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
+# one GPU; also: variants t2wtriton pastkv pastkvab prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
 # prof ref w144 layouts fc24 fc72 tc4).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
@@ -277,6 +277,24 @@ step_pastkv() {
   # windows hold no past frames; 1,216 instead of 1,648 frame evaluations for 10 s of speech):
   # alone against the settings before (batch 1 and 16), then served (keys `pastkv_*`).
   t2w_variant pastkv 8044 token2wav.generator_args.dit_past_cache=true config_fused_qkv config_past_cache
+}
+
+step_t2wtriton() {
+  # token2wav's vocoder activations as hand-written Triton kernels (`compile_vocoder: triton`; the
+  # torch.compile'd ones were 355 of 1,666 ms of a batch-16 decode's GPU time, twenty-third run):
+  # one activation alone at the vocoder's channel counts (antialias_speed.py), token2wav alone
+  # against the configs' settings (batch 1 and 16) with its DiT / vocoder split and a profile of
+  # the Triton mode, then served (keys `t2wtriton_*`).
+  free_gpus
+  timeout 200 python3 benchmarks/antialias_speed.py --device cuda --batch 16 --channels 768 384 96 24 \
+    --length 4000 > $R/aa_triton.txt 2>&1
+  say "t2wtriton activation alone: $(grep RESULT $R/aa_triton.txt | cut -c8-400 | tr '\n' ' ')"
+  timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 \
+    --modes config_past_cache config_triton_vocoder --split --first-chunk-frames 48 48 72 96 --chunk-frames 144 \
+    --sdpa cudnn --profile $R/t2wprof >> $R/t2wprof.txt 2>&1
+  say "t2wtriton alone: $(grep RESULT $R/t2wprof.txt | tail -4 | cut -c8-500 | tr '\n' ' ')"
+  export VLLM_CACHE_ROOT=/tmp/vc
+  served t2wtriton 8045 --stage-arg token2wav.generator_args.compile_vocoder=triton
 }
 
 step_pastkvab() {

@@ -68,9 +68,11 @@ class AntiAliasedSnake(nn.Module):
     """Drop-in for a BigVGAN anti-aliased activation (`upsample`: ratio 2 with an even kernel, or its
     PolyphaseUpsample2x; `act`: SnakeBeta; `downsample`: stride 2). `wrap`: applied to the function
     `antialiased_snake` makes (e.g. torch.compile), once per pair of filters (in `shared`): every
-    activation of a vocoder shares one. Inference only: SnakeBeta's parameters are read once, here."""
+    activation of a vocoder shares one. `make`: what makes that function from the filters
+    (`antialiased_snake`, or antialias_triton's kernels). Inference only: SnakeBeta's parameters are
+    read once, here."""
 
-    def __init__(self, activation: nn.Module, channels: int, wrap=None, shared: dict | None = None):
+    def __init__(self, activation: nn.Module, channels: int, wrap=None, shared: dict | None = None, make=None):
         super().__init__()
         up, act, down = activation.upsample, activation.act, activation.downsample
         if not isinstance(up, PolyphaseUpsample2x):
@@ -83,7 +85,7 @@ class AntiAliasedSnake(nn.Module):
                    int(up.pad), int(up.offset), int(down.pad_left), int(down.pad_right))
         shared = {} if shared is None else shared
         if filters not in shared:
-            fn = antialiased_snake(*filters)
+            fn = (antialiased_snake if make is None else make)(*filters)
             shared[filters] = fn if wrap is None else wrap(fn)
         self.fn = shared[filters]
         self.register_buffer("alpha", torch.exp(act.alpha.detach())[:, None], persistent=False)
@@ -94,16 +96,16 @@ class AntiAliasedSnake(nn.Module):
         return self.fn(x, self.alpha.to(x.dtype), self.inv_beta.to(x.dtype))
 
 
-def use_fused_activations(model: nn.Module, wrap=None) -> int:
+def use_fused_activations(model: nn.Module, wrap=None, make=None) -> int:
     """Replace every anti-aliased SnakeBeta activation in `model` (a module with `upsample`, `act`
     and `downsample`, its channel count `act.in_features`) by AntiAliasedSnake, their function made
-    once (per pair of filters) and passed through `wrap`; returns how many were replaced."""
+    once (per pair of filters, by `make`) and passed through `wrap`; returns how many were replaced."""
     count, shared = 0, {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             channels = getattr(getattr(child, "act", None), "in_features", None)
             if channels is None or not hasattr(child, "upsample") or not hasattr(child, "downsample"):
                 continue
-            setattr(parent, name, AntiAliasedSnake(child, int(channels), wrap, shared))  # (on alpha's device)
+            setattr(parent, name, AntiAliasedSnake(child, int(channels), wrap, shared, make))  # (on alpha's device)
             count += 1
     return count

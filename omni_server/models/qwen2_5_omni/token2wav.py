@@ -217,16 +217,19 @@ class Token2Wav:
         # batch-16 call on the H200. With or without `compile`. The modules are replaced, so the
         # vocoder's runs outside its graphs run them too: compiled with dynamic shapes, batch 1
         # and larger batches each compile in the warm-up, and no size met later (a stream's last
-        # piece, a batch past the graphs) compiles again.
+        # piece, a batch past the graphs) compiles again. compile_vocoder "triton": the same
+        # activations as two hand-written Triton kernels instead (omni_server/models/antialias_triton.py:
+        # a plain walk along each row, where Inductor's dynamic-shape kernels divide by runtime
+        # sizes per element), JIT-built in the warm-up and then for no size again.
         if compile not in (False, True, "blocks"):
             raise ValueError(f"compile must be true, false or \"blocks\", got {compile!r}")
-        if compile_vocoder not in (False, True, "activations"):
-            raise ValueError(f"compile_vocoder must be true, false or \"activations\", got {compile_vocoder!r}")
+        if compile_vocoder not in (False, True, "activations", "triton"):
+            raise ValueError(f"compile_vocoder must be true, false, \"activations\" or \"triton\", got {compile_vocoder!r}")
         if compile and not (graphs and warmup_graphs):
             raise ValueError("compile needs CUDA graphs captured at start (a CUDA device, cuda_graphs and warmup_graphs)")
-        if compile_vocoder == "activations" and not (graphs and warmup_graphs):
-            raise ValueError("compile_vocoder \"activations\" needs CUDA graphs captured at start (a CUDA device, "
-                             "cuda_graphs and warmup_graphs)")
+        if compile_vocoder in ("activations", "triton") and not (graphs and warmup_graphs):
+            raise ValueError(f"compile_vocoder \"{compile_vocoder}\" needs CUDA graphs captured at start (a CUDA "
+                             "device, cuda_graphs and warmup_graphs)")
         if compile == "blocks":
             dit_layers = functools.partial(self._dit_body, block=torch.compile(run_layer, dynamic=True),
                                            block_with_past=torch.compile(run_layer_with_past, dynamic=True))
@@ -234,6 +237,10 @@ class Token2Wav:
             dit_layers = torch.compile(self._dit_body, dynamic=True) if compile else self._dit_body
         if compile_vocoder == "activations":
             use_fused_activations(self.vocoder, wrap=lambda fn: torch.compile(fn, dynamic=True))
+        elif compile_vocoder == "triton":
+            from omni_server.models.antialias_triton import triton_antialiased_snake  # (Triton: CUDA hosts only)
+
+            use_fused_activations(self.vocoder, make=triton_antialiased_snake)
         vocoder = torch.compile(self._vocoder_body, dynamic=True) if compile and compile_vocoder is True \
             else self._vocoder_body
         # dit_graph: what one DiT graph holds, a whole ODE solve ("solve") or one solver step
