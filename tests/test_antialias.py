@@ -150,6 +150,33 @@ def test_triton_kernels_equal_transformers_activation(tiny_models):
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]
 
 
+def test_triton_kernels_build_for_the_h200_on_any_host(tmp_path, monkeypatch):
+    """Triton's interpreter (above) runs the kernels' Python, not their compile: build them for
+    sm_90 (PTX and cubin; no GPU needed) with the 7B vocoder's filter sizes, so an error only the
+    GPU compiler sees shows here too."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from omni_server.models import antialias_triton as at
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    act = AntiAliasedSnake(_activation(4, 0), 4, make=lambda *filters: filters)
+    up, down, up_pad, up_offset, down_left, _ = act.fn
+    target, ptr = GPUTarget("cuda", 90, 32), "*fp32"
+    phases = ASTSource(fn=at._phases, signature=dict.fromkeys(["x_ptr", "alpha_ptr", "inv_beta_ptr", "even_ptr",
+                                                              "odd_ptr", "out_ptr"], ptr)
+                       | dict.fromkeys(["n", "length", "channels"], "i32")
+                       | dict.fromkeys(["UP_TAPS", "UP_SHIFT", "LEAD", "BLOCK"], "constexpr"),
+                       constexprs={"UP_TAPS": len(up[0]), "UP_SHIFT": up_offset - up_pad, "LEAD": down_left,
+                                   "BLOCK": at.BLOCK})
+    down_k = ASTSource(fn=at._down, signature=dict.fromkeys(["p_ptr", "down_ptr", "out_ptr"], ptr)
+                       | dict.fromkeys(["n", "length"], "i32") | dict.fromkeys(["DOWN_TAPS", "BLOCK"], "constexpr"),
+                       constexprs={"DOWN_TAPS": len(down), "BLOCK": at.BLOCK})
+    for src in (phases, down_k):
+        kernel = compile(src, target=target)
+        assert kernel.asm["cubin"] and "st.global" in kernel.asm["ptx"]
+
+
 def test_triton_activation_checks_its_inputs():
     from omni_server.models.antialias_triton import triton_antialiased_snake
 
