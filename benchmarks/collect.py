@@ -86,8 +86,8 @@ def _token2wav_speed(out: Path) -> dict:
         keys[f"{name}_b{r['batch']}_rtf"] = r.get("rtf")
         if r.get("start_s") is not None:
             keys[f"{name}_start_s"] = r["start_s"]
-    # step t2wprof: t2wprof_<mode>_w<last window>_b<batch>_{step_ms,rtf,dit_s,vocoder_s}
-    for r in _results([out / "t2wprof.txt"]):
+    # steps t2wprof, t2wtriton: t2wprof_<mode>_w<last window>_b<batch>_{step_ms,rtf,dit_s,vocoder_s}
+    for r in _results([out / "t2wprof.txt", out / "t2wtriton.txt"]):
         name = f"t2wprof_{r['mode']}_w{(r.get('windows') or [0])[-1]}_b{r['batch']}"
         for field, key in (("step_ms_p50", "step_ms"), ("rtf", "rtf"), ("dit_s", "dit_s"), ("vocoder_s", "vocoder_s")):
             keys[f"{name}_{key}"] = r.get(field)

@@ -119,7 +119,7 @@ from omni_server.models.polyphase import use_polyphase_upsampling
 from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
 worst = 0.0
 for polyphase in (False, True):
-    for length in (1, 2, 5, 64, 333):
+    for length in (1, 2, 5, 64, 333, 1100):  # (1100: rows of two blocks of 1024)
         act = _activation(7, length).float()
         if polyphase:
             use_polyphase_upsampling(act)
@@ -172,7 +172,9 @@ def test_triton_kernels_build_for_the_h200_on_any_host(tmp_path, monkeypatch):
     down_k = ASTSource(fn=at._down, signature=dict.fromkeys(["p_ptr", "down_ptr", "out_ptr"], ptr)
                        | dict.fromkeys(["n", "length"], "i32") | dict.fromkeys(["DOWN_TAPS", "BLOCK"], "constexpr"),
                        constexprs={"DOWN_TAPS": len(down), "BLOCK": at.BLOCK})
-    for src in (phases, down_k):
+    for src, pointers in ((phases, 6), (down_k, 3)):
+        # (as launched: the tensors' addresses 16-byte aligned, which Triton specialises on)
+        src.attrs = {(i,): [["tt.divisibility", 16]] for i in range(pointers)}
         kernel = compile(src, target=target)
         assert kernel.asm["cubin"] and "st.global" in kernel.asm["ptx"]
 
@@ -182,6 +184,8 @@ def test_triton_activation_checks_its_inputs():
 
     with pytest.raises(ValueError, match="unsupported downsampler padding"):
         triton_antialiased_snake(((1.0,), (1.0,)), (0.5, 0.5), 0, 0, 1, 1)
+    with pytest.raises(ValueError, match="phases differ in length"):
+        triton_antialiased_snake(((1.0,), (1.0, 0.0)), (0.5, 0.5), 0, 0, 1, 0)
     fn = triton_antialiased_snake(((1.0,), (1.0,)), (0.5, 0.5), 0, 0, 1, 0)
     with pytest.raises(ValueError, match="computes in float32"):
         fn(torch.zeros(1, 1, 4, dtype=torch.float64), torch.ones(1, 1), torch.ones(1, 1))
@@ -195,7 +199,22 @@ def test_token2wav_with_triton_activations_on_cuda(tiny_models):
     fast = Token2Wav(model, device="cuda", polyphase_upsampling=True, compile_vocoder="triton", warmup_graphs=True,
                      max_graph_batch=2)
     plain = Token2Wav(model, device="cuda", polyphase_upsampling=True, compile_vocoder=False)
-    assert any(isinstance(m, AntiAliasedSnake) for m in fast.vocoder.modules()) and fast.vocoder_graphs.graphs
+    assert any(isinstance(m, AntiAliasedSnake) for m in fast.vocoder.modules())
+    captured = len(fast.vocoder_graphs.graphs)
+    assert captured and not fast.vocoder_graphs.failed  # (a failed capture falls back to eager)
     codes = torch.randint(0, 100, (90,), generator=torch.Generator().manual_seed(3))
     a, b = fast.stream_all(codes, seed=4), plain.stream_all(codes, seed=4)
     assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4
+    assert len(fast.vocoder_graphs.graphs) == captured and not fast.vocoder_graphs.failed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a GPU")
+def test_triton_activation_refuses_a_first_call_inside_a_capture():
+    # (its filters go to the device on the first call: a copy a CUDA graph capture cannot hold)
+    from omni_server.models.antialias_triton import triton_antialiased_snake
+
+    fn = triton_antialiased_snake(((1.0,), (1.0,)), (0.5, 0.5), 0, 0, 1, 0)
+    x, ones = torch.zeros(1, 1, 8, device="cuda"), torch.ones(1, 1, device="cuda")
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            fn(x, ones, ones)

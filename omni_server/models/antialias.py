@@ -1,6 +1,7 @@
 """BigVGAN's anti-aliased SnakeBeta activation (2x upsample, SnakeBeta, 2x downsample) as one
-expression of shifted slices of the upsampled signal's two phases, for torch.compile to turn into
-one or two kernels.
+expression of shifted slices of the upsampled signal's two phases, for torch.compile to fuse (on
+the H200 Inductor made three kernels of it: a pad, the phases, the downsampling sum;
+antialias_triton.py has the same as two hand-written Triton kernels).
 
 transformers runs each activation as a replication pad, a depthwise (transposed) convolution, five
 element-wise kernels, another pad and another depthwise convolution. In the 7B vocoder at batch 16
@@ -13,7 +14,8 @@ Written over the two phases of the upsampled signal, never the interleaved signa
 as a tensor (stack, flatten, stride-2 slices) Inductor made three kernels on the H200 (523 of a
 batch-16 decode's 2,520 ms, BENCHMARKS.md eleventh run) and, on the CPU host, one kernel slower than
 transformers' eager module (`benchmarks/antialias_speed.py --device cpu`: 212 ms against 164);
-over the phases it is 6x faster than that module (17.5 ms against 105).
+over the phases it is 6x faster than that module on the CPU (17.5 ms against 105); on the H200 its
+three kernels took 355 of a batch-16 decode's 1,666 ms of GPU time (twenty-third run).
 
 Equal to transformers' module up to float rounding (the sums' order differs from cuDNN's).
 """

@@ -2,9 +2,11 @@
 
 On the H200 (BENCHMARKS.md twenty-third run) the torch.compile'd expression became three Inductor
 kernels (a replicate pad, the upsampled phases with SnakeBeta, the downsampling sum) that took 355
-of a batch-16 token2wav decode's 1,666 ms of GPU time: ~6x what their bytes need at the GPU's
-bandwidth. Compiled with dynamic shapes, each element's row and position come from divisions by
-runtime sizes. Here a grid of (row, block) programs walks each row contiguously:
+of a batch-16 token2wav decode's 1,666 ms of GPU time. Their bytes (~32 per element and activation:
+the pad's copy, the phases written and read back, x and the output; ~8.4G element-activations in
+that decode, 109 activations) would take ~62 ms at the GPU's 4.3 TB/s: they ran ~6x slower.
+Compiled with dynamic shapes, each element's row and position come from divisions by runtime
+sizes. Here a grid of (row, block) programs walks each row contiguously, ~24 bytes per element:
 
 1. `_phases`: the activated, upsampled signal, interleaved (even and odd phase samples
    alternating, as transformers' upsampler makes them), extended at both ends by the downsampler's
@@ -12,10 +14,13 @@ runtime sizes. Here a grid of (row, block) programs walks each row contiguously:
    2n - 1). Each sample reads the upsampler's taps of x (clamped: x's own replicate padding).
 2. `_down`: the downsampler's taps over that at stride 2.
 
-Equal to transformers' module up to float32 rounding (the sums' order and fused multiply-adds).
+Equal to transformers' module up to float32 rounding (the sums' order and fused multiply-adds; the
+filters' zero taps are multiplied in, so only a non-finite input could tell them apart).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -80,12 +85,15 @@ def triton_antialiased_snake(up: tuple[tuple[float, ...], tuple[float, ...]], do
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if x.numel() == 0:
             return out
+        # The activated signal with the downsampler's padding: output t reads samples 2t .. 2t +
+        # len(down) - 1, the last output up to 2n + len(down) - 3 (one sample to spare).
         x, rows, length = x.contiguous(), b * c, 2 * n + len(down) - 1
         phases = torch.empty(rows, length, dtype=torch.float32, device=x.device)
-        _phases[(rows, triton.cdiv(length, BLOCK))](
-            x, alpha.reshape(-1).contiguous(), inv_beta.reshape(-1).contiguous(), even_t, odd_t, phases, n, length, c,
-            UP_TAPS=len(even), UP_SHIFT=up_offset - up_pad, LEAD=down_left, BLOCK=BLOCK)
-        _down[(rows, triton.cdiv(n, BLOCK))](phases, down_t, out, n, length, DOWN_TAPS=len(down), BLOCK=BLOCK)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (Triton launches on the current one)
+            _phases[(rows, triton.cdiv(length, BLOCK))](
+                x, alpha.reshape(-1).contiguous(), inv_beta.reshape(-1).contiguous(), even_t, odd_t, phases, n, length,
+                c, UP_TAPS=len(even), UP_SHIFT=up_offset - up_pad, LEAD=down_left, BLOCK=BLOCK)
+            _down[(rows, triton.cdiv(n, BLOCK))](phases, down_t, out, n, length, DOWN_TAPS=len(down), BLOCK=BLOCK)
         return out
 
     return fn
