@@ -678,17 +678,9 @@ class Token2Wav:
         guidance_scale), and then the result is (x, kept: [evals, ...] as `past`).
         `layers`: `_dit_body` or a compiled one."""
         *kv, grid, cfg, guidance_scale = rest
-        past, keep = kv or (None, None)
         masks = self._solve_masks(block_diff, fixed.dtype)  # once per solve, not per layer call
-        kept = []
-        for i in range(grid.shape[0] - 1):
-            evals = None if past is None else past[i * _EVALS_PER_STEP:(i + 1) * _EVALS_PER_STEP]
-            x = self._rk4_step(x, grid[i:i + 2], fixed, cos, sin, masks, cfg, guidance_scale, layers,
-                               past=evals, keep=keep)
-            if past is not None:
-                x, step_kept = x
-                kept.append(step_kept)
-        return x if past is None else (x, torch.cat(kept))
+        return _each_step(x, grid, kv, lambda x, i, extra: self._rk4_step(
+            x, grid[i:i + 2], fixed, cos, sin, masks, cfg, guidance_scale, layers, *extra))
 
     def _solve_masks(self, block_diff: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
         if block_diff.shape[3] == block_diff.shape[2]:  # no past keys
@@ -830,15 +822,24 @@ class DiTStepGraphs(DiTGraphs):
         x, fixed, cos, sin, block_diff, *kv, grid = inputs
         masks = self.masks(block_diff, fixed.dtype)
         key = (x.shape[0], x.shape[1], "step", "past" if kv else "", *options)
-        past, keep = kv or (None, None)  # (dit_past_cache: each replay takes and gives its step's evaluations')
-        kept = []
-        for i in range(grid.shape[0] - 1):
-            extra = () if past is None else (past[i * _EVALS_PER_STEP:(i + 1) * _EVALS_PER_STEP], keep)
-            x = self.run(key, (x, grid[i:i + 2], fixed, cos, sin, *masks, *extra), options)
-            if past is not None:
-                x, step_kept = x
-                kept.append(step_kept)
-        return x if past is None else (x, torch.cat(kept))
+        # (dit_past_cache: each replay takes and gives its step's evaluations' keys and values)
+        return _each_step(x, grid, kv, lambda x, i, extra: self.run(
+            key, (x, grid[i:i + 2], fixed, cos, sin, *masks, *extra), options))
+
+
+def _each_step(x: torch.Tensor, grid: torch.Tensor, kv: list, step: Callable):
+    """A solve's steps in order, `step(x, i, extra) -> x`. With `kv` (the pass's kept keys and values
+    for every evaluation, and the keep indices), `extra` is step i's evaluations' share and the keep
+    indices, each step returns (x, what it keeps), and the solve (x, all steps' kept)."""
+    past, keep = kv or (None, None)
+    kept = []
+    for i in range(grid.shape[0] - 1):
+        extra = () if past is None else (past[i * _EVALS_PER_STEP:(i + 1) * _EVALS_PER_STEP], keep)
+        x = step(x, i, extra)
+        if past is not None:
+            x, step_kept = x
+            kept.append(step_kept)
+    return x if past is None else (x, torch.cat(kept))
 
 
 def _rng(seed: int | None) -> torch.Generator:
