@@ -62,7 +62,13 @@ MODES = {"eager": dict(cuda_graphs=False), "graphs": dict(cuda_graphs=True), "gr
          "config_past_cache": CONFIG | dict(dit_graph="step", dit_fused_qkv=True, dit_past_cache=True),
          # ... with the vocoder's activations as hand-written Triton kernels (`compile_vocoder: triton`)
          "config_triton_vocoder": CONFIG | dict(dit_graph="step", dit_fused_qkv=True, dit_past_cache=True,
-                                                compile_vocoder="triton")}
+                                                compile_vocoder="triton"),
+         # ... with the DiT feed-forward's GELU in its first GEMM's epilogue (`dit_gelu_epilogue`)
+         "config_gelu_epilogue": CONFIG | dict(dit_graph="step", dit_fused_qkv=True, dit_past_cache=True,
+                                               dit_gelu_epilogue=True),
+         # ... both
+         "config_triton_gelu": CONFIG | dict(dit_graph="step", dit_fused_qkv=True, dit_past_cache=True,
+                                             compile_vocoder="triton", dit_gelu_epilogue=True)}
 
 
 def decode(t2w: Token2Wav, codes: list[torch.Tensor]) -> tuple[list[float], float]:

@@ -817,19 +817,51 @@ def test_dit_attention_falls_back_where_its_kernel_cannot_run(model_dir, caplog)
     assert Token2Wav(model_dir, dit_attention="math")._attention_backend is BACKENDS["math"]
 
 
+def test_gelu_epilogue_is_refused_where_it_would_change_the_numbers(model_dir):
+    """`dit_gelu_epilogue` on the CPU: a clear error (the CPU kernel's GELU is the exact one, not
+    the checkpoint's tanh form); `fuse_gelu` only takes the DiT's Linear -> GELU(tanh) MLP."""
+    from omni_server.models.qwen2_5_omni.dit import GeluEpilogueMLP
+
+    with pytest.raises(ValueError, match="dit_gelu_epilogue needs a CUDA device"):
+        Token2Wav(model_dir, dit_gelu_epilogue=True)
+    mlp = Token2Wav(model_dir).dit.transformer_blocks[0].ff
+    fused = GeluEpilogueMLP(mlp)
+    assert fused.up is mlp.ff[0] and fused.down is mlp.ff[3]  # (the same parameters)
+    mlp.ff[1] = torch.nn.GELU()
+    with pytest.raises(ValueError, match="GELU\\(tanh\\)"):
+        GeluEpilogueMLP(mlp)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's epilogue needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_epilogue_computes_the_mlp(model_dir, dtype):
+    """`GeluEpilogueMLP` on a CUDA device: transformers' `DiTMLP` output (its GEMM and GELU fused)."""
+    from omni_server.models.qwen2_5_omni.dit import GeluEpilogueMLP
+
+    mlp = Token2Wav(model_dir).dit.transformer_blocks[0].ff.to("cuda", dtype)
+    torch.manual_seed(0)
+    with torch.no_grad():  # (the tiny checkpoint's biases are zeros: the epilogue's bias must count)
+        mlp.ff[0].bias.normal_()
+    x = torch.randn(3, 70, mlp.ff[0].in_features, device="cuda", dtype=dtype)
+    with torch.inference_mode():
+        want, got = mlp(x), GeluEpilogueMLP(mlp)(x)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert got.shape == want.shape and (got.float() - want.float()).abs().max().item() < tol
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("mode, vocoder, growing, unit", [
     (True, True, False, "solve"), ("blocks", True, False, "solve"), ("blocks", False, False, "solve"),
     ("blocks", "activations", False, "solve"), ("blocks", "activations", True, "solve"),
     ("blocks", "activations", True, "step"), ("blocks", "activations", True, "step+qkv"),
-    ("blocks", "activations", True, "step+qkv+past")])
+    ("blocks", "activations", True, "step+qkv+past"), ("blocks", "activations", True, "step+qkv+past+gelu")])
 def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder, growing, unit):
     """The graphs capture the compiled DiT and vocoder (or the DiT only: `compile_vocoder` false;
     or the vocoder's activations only) (warmed, so no compile inside a capture), with the polyphase
     upsampler too, and replay what the eager float32 modules compute; `growing`: with the 7B
     configs' windows (48, 48, 72, 96, then 144 new frames), each size its own graphs; `unit`: a
     DiT graph per solve or per solver step (`dit_graph`; "+qkv": with `dit_fused_qkv`; "+past":
-    with `dit_past_cache`, against the eager decode with it)."""
+    with `dit_past_cache`, against the eager decode with it; "+gelu": with `dit_gelu_epilogue`)."""
     unit, *extras = unit.split("+")
     past = "past" in extras
     windows = dict(first_chunk_frames=[48, 48, 72, 96], chunk_frames=144) if growing else {}
@@ -839,7 +871,7 @@ def test_cuda_graphs_of_compiled_code(model_dir, mode, vocoder, growing, unit):
     before = counters["stats"]["unique_graphs"]
     compiled = Token2Wav(model_dir, device="cuda", compile=mode, compile_vocoder=vocoder, polyphase_upsampling=True,
                          warmup_graphs=True, dit_graph=unit, dit_fused_qkv="qkv" in extras, dit_past_cache=past,
-                         **windows)
+                         dit_gelu_epilogue="gelu" in extras, **windows)
     assert (compiled.vocoder_graphs.fn != compiled._vocoder_body) == (vocoder is True)  # (a bound method equals its twin)
     fused = [m for m in compiled.vocoder.modules() if isinstance(m, AntiAliasedSnake)]
     assert bool(fused) == (vocoder == "activations")

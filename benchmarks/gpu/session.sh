@@ -284,13 +284,14 @@ step_t2wtriton() {
   # torch.compile'd ones were 355 of 1,666 ms of a batch-16 decode's GPU time, twenty-third run):
   # one activation alone at the vocoder's channel counts (antialias_speed.py), token2wav alone
   # against the configs' settings (batch 1 and 16) with its DiT / vocoder split and a profile of
-  # the Triton mode, then served (keys `t2wtriton_*`).
+  # each mode, also with the DiT's GELU in its GEMM's epilogue (`dit_gelu_epilogue`) and both,
+  # then served with the Triton activations (keys `t2wtriton_*`).
   free_gpus
   timeout 200 python3 benchmarks/antialias_speed.py --device cuda --batch 16 --channels 768 384 96 24 \
     --length 4000 > $R/aa_triton.txt 2>&1
   say "t2wtriton activation alone: $(grep RESULT $R/aa_triton.txt | cut -c8-400 | tr '\n' ' ')"
   local mode
-  for mode in config_triton_vocoder config_past_cache; do  # (each in its own process and time limit)
+  for mode in config_triton_vocoder config_gelu_epilogue config_triton_gelu config_past_cache; do  # (each in its own process and time limit)
     timeout 300 python3 benchmarks/token2wav_speed.py --model $M --codes 300 --batch 1 16 --modes $mode --split \
       --first-chunk-frames 48 48 72 96 --chunk-frames 144 --sdpa cudnn --profile $R/t2wprof >> $R/t2wtriton.txt 2>&1
   done

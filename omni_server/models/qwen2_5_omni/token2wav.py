@@ -44,7 +44,7 @@ from omni_server.models.checkpoint import load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
 from omni_server.models.polyphase import use_polyphase_upsampling
 from omni_server.models.windows import window_at
-from .dit import BACKENDS, backend_error, block_masks, fuse_qkv, run_layer, run_layer_with_past, windows
+from .dit import BACKENDS, backend_error, block_masks, fuse_gelu, fuse_qkv, run_layer, run_layer_with_past, windows
 from .speakers import load_speakers
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class Token2Wav:
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
                  dit_dtype: str = "float32", polyphase_upsampling: bool = False, compile: bool | str = False,
                  compile_vocoder: bool | str = True, dit_attention: str | None = None, dit_graph: str = "solve",
-                 dit_fused_qkv: bool = False, dit_past_cache: bool = False):
+                 dit_fused_qkv: bool = False, dit_past_cache: bool = False, dit_gelu_epilogue: bool = False):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
         config = read_config(model_dir).token2wav_config
@@ -230,6 +230,9 @@ class Token2Wav:
         if compile_vocoder in ("activations", "triton") and not (graphs and warmup_graphs):
             raise ValueError(f"compile_vocoder \"{compile_vocoder}\" needs CUDA graphs captured at start (a CUDA "
                              "device, cuda_graphs and warmup_graphs)")
+        if dit_gelu_epilogue and self.device.type != "cuda":
+            raise ValueError("dit_gelu_epilogue needs a CUDA device (cuBLASLt's GELU epilogue; the CPU kernel "
+                             "computes the exact GELU, not the checkpoint's tanh form)")
         if compile == "blocks":
             dit_layers = functools.partial(self._dit_body, block=torch.compile(run_layer, dynamic=True),
                                            block_with_past=torch.compile(run_layer_with_past, dynamic=True))
@@ -281,6 +284,8 @@ class Token2Wav:
                                  for name, codes in self._voice_codes.items()}
         if dit_fused_qkv:  # (dit.fuse_qkv: one projection GEMM a layer instead of three)
             fuse_qkv(self.dit)
+        if dit_gelu_epilogue:  # (dit.fuse_gelu: the feed-forward's GELU in its first GEMM's epilogue)
+            fuse_gelu(self.dit)
         if self._attention_backend is not None:
             attn = self.dit.transformer_blocks[0].attn
             why = backend_error(self._attention_backend, attn.heads, attn.inner_dim // attn.heads,
