@@ -130,13 +130,17 @@ class Orchestrator:
                     log.error("stage %d (%s) has not answered for %.0f s", unit[0], self.cfg.unit_name(unit), silent)
                     self.mark_down(unit, f"{HUNG} for {silent:.0f} s")
                 if unit not in self.ready or silent >= PROBE_INTERVAL_S:
-                    try:
-                        await self._send(self.stage_socks[unit], StatsQuery(nonce=0))
-                    except zmq.ZMQError:
-                        pass
+                    await self._send_or_drop(unit, StatsQuery(nonce=0))
 
     def _on_ready(self, msg: StageReady) -> None:
         unit = (msg.stage_id, msg.replica)
+        before = self.ready.get(unit)
+        if before is not None and before.boot != msg.boot:
+            # A new process answers at the address (an external stage restarted by docker, say,
+            # within stage_timeout_s): the requests the old one held are gone with it.
+            log.error("stage %d (%s) restarted (pid %d -> %d)", msg.stage_id, self.cfg.unit_name(unit),
+                      before.pid, msg.pid)
+            self.mark_down(unit, "the stage process restarted")
         self.last_seen[unit] = time.monotonic()
         self.ready[unit] = msg
         self.down.pop(unit, None)
@@ -281,7 +285,7 @@ class Orchestrator:
         """Cut one stage's generation short; stages downstream still get its output so far."""
         state = self.requests.get(request_id)
         replica = state.replicas.get(stage_id, 0) if state else 0
-        await self._send(self.stage_socks[(stage_id, replica)], FinishRequest(request_id=request_id))
+        await self._send_or_drop((stage_id, replica), FinishRequest(request_id=request_id))
 
     async def abort(self, request_id: str, outcome: str = "aborted") -> None:
         """Drop the request in every stage; `outcome` for metrics ("ok": it ended early by design)."""
@@ -290,8 +294,10 @@ class Orchestrator:
             self._release(state)
             self._end(state, state.outcome or outcome)
         msg = AbortRequest(request_ids=[request_id])
-        for sock in self.stage_socks.values():
-            await self._send(sock, msg)
+        # The request's own route (every replica when it is no longer known here).
+        units = list(state.replicas.items()) if state is not None else list(self.stage_socks)
+        for unit in units:
+            await self._send_or_drop(unit, msg)
 
     async def stats(self, stage_id: int, replica: int = 0, timeout: float = 5.0) -> StageStats:
         nonce = next(self._nonce)
@@ -307,6 +313,17 @@ class Orchestrator:
 
     async def _send(self, sock: zmq.asyncio.Socket, msg: Message) -> None:
         await sock.send_multipart(self.encoder.encode(msg), copy=False)
+
+    async def _send_or_drop(self, unit: Unit, msg: Message) -> None:
+        """Send without waiting for room: a stage that is down (or one that stays down: a replica
+        given up, an external stage gone) reads nothing, its queue fills to SEND_HWM, and a blocking
+        send would then stall the caller for good (an abort in a failing request's path, the probes)."""
+        try:
+            await self.stage_socks[unit].send_multipart(self.encoder.encode(msg), copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("api: %s to %s dropped: its queue is full", type(msg).__name__, self.cfg.unit_name(unit))
+        except zmq.ZMQError as e:
+            log.warning("api: %s to %s failed: %s", type(msg).__name__, self.cfg.unit_name(unit), e)
 
     def _push(self, state: RequestState, stage_id: int, delta: RequestDelta) -> None:
         state.queue.put_nowait((stage_id, delta))
@@ -325,9 +342,9 @@ class Orchestrator:
                         self._push(state, msg.stage_id, delta)
             elif isinstance(msg, StageStats):
                 if msg.nonce == 0:  # a probe's answer
-                    if unit in self.stage_socks and unit not in self.ready:
+                    if unit in self.stage_socks and (unit not in self.ready or self.ready[unit].boot != msg.boot):
                         self._on_ready(StageReady(stage_id=msg.stage_id, pid=msg.pid, startup_s=msg.startup_s,
-                                                  info=msg.info, replica=msg.replica))
+                                                  info=msg.info, replica=msg.replica, boot=msg.boot))
                     continue
                 fut = self._stats_waiters.get(msg.nonce)
                 if fut is not None and not fut.done():

@@ -418,11 +418,25 @@ class ARStage(Stage):
         if request_id not in self.in_engine:
             return  # finished by itself meanwhile: its payload already went downstream
         self.core.abort_requests([request_id])
-        self.in_engine.discard(request_id)
-        tracked = self.tracked.pop(request_id, None)
-        if tracked is not None:
-            self._forward(request_id, tracked)
+        self.core.scheduler.step_embeds_out.pop(request_id, None)
+        self._finished(request_id)
         self.send_outputs([RequestDelta(request_id=request_id, finished=True, finish_reason="stop")])
+
+    def _finished(self, rid: str) -> None:
+        """The request ended in the engine (by itself or cut short): forget its streamed input,
+        then send its output downstream."""
+        self.in_engine.discard(rid)
+        streamed = self._end_stream(rid)
+        if streamed is not None or rid in self.waiting:
+            # Done before its streamed input was: drop the rest of that input, and tell the sources
+            # to send no more.
+            w = self.waiting.pop(rid, None)
+            self.aborted[rid] = None
+            sources = streamed or (w.expect.sources if w and w.expect else [])
+            self.send_credit(rid, sources, -1)
+        tracked = self.tracked.pop(rid, None)
+        if tracked is not None:
+            self._forward(rid, tracked)
 
     def drop(self, request_ids: list[str]) -> None:
         in_engine = [r for r in request_ids if r in self.in_engine]
@@ -491,18 +505,7 @@ class ARStage(Stage):
                         logprobs=lp.logprobs.tolist() if lp is not None else [],
                     ))
                 if finished:
-                    self.in_engine.discard(rid)
-                    streamed = self._end_stream(rid)
-                    if streamed is not None or rid in self.waiting:
-                        # Done before its streamed input was: drop the rest of that input, and tell
-                        # the sources to send no more.
-                        w = self.waiting.pop(rid, None)
-                        self.aborted[rid] = None
-                        sources = streamed or (w.expect.sources if w and w.expect else [])
-                        self.send_credit(rid, sources, -1)
-                    if tracked is not None:
-                        del self.tracked[rid]
-                        self._forward(rid, tracked)
+                    self._finished(rid)
         # The client's tokens first: a long prompt's first chunk carries its hidden rows (15 MB for
         # 2,000 rows of the 7B thinker), and a burst of them must not hold up every request's text.
         if deltas:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ class Stage:
         self._dirty: dict[str, None] = {}  # requests with new input since the last loop
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.replica = sockets.replica
+        self.boot = secrets.randbits(63) | 1  # this process's StageReady.boot (os entropy: fork-safe)
         # request id -> the replica of each stage on its route that serves it (payloads, credits).
         self.routes: OrderedDict[str, dict[int, int]] = OrderedDict()
         self.steps = 0
@@ -218,8 +220,17 @@ class Stage:
     def _remember_route(self, request_id: str, replicas: dict[int, int]) -> None:
         if replicas:
             self.routes[request_id] = replicas
-            while len(self.routes) > MAX_ROUTES:
-                self.routes.popitem(last=False)
+            if len(self.routes) > MAX_ROUTES:
+                # Forget the oldest routes of requests that ended here, never one still here (a
+                # long reply outlives many later requests; without its route its payloads and
+                # credits would go to replica 0).
+                known = self.known_requests()
+                for _ in range(len(self.routes)):
+                    if len(self.routes) <= MAX_ROUTES:
+                        break
+                    rid, route = self.routes.popitem(last=False)
+                    if rid in known:
+                        self.routes[rid] = route  # (to the newest end)
 
     def finish_early(self, request_id: str) -> None:
         """End this request now as if it had finished (FinishRequest); stages that cannot cut a
@@ -247,7 +258,7 @@ class Stage:
         prof = StepProfiler.from_env(name)
         steplog = StepLog.from_env(name)
         self.sockets.send_api(StageReady(stage_id=self.stage_id, pid=os.getpid(), replica=self.replica,
-                                         startup_s=round(self.startup_s, 2), info=self.info()))
+                                         startup_s=round(self.startup_s, 2), info=self.info(), boot=self.boot))
         try:
             while self.running:
                 busy = self.has_work()
@@ -324,7 +335,7 @@ class Stage:
                 backpressure_pauses=self.backpressure_pauses, payload_bytes=self.payload_bytes,
                 underruns=self.underruns, underrun_s=round(self.underrun_s, 6), cached_tokens=self.cached_tokens,
                 first_outputs=self.first_outputs, first_output_s=round(self.first_output_s, 6), pid=os.getpid(),
-                startup_s=round(self.startup_s, 2), info=self.info(), replica=self.replica))
+                startup_s=round(self.startup_s, 2), info=self.info(), replica=self.replica, boot=self.boot))
         elif isinstance(msg, Shutdown):
             self.running = False
         else:

@@ -144,6 +144,9 @@ class StageReady(_Msg):
     startup_s: float
     info: dict[str, str] = {}
     replica: int = 0
+    # Random per stage process (a pid may repeat: a restarted container's): a new value at the same
+    # address means the process restarted and the requests it held are gone.
+    boot: int = 0
 
 
 class RequestDelta(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -201,6 +204,7 @@ class StageStats(_Msg):
     startup_s: float = 0.0
     info: dict[str, str] = {}
     replica: int = 0
+    boot: int = 0  # (StageReady's)
 
 
 # StageStats' numbers: what it holds now, and what it did since it started (deltas over time are

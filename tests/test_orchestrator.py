@@ -1,0 +1,154 @@
+"""The api's orchestrator and a stage's routing against fake stages (real ZMQ sockets, no engines):
+restarts, stages that stay down, long requests among many short ones."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import zmq
+import zmq.asyncio
+
+from omni_server.config import load_config_text
+from omni_server.orchestrator import orchestrator as orch_mod
+from omni_server.orchestrator.orchestrator import Orchestrator
+from omni_server.wire.codec import Decoder, Encoder
+from omni_server.wire.messages import AddRequest, SamplingSpec, StageReady, StageStats, StatsQuery, StreamCredit
+from omni_server.wire.transport import api_address, stage_address
+from tests.conftest import MODELS
+
+CONFIG = """
+model: m
+stages:
+  - {id: 0, name: thinker, model: %s, output: text, replicas: %d}
+server: {stage_timeout_s: 30}
+runtime_dir: %s
+"""
+
+
+def _config(tmp_path, replicas: int = 1):
+    return load_config_text(CONFIG % (MODELS / "tiny-qwen2_5-omni", replicas, tmp_path))
+
+
+class FakeStage:
+    """A stage process's sockets: its input (PULL) and its output to the api (PUSH)."""
+
+    def __init__(self, ctx, cfg, runtime_dir, pid: int, boot: int, replica: int = 0):
+        self.pid, self.boot, self.replica = pid, boot, replica
+        self.enc, self.dec = Encoder(), Decoder()
+        self.input = ctx.socket(zmq.PULL)
+        self.input.bind(stage_address(cfg, 0, runtime_dir, replica))
+        self.out = ctx.socket(zmq.PUSH)
+        self.out.connect(api_address(cfg, runtime_dir))
+
+    async def ready(self) -> None:
+        await self.out.send_multipart(self.enc.encode(StageReady(stage_id=0, pid=self.pid, startup_s=1.0,
+                                                                 replica=self.replica, boot=self.boot)))
+
+    async def serve(self, seconds: float) -> list:
+        """Answer probes for a while; return what else arrived."""
+        got, end = [], time.monotonic() + seconds
+        while time.monotonic() < end:
+            if await self.input.poll(50):
+                msg = self.dec.decode(await self.input.recv_multipart())
+                if isinstance(msg, StatsQuery):
+                    await self.out.send_multipart(self.enc.encode(StageStats(
+                        stage_id=0, nonce=msg.nonce, num_running=0, num_waiting=0, request_ids=[], pid=self.pid,
+                        replica=self.replica, boot=self.boot)))
+                else:
+                    got.append(msg)
+        return got
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.out.close(linger=0)
+
+
+def test_a_stage_restarted_at_its_address_fails_the_requests_it_held(tmp_path):
+    """An external stage that comes back (docker's restart policy, the same pid in its container)
+    within stage_timeout_s: the requests the old process held fail with a 503 at once instead of
+    waiting forever, and the new process serves."""
+
+    async def main():
+        cfg = _config(tmp_path)
+        orch = Orchestrator(cfg, tmp_path)
+        orch.start()
+        ctx = zmq.asyncio.Context()
+        old = FakeStage(ctx, cfg, tmp_path, pid=7, boot=1)
+        try:
+            await old.ready()
+            await orch.wait_ready(5)
+            state = await orch.submit("r1", [1, 2, 3], {0: SamplingSpec()})
+            assert [type(m).__name__ for m in await old.serve(0.3)] == ["AddRequest"]
+            old.close()
+            new = FakeStage(ctx, cfg, tmp_path, pid=7, boot=2)  # (not its StageReady: a probe finds it)
+            await new.serve(2.5)
+            stage_id, delta = await asyncio.wait_for(state.queue.get(), 1)
+            assert stage_id == 0 and delta.finished and delta.error_code == 503
+            assert "restarted" in delta.error
+            assert orch.ready[(0, 0)].boot == 2 and orch.serving
+            new.close()
+        finally:
+            await orch.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+def test_aborts_and_probes_never_wait_on_a_replica_that_stays_down(tmp_path, monkeypatch):
+    """A replica given up (or an external stage gone) reads nothing: once its send queue is full,
+    aborts (in every failing request's path) and the probes go on without waiting for it."""
+    monkeypatch.setattr(orch_mod, "SEND_HWM", 20)
+
+    async def main():
+        cfg = _config(tmp_path, replicas=2)
+        orch = Orchestrator(cfg, tmp_path)
+        ctx = zmq.asyncio.Context()
+        alive = FakeStage(ctx, cfg, tmp_path, pid=5, boot=5)  # replica 0; replica 1 never binds
+        try:
+            for i in range(500):  # far past both queues' 20
+                await asyncio.wait_for(orch.abort(f"gone-{i}"), 1)
+                await orch._send_or_drop((0, 1), StatsQuery(nonce=0))
+            got = await alive.serve(0.5)
+            assert got and all(type(m).__name__ == "AbortRequest" for m in got)
+        finally:
+            alive.close()
+            await orch.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+def test_routes_of_requests_still_here_outlive_many_later_ones(tmp_path, monkeypatch):
+    """A stage remembers a bounded number of routes (which replica downstream serves a request):
+    the oldest that ended go first, never one still in flight, whose payloads and credits must
+    keep reaching its own replica."""
+    from omni_server.stage import base
+
+    monkeypatch.setattr(base, "MAX_ROUTES", 3)
+    cfg = load_config_text(f"""
+model: m
+stages:
+  - {{id: 0, name: a, model: {MODELS / 'tiny-qwen2_5-omni'}, output: text}}
+  - {{id: 1, name: b, model: {MODELS / 'tiny-qwen2_5-omni'}, inputs: [0], replicas: 2, input_processor: hidden_to_embeds}}
+runtime_dir: {tmp_path}
+""")
+    sent = []
+    sockets = SimpleNamespace(replica=0, send_stage=lambda sid, msg, replica: sent.append((msg.request_id, replica)),
+                              send_api=lambda msg: None)
+    stage = base.Stage(cfg, 0, sockets)
+    live = {"long"}
+    stage.add_prompt = lambda msg: None
+    stage.known_requests = lambda: set(live)
+
+    def add(rid: str, replica: int) -> None:
+        stage._handle(AddRequest(request_id=rid, prompt_token_ids=[1], sampling=SamplingSpec(), forward_to=[1],
+                                 replicas={0: 0, 1: replica}))
+
+    add("long", 1)
+    for i in range(10):  # later requests, ended here
+        add(f"r{i}", 0)
+    assert len(stage.routes) == 3 and "long" in stage.routes and "r9" in stage.routes
+    stage.send_stage(1, "long", StreamCredit(request_id="long", stage_id=0, consumed=1))
+    assert sent[-1] == ("long", 1)
