@@ -466,6 +466,28 @@ def test_stop_string_ends_text_and_speech_still_arrives(client, speech_server):
         assert resp.id not in speech_server.stats(i)["request_ids"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_one_token_reply_is_spoken(client, speech_server, stream):
+    """A reply of one token (max_tokens 1; an answer that is only its end of turn) has no reply row
+    of its own for the talker's prompt: the talker starts on the end-of-text row and speaks."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0, seed=3,
+                  audio={"voice": "Chelsie", "format": "pcm16"}, extra_body={"return_token_ids": True})
+    if stream:
+        pcm = b"".join(base64.b64decode(c.choices[0].delta.audio.data)
+                       for c in client.chat.completions.create(**kwargs, stream=True)
+                       if c.choices and c.choices[0].delta.audio and c.choices[0].delta.audio.data)
+        assert len(pcm) > 0 and len(pcm) % 960 == 0  # whole codes: 480 samples of 16 bits each
+        return
+    resp = client.chat.completions.create(**kwargs)
+    ours = resp.choices[0]
+    assert len(ours.model_extra["token_ids"]) == 1 and ours.finish_reason == "length"
+    codes = resp.model_extra["omni_outputs"]["talker"]["token_ids"]
+    pcm = base64.b64decode(ours.message.audio.data)
+    assert 0 < len(codes) <= TALKER_MAX_TOKENS and 0 < len(pcm) and len(pcm) % 960 == 0
+    for i in range(3):
+        assert resp.id not in speech_server.stats(i)["request_ids"]
+
+
 def test_only_the_talker_input_carries_hidden_states(client, speech_server):
     """token2wav reads codes only (`reads_hidden = False`): the talker neither captures nor sends
     hidden states, while the thinker sends the talker its rows (3 stages' payload counters)."""

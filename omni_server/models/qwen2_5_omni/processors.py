@@ -141,13 +141,17 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         if since is not None:
             rows = torch.cat([x, *ends]).to(ctx.dtype)
         else:
-            prompt = torch.cat([x[:n_prompt], emb[t.voice_start[voice]][None], x[n_prompt:n_prompt + 1]])
+            # The reply's positions: one row per reply token but the last, then (when final) the
+            # end-of-text and pad rows. The first joins the prompt: a one-token reply (an empty
+            # answer's end of turn, max_tokens 1) has no row of its own, and its end of text does.
+            replied = torch.cat([x[n_prompt:], *ends])
+            prompt = torch.cat([x[:n_prompt], emb[t.voice_start[voice]][None], replied[:1]])
             prompt[-1] += t.codec_start
             prompt[-2] += t.codec_pad
             prompt += t.proj_bias
             # vLLM takes prompt embeddings on the host: copied without waiting here (the stage waits
             # after building all of a loop's inputs, StageInput.wait).
-            (prompt, reply), copied = to_host(prompt, torch.cat([x[n_prompt + 1:], *ends]), dtype=ctx.dtype)
+            (prompt, reply), copied = to_host(prompt, replied[1:], dtype=ctx.dtype)
     if since is not None:
         # Later rows stay on the device: the talker's runner adds them there, and the stage loop,
         # which calls this for every thinker chunk, does not wait for the GPU.
