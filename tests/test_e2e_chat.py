@@ -190,6 +190,8 @@ def test_disconnect_non_stream_aborts(text_server):
     ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"model": MODEL, "messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
+    # (an earlier reply's audio by id: this server stores none, so it is refused, not dropped)
+    ({"model": MODEL, "messages": [{"role": "assistant", "audio": {"id": "audio_1"}}, *MESSAGES]}, 400, "messages.0"),
     # (OpenAI's rule: not silently ignored without a stream)
     ({"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ])
@@ -200,6 +202,17 @@ def test_bad_requests_get_openai_errors(text_server, body, status, param):
     assert set(err) >= {"message", "type", "param", "code"}
     assert err["param"] == param
     assert "Traceback" not in err["message"]
+
+
+def test_developer_messages_are_the_system_turn(client):
+    """OpenAI's `developer` role is the system message (as /v1/responses reads it): the same prompt."""
+    def prompt(role: str) -> list[int]:
+        resp = client.chat.completions.create(
+            model=MODEL, messages=[{"role": role, "content": "Be terse."}, *MESSAGES], max_tokens=1,
+            extra_body={"return_token_ids": True})
+        return resp.model_extra["prompt_token_ids"]
+
+    assert prompt("developer") == prompt("system")
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -112,6 +112,8 @@ def test_json_schema_text_format(client):
     ({"metadata": {"a": 1}}, "metadata"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"include": ["message.output_text.logprobs"]}, "log-probabilities"),
+    ({"include": 5}, "`include` must be a list of strings"),
+    ({"include": True, "stream": True}, "`include` must be a list of strings"),
     ({"text": "json"}, "`text` must be an object"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}],
       "model": MODEL}, "image data could not be decoded"),  # (the chat path's media checks)

@@ -488,6 +488,18 @@ def test_a_one_token_reply_is_spoken(client, speech_server, stream):
         assert resp.id not in speech_server.stats(i)["request_ids"]
 
 
+def test_audio_alone_still_carries_its_transcript(client):
+    """`modalities: ["audio"]` is ["text", "audio"]: the spoken reply comes with its transcript and
+    its usage (the text stage's output is what the speech says)."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, seed=1,
+                  audio={"voice": "Ethan", "format": "wav"})
+    alone = client.chat.completions.create(**kwargs, modalities=["audio"])
+    both = client.chat.completions.create(**kwargs, modalities=["text", "audio"])
+    assert alone.choices[0].message.audio.transcript == both.choices[0].message.audio.transcript != ""
+    assert alone.usage.completion_tokens == both.usage.completion_tokens == 4
+    assert alone.choices[0].finish_reason == both.choices[0].finish_reason == "length"
+
+
 def test_only_the_talker_input_carries_hidden_states(client, speech_server):
     """token2wav reads codes only (`reads_hidden = False`): the talker neither captures nor sends
     hidden states, while the thinker sends the talker its rows (3 stages' payload counters)."""

@@ -441,6 +441,8 @@ def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:
     if missing:
         raise APIError(400, f"model `{state.cfg.model}` cannot output {', '.join(sorted(missing))}; "
                             f"it outputs {', '.join(sorted(available))}", param="modalities")
+    if "audio" in wanted and "text" in available:
+        wanted.add("text")  # (speech comes with its transcript, its stop strings and usage: ["audio"] = both)
     return wanted
 
 

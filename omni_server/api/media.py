@@ -30,12 +30,14 @@ def takes_audio(cfg: PipelineConfig) -> bool:
 
 
 def template_message(m) -> dict[str, Any]:
-    """A message as the chat template reads it (media parts become placeholders)."""
+    """A message as the chat template reads it (media parts become placeholders; OpenAI's
+    `developer` role is the system turn, as /v1/responses reads it: the templates know no other)."""
+    role = "system" if m.role == "developer" else m.role
     if not m.media_parts():
-        return {"role": m.role, "content": m.text()}
+        return {"role": role, "content": m.text()}
     parts = [{"type": "text", "text": p.text} if p.type == "text" else {"type": KIND[p.type]}
              for p in m.content]
-    return {"role": m.role, "content": parts}
+    return {"role": role, "content": parts}
 
 
 async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest) -> dict[str, Any]:

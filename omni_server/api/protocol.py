@@ -70,6 +70,15 @@ class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # OpenAI's reference to an earlier spoken reply ({"id": ...}): refused, not dropped unread.
+    audio: Any = None
+
+    @model_validator(mode="after")
+    def _no_audio_reference(self) -> ChatMessage:
+        if self.audio is not None:
+            raise ValueError("a message's `audio` (an earlier reply's audio by id) is not supported: this server "
+                             "stores no replies; send that reply's transcript as the message's `content`")
+        return self
 
     def text(self) -> str:
         if self.content is None:

@@ -34,7 +34,10 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         raise APIError(400, "tools are not supported by this model's template", param="tools")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise APIError(400, "`tool_choice` needs tools, which are not supported", param="tool_choice")
-    if "message.output_text.logprobs" in (body.get("include") or []) or body.get("top_logprobs"):
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
+        raise APIError(400, "`include` must be a list of strings", param="include")
+    if "message.output_text.logprobs" in (include or []) or body.get("top_logprobs"):
         raise APIError(400, "log-probabilities are not returned by /v1/responses (use chat completions' "
                             "`logprobs`)", param="include")
     metadata = body.get("metadata")
