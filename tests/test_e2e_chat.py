@@ -223,6 +223,23 @@ def test_prompt_longer_than_the_model_is_400(client, stream):
     assert "limit is 2047" in str(err.value)
 
 
+def test_a_huge_prompt_does_not_hold_up_other_requests(text_server):
+    """Rendering and tokenizing megabytes of prompt takes seconds: it runs beside the event loop,
+    which answers other requests meanwhile (then the prompt is a 400: over the model's length)."""
+    import concurrent.futures
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello world " * 400_000}], "max_tokens": 1}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        big = pool.submit(httpx.post, f"{text_server.base_url}/v1/chat/completions", json=body, timeout=120)
+        answered = 0
+        while not big.done():
+            if httpx.get(f"{text_server.base_url}/health", timeout=120).status_code == 200 and not big.done():
+                answered += 1
+        r = big.result()
+    assert r.status_code == 400 and "the limit is 2047" in r.json()["error"]["message"]
+    assert answered >= 3, "the server answered nothing else while it read the huge prompt"
+
+
 def test_malformed_json_is_400(text_server):
     r = httpx.post(f"{text_server.base_url}/v1/chat/completions", content=b"{not json",
                    headers={"content-type": "application/json"}, timeout=30)

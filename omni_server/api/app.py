@@ -220,7 +220,7 @@ def create_app(state: ServerState) -> FastAPI:
         if state.text_stage is None:
             raise APIError(400, f"model `{state.cfg.model}` has no text output", param="model")
         completions.check(body)
-        prompts = completions.prompts(state.text, body.prompt)
+        prompts = await asyncio.to_thread(completions.prompts, state.text, body.prompt)
         for prompt_ids in prompts:
             _check_prompt(state, prompt_ids, param="prompt")
         chat = completions.chat_body(body)
@@ -230,7 +230,8 @@ def create_app(state: ServerState) -> FastAPI:
         # Choice k answers prompt k // n, seeded as a chat's choice k % n.
         reqs = await _submit(state, orch, _request_ids(completion_id, total), [prompts[k // n] for k in range(total)],
                              [_choice_sampling(sampling, k % n) for k in range(total)], {"text"}, _salted({}, body))
-        echoes = completions.echoes(state.text, body.prompt, prompts) if body.echo else [""] * len(prompts)
+        echoes = await asyncio.to_thread(completions.echoes, state.text, body.prompt, prompts) if body.echo \
+            else [""] * len(prompts)
         done = TextCompletionRun(completion_id, [Run(state, orch, req, chat, prompts[k // n], index=k)
                                                for k, req in enumerate(reqs)], [echoes[k // n] for k in range(total)])
         if body.stream:
@@ -246,8 +247,8 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"model `{state.cfg.model}` has no audio output", param="model")
         fmt = _check_format(body.response_format, "response_format")
         voice = state.check_voice(body.voice, "voice")
-        prefix = state.text.render_chat([{"role": "user", "content": body.input}])
-        reply = state.text.encode(body.input)
+        prefix = await asyncio.to_thread(state.text.render_chat, [{"role": "user", "content": body.input}])
+        reply = await asyncio.to_thread(state.text.encode, body.input)
         if not reply:
             raise APIError(400, "input has no speakable text", param="input")
         prompt_ids = prefix + reply
@@ -372,7 +373,9 @@ async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,
                        param: str = "messages") -> tuple[dict[str, Any], list[int]]:
     """A chat body's decoded media and its prompt (the rendered template), checked against the limit."""
     decoded = await media.decode_media(state.cfg, body)
-    prompt_ids = state.text.render_chat([media.template_message(m) for m in body.messages])
+    # (In a thread, as everything below that scales with the body: a prompt of megabytes takes
+    # seconds to render and tokenize, and the event loop serves every other request meanwhile.)
+    prompt_ids = await asyncio.to_thread(state.text.render_chat, [media.template_message(m) for m in body.messages])
     _check_prompt(state, prompt_ids, param=param)
     return decoded, prompt_ids
 
@@ -402,7 +405,7 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
         raise APIError(400, f"file: {e}", param="file") from None
     import torch
 
-    prompt_ids = state.text.render_chat(turn)
+    prompt_ids = await asyncio.to_thread(state.text.render_chat, turn)
     _check_prompt(state, prompt_ids)
     # (A chat body for the shared sampling and output code; its messages are not read.)
     body = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": "-"}], modalities=["text"],
