@@ -121,6 +121,24 @@ def test_logprobs_equal_transformers(client):
     assert plain.choices[0].logprobs is None
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_streamed_token_ids_add_up_to_the_reply(client, n):
+    """`return_token_ids` in a stream: the first choice's role chunk carries the prompt's ids, each
+    text chunk the tokens behind it; a choice's chunks add up to its unstreamed `token_ids`."""
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, n=n, seed=5,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    ids, prompts = {i: [] for i in range(n)}, []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if chunk.model_extra.get("prompt_token_ids") is not None:
+            prompts.append(chunk.model_extra["prompt_token_ids"])
+        for choice in chunk.choices:
+            ids[choice.index] += choice.model_extra.get("token_ids") or []
+    assert prompts == [whole.model_extra["prompt_token_ids"]]
+    assert [ids[c.index] for c in whole.choices] == [c.model_extra["token_ids"] for c in whole.choices]
+    assert all(len(v) == 12 for v in ids.values())
+
+
 def test_logit_bias_forbids_and_forces_tokens(client):
     def ids(**kw):
         kw = {"temperature": 0, **kw}

@@ -53,6 +53,19 @@ def test_greedy_continuation_equals_transformers(client):
     assert echoed.choices[0].text == prompt + choice.text
 
 
+def test_streamed_token_ids_add_up_to_each_choice(client):
+    """`return_token_ids` in a legacy stream: each choice's chunks carry the tokens behind their
+    text, adding up to the unstreamed choice's `token_ids`."""
+    kwargs = dict(model=MODEL, prompt=["The sea", "A cat"], max_tokens=9, temperature=0, extra_body=IDS)
+    whole = client.completions.create(**kwargs)
+    got = defaultdict(list)
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            got[choice.index] += choice.model_extra.get("token_ids") or []
+    assert [got[c.index] for c in whole.choices] == [_ids(c) for c in whole.choices]
+    assert all(len(_ids(c)) > 0 for c in whole.choices)
+
+
 def test_max_tokens_defaults_to_16_also_when_null(client):
     """OpenAI's legacy default: 16 tokens when max_tokens is left out or sent as null."""
     body = dict(extra_body={"ignore_eos": True, **IDS})

@@ -317,6 +317,8 @@ class ChunkChoice(BaseModel):
     delta: DeltaMessage
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    # (`return_token_ids`) the text tokens behind this chunk: a choice's chunks add up to its ids.
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -327,6 +329,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     omni_outputs: dict[str, dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None  # (`return_token_ids`: on the first choice's role chunk)
 
 
 class CompletionRequest(_Lenient):

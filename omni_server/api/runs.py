@@ -171,6 +171,7 @@ class Run(_Pipelined):
         # The text tokens' log-probabilities (body.logprobs), and how many a stream has sent.
         self.logprobs: list[TokenLogprob] | None = [] if body.logprobs else None
         self.logprobs_sent = 0
+        self.token_ids_sent = 0  # (`return_token_ids`: of token_ids, how many a stream has sent)
         self._stream = self._events()
 
     async def first(self) -> tuple[str, Any] | None:
@@ -275,6 +276,17 @@ class Run(_Pipelined):
                 logprobs: ChoiceLogprobs | None = None) -> ChunkChoice:
         return ChunkChoice(index=self.index, delta=delta, finish_reason=finish, logprobs=logprobs)
 
+    def _text_choice(self, delta: DeltaMessage, finish: str | None = None,
+                     logprobs: ChoiceLogprobs | None = None) -> ChunkChoice:
+        """A chunk of text (or the finish): with `return_token_ids`, the tokens that arrived since
+        the last such chunk (a held-back piece's tokens come with the text that shows them, or the
+        finish)."""
+        choice = self._choice(delta, finish, logprobs)
+        if self.body.return_token_ids:
+            choice.token_ids = self.token_ids[self.token_ids_sent:]
+            self.token_ids_sent = len(self.token_ids)
+        return choice
+
     def _audio_choice(self, audio_id: str, data: bytes, expires_at: int) -> ChunkChoice:
         return self._choice(DeltaMessage(audio=AudioDelta(id=audio_id, data=base64.b64encode(data).decode(),
                                                           expires_at=expires_at)))
@@ -295,10 +307,10 @@ class Run(_Pipelined):
         expires_at = int(time.time()) + AUDIO_TTL_S
         async for kind, value in self.stream_from(first):
             if kind == "text" and self.audio_format is None:
-                yield self._choice(DeltaMessage(content=value), logprobs=self._new_logprobs())
+                yield self._text_choice(DeltaMessage(content=value), logprobs=self._new_logprobs())
             elif kind == "text":
-                yield self._choice(DeltaMessage(audio=AudioDelta(id=audio_id, transcript=value)),
-                                   logprobs=self._new_logprobs())
+                yield self._text_choice(DeltaMessage(audio=AudioDelta(id=audio_id, transcript=value)),
+                                        logprobs=self._new_logprobs())
             else:
                 wave, rate = value
                 if encoder is None:
@@ -313,8 +325,8 @@ class Run(_Pipelined):
             if data:
                 yield self._audio_choice(audio_id, data, expires_at)
         rest = self._new_logprobs()  # (tokens whose text was held back or empty)
-        yield self._choice(DeltaMessage(), finish=self.finish_reason or "stop",
-                           logprobs=rest if rest is not None and rest.content else None)
+        yield self._text_choice(DeltaMessage(), finish=self.finish_reason or "stop",
+                                logprobs=rest if rest is not None and rest.content else None)
 
 
 class Completion:
@@ -373,7 +385,9 @@ class Completion:
             async with aclosing(_merged([run.chunks(first) for run, first in zip(self.runs, firsts)])) as choices:
                 async for choice in choices:
                     omni = self.runs[choice.index].omni_outputs() if choice.finish_reason else None
-                    if chunk := self._chunk([choice], omni_outputs=omni):
+                    prompt = self.runs[0].prompt_ids if (self.body.return_token_ids and choice.index == 0
+                                                         and choice.delta.role) else None
+                    if chunk := self._chunk([choice], omni_outputs=omni, prompt_token_ids=prompt):
                         yield chunk
             opts = self.body.stream_options
             if opts is not None and opts.include_usage:
@@ -427,10 +441,10 @@ class TextCompletionRun(Completion):
             return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
         [c] = choices
         text = self.echoes[c.index] if c.delta.role else c.delta.content or ""
-        if not text and c.finish_reason is None and c.logprobs is None:
+        if not text and c.finish_reason is None and c.logprobs is None and not c.token_ids:
             return ""
         choice = CompletionChoice(index=c.index, text=text, logprobs=self._logprobs(c.index, c.logprobs),
-                                  finish_reason=c.finish_reason)
+                                  finish_reason=c.finish_reason, token_ids=c.token_ids)
         chunk = TextCompletion(id=self.id, created=self.created, model=self.state.cfg.model, choices=[choice])
         return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
