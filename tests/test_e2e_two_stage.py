@@ -95,3 +95,24 @@ def test_concurrent_requests_each_get_their_own_hidden_states(two_stage_server, 
         expected = reference.thinker_hidden(thinker_dir, prompt_ids + output_ids[:-1])
         assert hidden.shape == expected.shape
         assert (hidden - expected).abs().max().item() < 1e-4
+
+
+def test_a_stop_string_cuts_what_the_next_stage_reads(two_stage_server, record_dir):
+    """The text stage stopped by a stop string sends the next stage the tokens before it, not the
+    stop string's token nor those made until the stop reached the stage (the speech of a reply
+    ends where its transcript does)."""
+    client = openai.OpenAI(base_url=f"{two_stage_server.base_url}/v1", api_key="x", max_retries=0)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Count for me."}], max_tokens=40,
+                  temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    tokens = client.chat.completions.create(**kwargs).choices[0].model_extra["token_ids"]
+    tok = reference.tokenizer(MODELS / "tiny-qwen2_5-omni")
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731 (as the reply reads)
+    # A later token whose text first appears in the reply where that token starts: the stop string.
+    k = next(k for k in range(3, len(tokens)) if (piece := text(tokens[k:k + 1])).strip()
+             and text(tokens[:k + 1]).find(piece) == len(text(tokens[:k])))
+    resp = client.chat.completions.create(**kwargs, stop=[text(tokens[k:k + 1])])
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].message.content == text(tokens[:k])
+    _, _, rec_output = _load_record(record_dir, resp.id)
+    assert rec_output == tokens[:k]
+    assert resp.model_extra["omni_outputs"]["follower"]["token_ids"]

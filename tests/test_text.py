@@ -53,3 +53,24 @@ def test_real_tokenizer_round_trip(tiny_models):
     d = codec.detokenizer(["park"])
     out = "".join(d.push([i]) for i in ids) + d.flush()
     assert out == sentence[: sentence.index("park")] and d.stopped
+
+
+def test_a_stop_keeps_the_tokens_wholly_before_it(tiny_models):
+    """`kept` (what later stages read after a stop): the tokens whose text ends at or before the
+    stop string's start; one the stop starts inside is left out (its speech would say part of it)."""
+    codec = TextCodec(str(MODELS / "tiny-qwen2_5-omni"))
+    ids = codec.encode("Hello world. Next part here")
+    texts = [codec.tokenizer.decode(ids[:n]) for n in range(len(ids) + 1)]
+    for stop in [".", " Next", "Hello", "orl", "world", "here"]:
+        d = codec.detokenizer([stop])
+        out = d.push(ids) + d.flush()
+        at = texts[-1].index(stop)
+        assert d.stopped and out == texts[-1][:at]
+        assert d.kept == max(n for n, t in enumerate(texts) if len(t) <= at)
+    assert codec.tokenizer.decode(ids[:_kept(codec, ids, " Next")]) == "Hello world."
+
+
+def _kept(codec, ids, stop):
+    d = codec.detokenizer([stop])
+    d.push(ids)
+    return d.kept

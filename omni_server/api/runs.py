@@ -203,7 +203,7 @@ class Run(_Pipelined):
                         await self.abort(outcome="ok")  # done: the stop string came
                         return
                     # Later stages (speech) still finish, on the text up to the stop.
-                    await self.orch.finish(self.req.request_id, text_stage)
+                    await self.orch.finish(self.req.request_id, text_stage, keep=self.detok.kept)
                     continue
                 if delta.finished:
                     self.finish_reason = _FINISH.get(delta.finish_reason or "", "stop")

@@ -90,6 +90,9 @@ class Detokenizer:
         self.text = ""  # everything decoded so far
         self._emitted = 0
         self.stopped = False
+        self._ends: list[int] = []  # where each token's text ends in `text`
+        # Once stopped: how many tokens lie wholly before the stop string (what later stages read).
+        self.kept = 0
 
     def push(self, token_ids: list[int]) -> str:
         """Feed new tokens; return the text that can be shown now."""
@@ -97,8 +100,9 @@ class Detokenizer:
             if self.stopped:
                 break
             piece = self._stream.step(self._backend, tid)
+            self.text += piece or ""
+            self._ends.append(len(self.text))
             if piece:
-                self.text += piece
                 self._check_stop()
         return self._take(final=False)
 
@@ -111,6 +115,9 @@ class Detokenizer:
             if at != -1:
                 self.text = self.text[:at]
                 self.stopped = True
+                # Tokens wholly before it (one the stop starts inside is not: its speech would say
+                # part of the stop string).
+                self.kept = next(i for i, end in enumerate(self._ends) if end > at)
 
     def _take(self, final: bool) -> str:
         end = len(self.text)

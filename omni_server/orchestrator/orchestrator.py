@@ -281,11 +281,12 @@ class Orchestrator:
             state.counted = True
             self.metrics.ended(state.t0, outcome)
 
-    async def finish(self, request_id: str, stage_id: int) -> None:
-        """Cut one stage's generation short; stages downstream still get its output so far."""
+    async def finish(self, request_id: str, stage_id: int, keep: int = -1) -> None:
+        """Cut one stage's generation short; stages downstream still get its output so far (its
+        first `keep` tokens; -1: all)."""
         state = self.requests.get(request_id)
         replica = state.replicas.get(stage_id, 0) if state else 0
-        await self._send_or_drop((stage_id, replica), FinishRequest(request_id=request_id))
+        await self._send_or_drop((stage_id, replica), FinishRequest(request_id=request_id, keep=keep))
 
     async def abort(self, request_id: str, outcome: str = "aborted") -> None:
         """Drop the request in every stage; `outcome` for metrics ("ok": it ended early by design)."""

@@ -414,11 +414,18 @@ class ARStage(Stage):
             structured_outputs=structured, extra_args=extra or None,
         )
 
-    def finish_early(self, request_id: str) -> None:
+    def finish_early(self, request_id: str, keep: int = -1) -> None:
         if request_id not in self.in_engine:
             return  # finished by itself meanwhile: its payload already went downstream
         self.core.abort_requests([request_id])
         self.core.scheduler.step_embeds_out.pop(request_id, None)
+        tracked = self.tracked.get(request_id)
+        if tracked is not None and keep >= 0:
+            # Downstream gets the tokens before the stop string, not those made until the stop
+            # reached this stage; at least one (a consumer starts on the first), and never fewer
+            # than a streaming consumer had already.
+            sent = max(tracked.sent_tokens, tracked.sent_rows - len(tracked.prompt_token_ids) + 1)
+            del tracked.output_token_ids[max(keep, sent, 1):]
         self._finished(request_id)
         self.send_outputs([RequestDelta(request_id=request_id, finished=True, finish_reason="stop")])
 

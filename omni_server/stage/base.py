@@ -232,7 +232,7 @@ class Stage:
                     if rid in known:
                         self.routes[rid] = route  # (to the newest end)
 
-    def finish_early(self, request_id: str) -> None:
+    def finish_early(self, request_id: str, keep: int = -1) -> None:
         """End this request now as if it had finished (FinishRequest); stages that cannot cut a
         request short ignore it."""
 
@@ -323,7 +323,7 @@ class Stage:
         elif isinstance(msg, AbortRequest):
             self.abort(msg.request_ids)
         elif isinstance(msg, FinishRequest):
-            self.finish_early(msg.request_id)
+            self.finish_early(msg.request_id, msg.keep)
         elif isinstance(msg, StreamCredit):
             self.credit(msg)
         elif isinstance(msg, StatsQuery):

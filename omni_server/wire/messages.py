@@ -94,6 +94,9 @@ class FinishRequest(_Msg):
     still goes downstream (the api found a stop string in a stage's text)."""
 
     request_id: str
+    # Output tokens that go downstream (those before the stop string); -1: all. Tokens already
+    # streamed to a consumer stay sent.
+    keep: int = -1
 
 
 class StatsQuery(_Msg):
