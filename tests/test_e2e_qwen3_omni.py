@@ -397,6 +397,33 @@ def _check_speech(client):
     assert np.abs(pcm - wave.clamp(-1, 1).numpy()).max() < 2e-4  # pcm16 rounding
 
 
+def test_speech_usage_counts_the_frames_spoken(qwen3_server):
+    """/v1/audio/speech (streamed through code2wav): `usage.output_tokens` counts the codec frames
+    decoded (each 16 codebooks' codes), as many as the audio's length holds (code2wav's upsampling)."""
+    import base64
+    import json
+    import math
+
+    import httpx
+
+    config = json.loads((_model_dir() / "config.json").read_text())["code2wav_config"]
+    per_frame = math.prod(config["upsample_rates"]) * math.prod(config["upsampling_ratios"])
+    body = {"model": MODEL, "input": "The weather is fine today.", "voice": "chelsie", "response_format": "pcm",
+            "stream_format": "sse"}
+    pcm, usage = b"", None
+    with httpx.stream("POST", f"{qwen3_server.base_url}/v1/audio/speech", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                if event["type"] == "speech.audio.delta":
+                    pcm += base64.b64decode(event["audio"])
+                else:
+                    usage = event["usage"]
+    frames = usage["output_tokens"]  # (the decoder's convolutions trim a few hundred samples in all)
+    assert frames > 0 and per_frame * (frames - 1) < len(pcm) // 2 <= per_frame * frames
+
+
 def test_repeated_turn_starts_on_the_talkers_prefix_cache(client, qwen3_server):
     """The same long speech turn again: the talker's prompt (the user turn's rows, then the
     assistant's) starts on its own prefix cache, and codes and waveform are still transformers'."""

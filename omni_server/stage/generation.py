@@ -137,6 +137,7 @@ class GenerationStage(Stage):
         rids = stream_order.pick(ready, slack, self.stage.max_batch_size,
                                  getattr(self.generator, "stream_batch_sizes", None), 2 * self._pass_s)
         streams = [self.streams[rid] for rid in rids]
+        read = [_num_codes(vars(s)) for s in streams]  # (before the step: a finished stream may let its codes go)
         try:
             pieces = self.generator.stream_step(streams)
         except Exception as e:
@@ -144,7 +145,7 @@ class GenerationStage(Stage):
             return len(rids)
         self._pass_s = max(time.monotonic() - now, 0.9 * self._pass_s)
         # Sent before the finished ones are dropped (their last piece still counts in the playback model).
-        self._send(rids, pieces, [s.done for s in streams], [_num_codes(vars(s)) for s in streams])
+        self._send(rids, pieces, [s.done for s in streams], read)
         for rid, stream in zip(rids, streams):
             if stream.done:
                 self.drop([rid])
@@ -182,5 +183,10 @@ class GenerationStage(Stage):
 
 
 def _num_codes(data: dict | None) -> int:
+    """Code positions (frames) in a request's codes: their last dimension (a frame of several
+    codebooks, [codebooks, frames], counts once)."""
     codes = (data or {}).get("codes")
-    return 0 if codes is None else int(torch.as_tensor(codes).numel())
+    if codes is None:
+        return 0
+    codes = torch.as_tensor(codes)
+    return int(codes.shape[-1]) if codes.dim() else 1

@@ -17,7 +17,9 @@ runs on the new mel with `vocoder_context_frames` either side and holds back the
 `vocoder_context_frames` until their right context exists. Every window's noise is the slice of the
 request's one noise sequence at the same positions, and which windows run depends only on the codes,
 never on when they arrived: a streamed waveform equals the same codes decoded by `stream_all`, and a
-response of at most (first window + `future_frames`) mel frames equals the full decode exactly.
+response of at most (first window + `future_frames`) mel frames equals the full decode (exactly;
+with `dit_past_cache` up to float rounding, ~1e-7: the first window attends through the past path to
+masked-out empty keys, other shapes than the whole decode's).
 
 `dit_past_cache`: a window holds no past frames. Only the DiT layers that look back attend across
 windows, so a stream keeps, for each of the solve's evaluations, those layers' keys and values of
