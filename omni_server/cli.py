@@ -24,9 +24,10 @@ def _load(path: str, overrides: list[str], check_names: bool = False):
         print(f"error: invalid config\n{e}", file=sys.stderr)
         raise SystemExit(2) from None
     if check_names:
+        from omni_server.config.loader import missing_paths
         from omni_server.stage.names import problems
 
-        found = problems(cfg, path)
+        found = missing_paths(cfg, path) + problems(cfg, path)
         if found:
             print("error: invalid config\n" + "\n".join(found), file=sys.stderr)
             raise SystemExit(2)

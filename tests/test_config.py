@@ -647,6 +647,28 @@ def test_check_names_unknown_processors_generators_and_families(tmp_path):
     assert lines[2].startswith(f"{path}: stage 2 (c): generator: unknown generator 'qwen2_5_omni.tokenwav'; known:")
 
 
+def test_check_and_serve_name_a_local_model_path_that_does_not_exist(tmp_path):
+    """A model path that is not there (absolute, relative, the tiny models before `make tiny`):
+    `check` and `serve` say which stage and field before any stage starts (not the hub client's
+    traceback about a malformed repo id). Hub ids (`org/name`) are left to the hub."""
+    path = tmp_path / "missing.yaml"
+    path.write_text(textwrap.dedent("""\
+        model: m
+        stages:
+          - {id: 0, name: a, model: /nowhere/Qwen2.5-Omni-7B, output: text}
+          - {id: 1, name: b, model: ../var/models/tiny-nothing, tokenizer: Qwen/Qwen2.5-Omni-7B, inputs: [0],
+             input_processor: hidden_to_embeds, output: tokens}
+        """))
+    for cmd in ("check", "serve"):
+        proc = subprocess.run([sys.executable, "-m", "omni_server.cli", cmd, str(path)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines()[1:] == [
+            f"{path}: stage 0 (a): model: no such directory: /nowhere/Qwen2.5-Omni-7B",
+            f"{path}: stage 1 (b): model: no such directory: ../var/models/tiny-nothing (`make tiny` builds the "
+            "test models)"]
+
+
 def test_check_rejects_generator_args_the_generator_does_not_take(tmp_path):
     path = tmp_path / "args.yaml"
     path.write_text(textwrap.dedent("""\

@@ -329,6 +329,23 @@ def _resolve_path(value: str | None, base_dir: Path | None) -> str | None:
     return value
 
 
+def missing_paths(cfg: PipelineConfig, name: str) -> list[str]:
+    """Stages' model / tokenizer values that are local paths (absolute, `~`, `./`, `../`, or more
+    than one `/`: a hub id is `org/name`) and do not exist; checked by `serve` and `check` before
+    any stage starts (the hub client would otherwise take them for a malformed repo id, deep in a
+    traceback). Not at load: a config may name paths of another machine (a container's /model)."""
+    out = []
+    for stage in cfg.stages:
+        for field in _PATH_FIELDS:
+            value = getattr(stage, field)
+            if not value or Path(os.path.expanduser(value)).exists():
+                continue
+            if value.startswith(("/", "~", "./", "../")) or value.count("/") > 1:
+                hint = " (`make tiny` builds the test models)" if "var/models" in value else ""
+                out.append(f"{name}: stage {stage.id} ({stage.name}): {field}: no such directory: {value}{hint}")
+    return out
+
+
 # --------------------------------------------------------------------------- entry points
 
 
