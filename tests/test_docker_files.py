@@ -25,6 +25,9 @@ def test_compose_runs_every_stage_and_the_api():
         gpus = svc["deploy"]["resources"]["reservations"]["devices"][0]
         assert gpus["driver"] == "nvidia" and gpus["capabilities"] == ["gpu"]
         assert "healthcheck" in svc and svc["restart"] == "unless-stopped"
+        # ZMQ binds the address the service name resolves to (not 127.0.0.1): the check dials that name.
+        port = int(stage.address.rsplit(":", 1)[1])
+        assert f"socket.create_connection(('{host}', {port}), 2)" in svc["healthcheck"]["test"][-1]
     api = services["api"]
     assert "--external-stages" in api["command"] and api["command"][:2] == ["serve", "/etc/omni/pipeline.yaml"]
     assert re.match(r"tcp://api:\d+$", cfg.server.output_address)
@@ -51,6 +54,8 @@ def test_compose_pipeline_serves_what_the_one_gpu_config_serves():
 def test_dockerfile_runs_as_non_root_with_the_cli_entrypoint():
     text = (DOCKER / "Dockerfile").read_text()
     assert re.search(r"^USER omni$", text, re.M)
+    # ~/.cache (HF_HOME, vLLM's and Inductor's caches; the compose volume) belongs to that user.
+    assert "chown -R omni:omni var /home/omni" in text and "TORCHINDUCTOR_CACHE_DIR=/home/omni/.cache" in text
     assert 'ENTRYPOINT ["omni-server"]' in text
     assert "vllm==0.26.0" in text and "torch==2.11.0" in text
     # (python:*-slim has no C compiler; Triton needs one to launch any kernel it compiles.)
