@@ -348,3 +348,23 @@ def test_a_prompt_over_the_limit_is_400_naming_its_field(tiny_models, tmp_path):
         r = c.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3, 4]}, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         assert "4 tokens, the limit is 3" in r.json()["error"]["message"]
+
+
+def test_the_prompt_limit_is_the_context_length_the_engine_settled_on(tiny_models, tmp_path):
+    """Stage 0's engine reports its context length when ready: the limit follows it, whatever the
+    config says (-1 or "auto" for vLLM's choice, or nothing), capped by `server.max_prompt_tokens`."""
+    from types import SimpleNamespace
+
+    from omni_server.wire.messages import StageReady
+
+    for engine_len, cap, limit in ((-1, None, 4095), ("auto", 100, 100), (None, None, 4095)):
+        text = CONFIG.replace("output: text}", "output: text, engine_args: {max_model_len: %s}}" % (
+            "null" if engine_len is None else engine_len))
+        if cap:
+            text = text.replace("max_concurrent_requests: 2}", f"max_concurrent_requests: 2, max_prompt_tokens: {cap}}}")
+        cfg = load_config_text(text % (MODELS / "tiny-qwen2_5-omni", tmp_path))
+        state = ServerState(cfg, lambda: None)
+        assert state.prompt_limit == cap  # (no stage ready yet: the cap alone)
+        ready = StageReady(stage_id=0, pid=1, startup_s=1.0, info={"max_model_len": "4096"})
+        state.orch = SimpleNamespace(stage_info=lambda stage_id: ready if stage_id == 0 else None)
+        assert state.prompt_limit == limit

@@ -53,13 +53,20 @@ class ServerState:
         audio_stage = cfg.output_stage("audio")
         self.audio_stage = audio_stage.id if audio_stage else None
         self.sampling_stage = self.text_stage if self.text_stage is not None else 0
-        # Reject over-long prompts before streaming starts (stage 0 would reject them anyway).
-        limits = [cfg.server.max_prompt_tokens] if cfg.server.max_prompt_tokens else []
-        if stage0.engine_args.get("max_model_len"):
-            limits.append(int(stage0.engine_args["max_model_len"]) - 1)  # room for one generated token
-        self.prompt_limit = min(limits, default=None)
         self.api_key = cfg.server.api_key or os.environ.get("OMNI_SERVER_API_KEY") or None
         self.created = int(time.time())
+
+    @property
+    def prompt_limit(self) -> int | None:
+        """Prompt tokens allowed: over-long prompts are refused before streaming starts (stage 0
+        would refuse them anyway): `server.max_prompt_tokens`, and stage 0's context length as its
+        engine settled it (reported when ready), less room for one generated token."""
+        limits = [self.cfg.server.max_prompt_tokens] if self.cfg.server.max_prompt_tokens else []
+        ready = self.orch.stage_info(0) if self.orch is not None else None
+        context = int(ready.info.get("max_model_len", 0)) if ready is not None else 0
+        if context > 0:
+            limits.append(context - 1)
+        return min(limits, default=None)
 
     def voices(self) -> list[str]:
         """Voices of the audio stage (reported by the stage when it is ready)."""

@@ -290,6 +290,10 @@ class ARStage(Stage):
     def known_requests(self) -> set[str]:
         return self.in_engine | set(self.waiting) | set(self.tracked)
 
+    def info(self) -> dict[str, str]:
+        # The context length the engine settled on (the config may say -1, "auto", or nothing).
+        return {**super().info(), "max_model_len": str(self.vllm_config.model_config.max_model_len)}
+
     def counts(self) -> tuple[int, int]:
         sched = self.core.scheduler
         return len(sched.running), len(sched.waiting)
