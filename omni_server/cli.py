@@ -15,6 +15,13 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="override a stage setting, e.g. 1.max_num_seqs=8 or thinker.devices=1 (repeatable)")
 
 
+def _port(value: str) -> int:
+    port = int(value) if value.isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {value!r}")
+    return port
+
+
 def _load(path: str, overrides: list[str], check_names: bool = False):
     from omni_server.config import ConfigError, load_config
 
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="start every stage and the OpenAI-compatible HTTP server")
     p.add_argument("config")
     p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--port", type=_port)
     p.add_argument("--api-key", help="require this bearer token on /v1/* (or set OMNI_SERVER_API_KEY)")
     p.add_argument("--external-stages", action="store_true",
                    help="do not start stages: connect to stages started separately at their configured addresses")

@@ -9,13 +9,16 @@ TORCH=(torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0)
 if [[ -n ${OMNI_DEVICE:-} ]]; then device=$OMNI_DEVICE
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then device=cuda
 else device=cpu; fi
+case $device in cpu|cuda) ;; *) echo "OMNI_DEVICE must be cpu or cuda, got '$device'" >&2; exit 2 ;; esac
 
 stamp=$VENV/.omni-installed
 want=$(cat pyproject.toml requirements/*.txt scripts/setup-env.sh | sha256sum | cut -c1-16)-$device
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then exit 0; fi
 
 echo "setting up $VENV for $device (pinned vLLM 0.26.0, torch 2.11.0) ..."
-[[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+# (A venv whose creation failed half-way, e.g. without Debian's python3-venv, has a python but no
+# pip: made again rather than failing every later run.)
+if ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then rm -rf "$VENV" && "$PY" -m venv "$VENV"; fi
 pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 if [[ $device == cuda ]]; then
   "${pip[@]}" vllm==0.26.0 "${TORCH[@]}"

@@ -714,3 +714,20 @@ def test_transcription_language_prompt_takes_only_the_language_field():
     for bad in ("Transcribe {lang} audio.", "Transcribe {0}.", "Transcribe {language"):
         with pytest.raises(ValidationError, match="may hold {language}"):
             ServerConfig(transcription_language_prompt=bad)
+
+
+def test_serve_refuses_a_port_out_of_range_before_starting_anything():
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "serve", "configs/default.yaml", "--port", "70000"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "a TCP port is 0-65535, got '70000'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_setup_refuses_an_unknown_device(tmp_path):
+    """`OMNI_DEVICE` other than cpu / cuda (say `gpu`) is refused, not taken for the CPU stack."""
+    import os
+
+    proc = subprocess.run(["bash", "scripts/setup-env.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMNI_DEVICE": "gpu", "VENV": str(tmp_path / "venv")})
+    assert proc.returncode == 2 and "OMNI_DEVICE must be cpu or cuda, got 'gpu'" in proc.stderr
+    assert not (tmp_path / "venv").exists()
