@@ -731,3 +731,20 @@ def test_setup_refuses_an_unknown_device(tmp_path):
                           env={**os.environ, "OMNI_DEVICE": "gpu", "VENV": str(tmp_path / "venv")})
     assert proc.returncode == 2 and "OMNI_DEVICE must be cpu or cuda, got 'gpu'" in proc.stderr
     assert not (tmp_path / "venv").exists()
+
+
+def test_yaml_merge_keys_may_be_overridden():
+    """`<<: *anchor` then a key of its own: the own value wins (YAML's merge), not a duplicate;
+    a key given twice by hand still is one."""
+    from omni_server.config import load_config_text
+
+    text = textwrap.dedent("""\
+        model: m
+        stages:
+          - {id: 0, name: a, model: x, output: text, engine_args: &args {dtype: float32, max_model_len: 2048}}
+          - {id: 1, name: b, model: x, inputs: [0], input_processor: hidden_to_embeds, output: tokens,
+             engine_args: {<<: *args, max_model_len: 4096}}
+        """)
+    assert load_config_text(text).stage(1).engine_args == {"dtype": "float32", "max_model_len": 4096}
+    with pytest.raises(ConfigError, match="duplicate key 'max_model_len'"):
+        load_config_text(text.replace("max_model_len: 4096}", "max_model_len: 4096, max_model_len: 1}"))

@@ -63,9 +63,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    loader.flatten_mapping(node)
+    # The mapping's own keys only: one it also merges in (`<<: *anchor`) overrides the merged
+    # value, as YAML's merge key defines.
     seen: dict[Any, yaml.Node] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node, deep=True)
         try:
             dup = key in seen
@@ -80,6 +83,7 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
                 key_node.start_mark,
             )
         seen[key] = key_node
+    loader.flatten_mapping(node)
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
 
