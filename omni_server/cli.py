@@ -43,6 +43,12 @@ def _load(path: str, overrides: list[str], check_names: bool = False):
 
 def cmd_check(args) -> int:
     cfg = _load(args.config, args.stage_arg, check_names=True)
+    from omni_server.config.loader import engine_arg_problems
+
+    found = engine_arg_problems(cfg, args.config)
+    if found:
+        print("error: invalid config\n" + "\n".join(found), file=sys.stderr)
+        return 2
     print(f"{args.config}: ok — model {cfg.model!r}, {len(cfg.stages)} stage(s): "
           + ", ".join(f"{s.id}:{s.name}({s.kind})" for s in cfg.stages))
     from pathlib import Path

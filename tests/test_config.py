@@ -748,3 +748,18 @@ def test_yaml_merge_keys_may_be_overridden():
     assert load_config_text(text).stage(1).engine_args == {"dtype": "float32", "max_model_len": 4096}
     with pytest.raises(ConfigError, match="duplicate key 'max_model_len'"):
         load_config_text(text.replace("max_model_len: 4096}", "max_model_len: 4096, max_model_len: 1}"))
+
+
+def test_check_names_engine_args_vllm_does_not_take():
+    """A typo or the CLI's dashed spelling in `engine_args` (here through --stage-arg): `check`
+    says which, with vLLM's closest names, instead of the stage failing at start."""
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "check", "configs/default.yaml",
+                           "--stage-arg", "thinker.max-num-seqs=4", "--stage-arg", "talker.engine_args.max_num_seq=2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("configs/default.yaml")]
+    assert lines == [
+        "configs/default.yaml: stage 0 (thinker): engine_args: vLLM takes no 'max-num-seqs' (did you mean "
+        "max_num_seqs, max_num_scheduled_tokens?)",
+        "configs/default.yaml: stage 1 (talker): engine_args: vLLM takes no 'max_num_seq' (did you mean "
+        "max_num_seqs?)"], proc.stderr

@@ -350,6 +350,28 @@ def missing_paths(cfg: PipelineConfig, name: str) -> list[str]:
     return out
 
 
+def engine_arg_problems(cfg: PipelineConfig, name: str) -> list[str]:
+    """AR stages' engine_args keys that vLLM's EngineArgs does not take (a typo, a CLI spelling with
+    dashes), with the closest names; for `check` (imports vLLM: seconds), where `serve` would only
+    say so once the stage starts."""
+    import dataclasses
+    import difflib
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    out = []
+    for stage in cfg.stages:
+        if stage.kind != "ar":
+            continue
+        for key in stage.engine_args:
+            if key not in known:
+                close = difflib.get_close_matches(key.replace("-", "_"), sorted(known), n=3)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                out.append(f"{name}: stage {stage.id} ({stage.name}): engine_args: vLLM takes no {key!r}{hint}")
+    return out
+
+
 # --------------------------------------------------------------------------- entry points
 
 
