@@ -43,6 +43,8 @@ def _load(path: str, overrides: list[str], check_names: bool = False):
 
 def cmd_check(args) -> int:
     cfg = _load(args.config, args.stage_arg, check_names=True)
+    # (vLLM's import would log its platform lines to stdout, where check prints its verdict.)
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from omni_server.config.loader import engine_arg_problems
 
     found = engine_arg_problems(cfg, args.config)
