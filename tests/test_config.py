@@ -763,3 +763,21 @@ def test_check_names_engine_args_vllm_does_not_take():
         "max_num_seqs, max_num_scheduled_tokens?)",
         "configs/default.yaml: stage 1 (talker): engine_args: vLLM takes no 'max_num_seq' (did you mean "
         "max_num_seqs?)"], proc.stderr
+
+
+def test_stage_args_take_lists_and_check_devices_and_addresses():
+    """--stage-arg reads a flow list as the file does (devices=[0,1] is "0,1", one address per
+    replica); devices must be what CUDA_VISIBLE_DEVICES takes, addresses ZMQ endpoints."""
+    from omni_server.config import load_config
+
+    cfg = load_config(REPO / "configs" / "default.yaml", [
+        "thinker.devices=[0,1]", "0.replicas=2", "0.address=[tcp://127.0.0.1:7001, tcp://127.0.0.1:7002]",
+        "talker.devices=GPU-8f3a,1"])
+    assert cfg.stage(0).devices == "0,1" and cfg.stage(1).devices == "GPU-8f3a,1"
+    assert cfg.stage(0).address == ["tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"]
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs" / "default.yaml", ["thinker.devices=gpu0", "talker.address=localhost:7002"])
+    where = REPO / "configs" / "default.yaml"
+    assert _problems(err) == [
+        f"{where}: stage 0 (thinker): devices: GPU indices or UUIDs, one or comma-separated (e.g. 0 or 0,1), got "
+        "'gpu0'", f"{where}: stage 1 (talker): address: a ZMQ address tcp://HOST:PORT or ipc://PATH, got 'localhost:7002'"]

@@ -147,7 +147,8 @@ def parse_override(text: str) -> StageOverride:
     else:  # engine_args key; dotted keys set nested engine args (e.g. compilation_config.level)
         path = ("engine_args", *parts)
     raw = raw.strip()
-    if len(path) == 1 and head in _STR_FIELDS and raw not in ("", "null", "~"):
+    # (A flow list, e.g. devices=[0,1] or one address per replica, is YAML as in the file.)
+    if len(path) == 1 and head in _STR_FIELDS and raw not in ("", "null", "~") and not raw.startswith("["):
         value: Any = raw[1:-1] if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"" else raw
     else:
         try:

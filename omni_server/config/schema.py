@@ -9,6 +9,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+def _check_zmq_address(a: str) -> str:
+    """A ZMQ endpoint a stage binds or connects to: tcp://HOST:PORT or ipc://PATH."""
+    host, _, port = a.removeprefix("tcp://").rpartition(":")
+    if not (a.startswith("ipc://") and len(a) > 6 or a.startswith("tcp://") and host and port.isdigit()):
+        raise ValueError(f"a ZMQ address tcp://HOST:PORT or ipc://PATH, got {a!r}")
+    return a
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -89,6 +97,22 @@ class StageConfig(_Strict):
             return str(v)
         if isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v):
             return ",".join(str(d) for d in v)
+        return v
+
+    @field_validator("address")
+    @classmethod
+    def _zmq_addresses(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for a in [v] if isinstance(v, str) else v or []:
+            _check_zmq_address(a)
+        return v
+
+    @field_validator("devices")
+    @classmethod
+    def _devices_are_gpus(cls, v: str | None) -> str | None:
+        # What CUDA_VISIBLE_DEVICES takes: indices or GPU / MIG UUIDs, comma-separated.
+        if v is not None and not all(p.strip().isdigit() or p.strip().startswith(("GPU-", "MIG-"))
+                                     for p in v.split(",")):
+            raise ValueError(f"GPU indices or UUIDs, one or comma-separated (e.g. 0 or 0,1), got {v!r}")
         return v
 
     @field_validator("replica_devices", mode="before")
@@ -238,6 +262,11 @@ class ServerConfig(_Strict):
     shutdown_timeout_s: float = Field(30.0, ge=0)
     # Where the api process binds its PULL socket for stage outputs; None = ipc in the runtime dir.
     output_address: str | None = None
+
+    @field_validator("output_address")
+    @classmethod
+    def _zmq_address(cls, v: str | None) -> str | None:
+        return v if v is None else _check_zmq_address(v)
     # Directory with the deployment's CURVE key (`omni-server keys DIR`): every socket between the
     # processes is encrypted and only holders of the key get messages accepted. For TCP across hosts.
     curve_keys_dir: str | None = None
