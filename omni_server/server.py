@@ -25,6 +25,14 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
 
 
+class _Stopped(Exception):
+    """SIGINT / SIGTERM before the api serves."""
+
+
+def _stop_starting(signum, frame) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
 async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] = (),
                 external_stages: bool = False, started: float | None = None) -> int:
     """Run the api; start and supervise the stage processes unless they are external (started
@@ -45,6 +53,11 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
         if cfg.runtime_dir is None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
         raise SystemExit(f"cuda_mps: true, but no MPS daemon: {e}") from None
+    # Until uvicorn takes the signals over (it stops gracefully on them): Ctrl-C or SIGTERM while the
+    # stages start and the api sets up stops everything cleanly, exit 0, as later.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop_starting)
+    failed: list[str] = []
     try:
         # Every stage process starts now, before the api's own set-up (tokenizer, media processors,
         # sockets: ~9 s on the H200 host): their imports (~15 s each there) overlap it. Each
@@ -59,7 +72,6 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
         uv = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.server.host, port=cfg.server.port,
                                            log_level="info",
                                            timeout_graceful_shutdown=cfg.server.shutdown_timeout_s))
-        failed: list[str] = []
 
         async def supervise(state: ServerState) -> None:
             """Release held stages as the ones before them get ready, report startup progress, then
@@ -138,7 +150,11 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: None)
         await uv.serve()
+    except _Stopped as e:
+        log.info("%s while starting: stopping the stages", e)
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # (a second Ctrl-C must not cut the clean-up short)
+            signal.signal(sig, lambda signum, frame: None)
         launcher.stop_all()
         if mps is not None:
             mps.stop()

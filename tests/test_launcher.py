@@ -240,3 +240,33 @@ def test_serve_stops_its_stages_when_the_api_cannot_start(tmp_path, monkeypatch,
         asyncio.run(serve(cfg, str(REPO / "configs" / "default.yaml")))
     assert len(started) == len(cfg.units()) == 3
     assert all(p.poll() is not None for p in started)  # stopped, and waited for
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_stages_start_stops_everything_cleanly(tiny_models, tmp_path, sig):
+    """Ctrl-C or SIGTERM in the seconds before the api serves (stages launched, the api setting
+    up): `serve` stops its stages and exits 0 without a traceback, as it does once serving."""
+    import signal
+
+    import psutil
+
+    from tests.conftest import free_port
+
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "omni_server.cli", "serve", "configs/default.yaml", "--port",
+                                 str(free_port())], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "stage 2 (token2wav) starting" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stages = [c.pid for c in psutil.Process(proc.pid).children()]
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert f"{sig} while starting: stopping the stages" in text and "Traceback" not in text, text[-3000:]
+    assert len(stages) == 3 and not [p for p in stages if psutil.pid_exists(p)
+                                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
