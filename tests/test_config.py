@@ -781,3 +781,12 @@ def test_stage_args_take_lists_and_check_devices_and_addresses():
     assert _problems(err) == [
         f"{where}: stage 0 (thinker): devices: GPU indices or UUIDs, one or comma-separated (e.g. 0 or 0,1), got "
         "'gpu0'", f"{where}: stage 1 (talker): address: a ZMQ address tcp://HOST:PORT or ipc://PATH, got 'localhost:7002'"]
+
+
+def test_serve_says_when_it_cannot_make_its_runtime_dir(tmp_path):
+    path = tmp_path / "rd.yaml"
+    path.write_text("model: m\nruntime_dir: /proc/omni-server\nstages:\n  - {id: 0, name: a, model: x, output: text}\n")
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "serve", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "runtime_dir /proc/omni-server: cannot create it: No such file or directory" in proc.stderr

@@ -30,7 +30,10 @@ SEND_HWM = 100_000
 def make_runtime_dir(cfg: PipelineConfig) -> Path:
     if cfg.runtime_dir:
         path = Path(cfg.runtime_dir)
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise SystemExit(f"runtime_dir {path}: cannot create it: {e.strerror or e}") from None
         return path
     return Path(tempfile.mkdtemp(prefix="omni-server-"))  # mode 0700: sockets stay private
 
