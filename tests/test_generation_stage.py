@@ -7,12 +7,13 @@ from types import SimpleNamespace
 from omni_server.stage.generation import GenerationStage
 
 
-def _failures(inputs: list[int]) -> list[tuple[str, str, int]]:
+def _failures(inputs: list[int], error: ValueError | None = None) -> list[tuple[str, str, int]]:
     calls: list[tuple[str, str, int]] = []
     fake = SimpleNamespace(streams={"r": object()}, stage=SimpleNamespace(name="vocoder", inputs=inputs),
                            fail=lambda rid, msg, code=500: calls.append((rid, msg, code)),
                            sockets=SimpleNamespace(send_api=lambda msg: calls.append(("sent", "", 0))))
-    GenerationStage._send(fake, ["r"], [ValueError("codec ids must lie in [0, 8193]")], [True], [0])
+    error = error or ValueError("codec ids must lie in [0, 8193]")
+    GenerationStage._send(fake, ["r"], [error], [True], [0])
     assert fake.streams == {}
     return calls
 
@@ -24,3 +25,23 @@ def test_input_from_an_upstream_stage_that_the_generator_rejects_is_a_server_err
 
 def test_input_straight_from_the_request_that_the_generator_rejects_is_a_client_error():
     assert _failures([]) == [("r", "stage vocoder: codec ids must lie in [0, 8193]", 400)]
+
+
+def test_the_requests_own_bad_option_is_a_client_error_also_from_upstream(tmp_path):
+    """An unknown voice (the request's option, RequestError) is the client's fault in any stage,
+    also in full mode, where token2wav finds it inside its batch (as in stream mode, at open)."""
+    from omni_server.models.qwen2_5_omni.token2wav import Token2Wav
+    from omni_server.stage.generators import RequestError
+    from tests.conftest import MODELS
+
+    assert _failures([1], RequestError("unknown voice 'Nobody'")) == [("r", "stage vocoder: unknown voice 'Nobody'",
+                                                                         400)]
+    t2w = Token2Wav(str(MODELS / "tiny-qwen2_5-omni"))
+    [err] = t2w.batch([{"codes": [1, 2, 3], "voice": "Nobody", "seed": 0}])
+    assert isinstance(err, RequestError) and "unknown voice 'Nobody'" in str(err)
+    try:
+        t2w.open_stream("Nobody")
+    except RequestError as e:
+        assert "unknown voice" in str(e)
+    else:
+        raise AssertionError("open_stream took an unknown voice")

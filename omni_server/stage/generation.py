@@ -163,8 +163,10 @@ class GenerationStage(Stage):
         for rid, wave, done, n_in in zip(rids, waves, finished, inputs):
             if isinstance(wave, ValueError):  # this request's input or options are invalid
                 self.streams.pop(rid, None)
-                # Input that came from an upstream stage is the server's fault, not the client's.
-                code, what = (500, "rejected its input from upstream: ") if self.stage.inputs else (400, "")
+                # Input that came from an upstream stage is the server's fault, not the client's;
+                # the request's own options (RequestError) are the client's.
+                upstream = self.stage.inputs and not isinstance(wave, generators.RequestError)
+                code, what = (500, "rejected its input from upstream: ") if upstream else (400, "")
                 self.fail(rid, f"stage {self.stage.name}: {what}{wave}", code=code)
                 continue
             wave = wave.detach().to("cpu", torch.float32).reshape(-1).contiguous()

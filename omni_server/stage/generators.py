@@ -28,6 +28,12 @@ import importlib.util
 _REGISTRY: dict[str, str] = {}
 
 
+class RequestError(ValueError):
+    """An invalid option of the request itself (its voice, say), which a generator reports in a
+    request's place: the client's fault (400) even in a stage fed by another, where other input
+    errors are the server's (500)."""
+
+
 def register(name: str, target: str) -> None:
     if _REGISTRY.get(name, target) != target:
         raise ValueError(f"generator {name!r} registered twice")

@@ -46,6 +46,7 @@ from omni_server.models.checkpoint import load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
 from omni_server.models.polyphase import use_polyphase_upsampling
 from omni_server.models.windows import window_at
+from omni_server.stage.generators import RequestError
 from .dit import BACKENDS, backend_error, block_masks, fuse_gelu, fuse_qkv, run_layer, run_layer_with_past, windows
 from .speakers import load_speakers
 
@@ -375,7 +376,7 @@ class Token2Wav:
         """A decode whose codes arrive over time (`CodeStream.feed`); ValueError for an unknown voice."""
         voice = self.voices[0] if voice is None else voice
         if voice not in self._speakers:
-            raise ValueError(f"unknown voice {voice!r}; valid voices: {', '.join(self.voices)}")
+            raise RequestError(f"unknown voice {voice!r}; valid voices: {', '.join(self.voices)}")
         return CodeStream(voice=voice, noise=_rng(seed), x0=torch.zeros(0, self.dit.mel_dim))
 
     def stream_ready(self, stream: CodeStream) -> bool:
@@ -550,7 +551,7 @@ class Token2Wav:
     def _check(self, codes, voice: str | None, limit: bool = True) -> tuple[torch.Tensor, str]:
         voice = self.voices[0] if voice is None else voice
         if voice not in self._speakers:
-            raise ValueError(f"unknown voice {voice!r}; valid voices: {', '.join(self.voices)}")
+            raise RequestError(f"unknown voice {voice!r}; valid voices: {', '.join(self.voices)}")
         codes = torch.as_tensor(codes)
         if codes.ndim == 2 and codes.shape[0] == 1:
             codes = codes[0]
