@@ -4,7 +4,8 @@ A generator is a class `Gen(model_dir, device, **generator_args)` with `sample_r
 `batch([{**inputs, "voice": ..., "seed": ...}, ...]) -> [1-D float32 waveform | ValueError, ...]`,
 one pass over several requests, where `inputs` come from the stage's input processor
 (StageInput.data), `voice` from the request (None: the default voice) and `seed` from its sampling
-settings (None: random); an invalid request gets its ValueError in its place. A token input is
+settings (None: random); an invalid request gets its ValueError in its place (a RequestError when
+the request's own option is at fault, e.g. its voice). A token input is
 named `codes` (a vocoder's codec codes): the stage reports its length as the tokens the request's
 audio was made from (`usage.output_tokens` of /v1/audio/speech).
 
