@@ -25,12 +25,9 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
 
 
-class _Stopped(Exception):
-    """SIGINT / SIGTERM before the api serves."""
-
-
-def _stop_starting(signum, frame) -> None:
-    raise _Stopped(signal.Signals(signum).name)
+class _Stopped(BaseException):
+    """SIGINT / SIGTERM before the api serves (a BaseException, as KeyboardInterrupt: library code
+    that catches Exception while the api sets up must not swallow it)."""
 
 
 async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] = (),
@@ -55,8 +52,17 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
         raise SystemExit(f"cuda_mps: true, but no MPS daemon: {e}") from None
     # Until uvicorn takes the signals over (it stops gracefully on them): Ctrl-C or SIGTERM while the
     # stages start and the api sets up stops everything cleanly, exit 0, as later.
+    signals: list[str] = []  # (received so far: also seen where a raise was swallowed or not possible)
+
+    def stop_starting(signum, frame) -> None:
+        signals.append(signal.Signals(signum).name)
+        raise _Stopped(signals[-1])
+
+    def noted(signum, frame) -> None:
+        signals.append(signal.Signals(signum).name)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _stop_starting)
+        signal.signal(sig, stop_starting)
     failed: list[str] = []
     try:
         # Every stage process starts now, before the api's own set-up (tokenizer, media processors,
@@ -86,6 +92,10 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
             if external_stages:  # (nothing to start or hold: `after` is empty)
                 log.info("waiting for external stages at %s",
                          ", ".join(f"{cfg.unit_name(u)}={stage_address(cfg, u[0], runtime_dir, u[1])}" for u in units))
+            if signals:  # (one came after the last check below, before uvicorn took the signals over)
+                log.info("%s while starting: stopping the stages", signals[0])
+                uv.should_exit = True
+                return
             while True:
                 orch = state.orch
                 ready = set(orch.ready) if orch is not None else set()
@@ -148,7 +158,9 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
         # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, restoring the handlers it found;
         # with these in place that re-raise is harmless and the stages below still get stopped.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, frame: None)
+            signal.signal(sig, noted)
+        if signals:
+            raise _Stopped(signals[0])
         await uv.serve()
     except _Stopped as e:
         log.info("%s while starting: stopping the stages", e)

@@ -262,7 +262,11 @@ def test_a_signal_while_the_stages_start_stops_everything_cleanly(tiny_models, t
             time.sleep(0.02)
         stages = [c.pid for c in psutil.Process(proc.pid).children()]
         proc.send_signal(getattr(signal, sig))
-        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"serve still running 60 s after {sig}:\n{log.read_text()[-3000:]}")
+        assert code == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
