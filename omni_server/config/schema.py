@@ -262,14 +262,14 @@ class ServerConfig(_Strict):
     shutdown_timeout_s: float = Field(30.0, ge=0)
     # Where the api process binds its PULL socket for stage outputs; None = ipc in the runtime dir.
     output_address: str | None = None
+    # Directory with the deployment's CURVE key (`omni-server keys DIR`): every socket between the
+    # processes is encrypted and only holders of the key get messages accepted. For TCP across hosts.
+    curve_keys_dir: str | None = None
 
     @field_validator("output_address")
     @classmethod
     def _zmq_address(cls, v: str | None) -> str | None:
         return v if v is None else _check_zmq_address(v)
-    # Directory with the deployment's CURVE key (`omni-server keys DIR`): every socket between the
-    # processes is encrypted and only holders of the key get messages accepted. For TCP across hosts.
-    curve_keys_dir: str | None = None
 
 
 class PipelineConfig(_Strict):

@@ -312,15 +312,15 @@ class Orchestrator:
 
     # ---- transport --------------------------------------------------------------------------
 
-    async def _send(self, sock: zmq.asyncio.Socket, msg: Message) -> None:
-        await sock.send_multipart(self.encoder.encode(msg), copy=False)
+    async def _send(self, sock: zmq.asyncio.Socket, msg: Message, flags: int = 0) -> None:
+        await sock.send_multipart(self.encoder.encode(msg), copy=False, flags=flags)
 
     async def _send_or_drop(self, unit: Unit, msg: Message) -> None:
         """Send without waiting for room: a stage that is down (or one that stays down: a replica
         given up, an external stage gone) reads nothing, its queue fills to SEND_HWM, and a blocking
         send would then stall the caller for good (an abort in a failing request's path, the probes)."""
         try:
-            await self.stage_socks[unit].send_multipart(self.encoder.encode(msg), copy=False, flags=zmq.NOBLOCK)
+            await self._send(self.stage_socks[unit], msg, flags=zmq.NOBLOCK)
         except zmq.Again:
             log.debug("api: %s to %s dropped: its queue is full", type(msg).__name__, self.cfg.unit_name(unit))
         except zmq.ZMQError as e:
