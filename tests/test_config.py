@@ -775,6 +775,8 @@ def test_stage_args_take_lists_and_check_devices_and_addresses():
         "talker.devices=GPU-8f3a,1"])
     assert cfg.stage(0).devices == "0,1" and cfg.stage(1).devices == "GPU-8f3a,1"
     assert cfg.stage(0).address == ["tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"]
+    with pytest.raises(ConfigError, match="replica_devices.*got 'cuda:1'"):  # (each replica's too)
+        load_config(REPO / "configs" / "default.yaml", ["0.replicas=2", "0.replica_devices=[0, cuda:1]"])
     with pytest.raises(ConfigError) as err:
         load_config(REPO / "configs" / "default.yaml", ["thinker.devices=gpu0", "talker.address=localhost:7002"])
     where = REPO / "configs" / "default.yaml"

@@ -106,13 +106,13 @@ class StageConfig(_Strict):
             _check_zmq_address(a)
         return v
 
-    @field_validator("devices")
+    @field_validator("devices", "replica_devices")
     @classmethod
-    def _devices_are_gpus(cls, v: str | None) -> str | None:
+    def _devices_are_gpus(cls, v: str | list[str] | None) -> str | list[str] | None:
         # What CUDA_VISIBLE_DEVICES takes: indices or GPU / MIG UUIDs, comma-separated.
-        if v is not None and not all(p.strip().isdigit() or p.strip().startswith(("GPU-", "MIG-"))
-                                     for p in v.split(",")):
-            raise ValueError(f"GPU indices or UUIDs, one or comma-separated (e.g. 0 or 0,1), got {v!r}")
+        for d in [v] if isinstance(v, str) else v or []:
+            if not all(p.strip().isdigit() or p.strip().startswith(("GPU-", "MIG-")) for p in d.split(",")):
+                raise ValueError(f"GPU indices or UUIDs, one or comma-separated (e.g. 0 or 0,1), got {d!r}")
         return v
 
     @field_validator("replica_devices", mode="before")
