@@ -71,7 +71,15 @@ def test_oversized_chunked_body_without_length_is_413(client):
 
 def test_unknown_route_is_openai_shaped_404(client):
     r = client.get("/v1/nothing", headers=AUTH)
-    assert r.status_code == 404 and "error" in r.json()
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = client.post("/v1/chat/completions", json={**CHAT, "model": "other"}, headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"] | {"message": ""} == {
+        "message": "", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}  # (as OpenAI's)
+
+
+def test_a_body_that_is_not_json_names_no_parameter(client):
+    r = client.post("/v1/chat/completions", content=b'{"model": "m",', headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
 
 
 def test_overload_is_429_with_retry_after(client):
@@ -368,3 +376,64 @@ def test_the_prompt_limit_is_the_context_length_the_engine_settled_on(tiny_model
         ready = StageReady(stage_id=0, pid=1, startup_s=1.0, info={"max_model_len": "4096"})
         state.orch = SimpleNamespace(stage_info=lambda stage_id: ready if stage_id == 0 else None)
         assert state.prompt_limit == limit
+
+
+def test_a_max_tokens_the_context_cannot_hold_is_400_naming_the_clients_field(client):
+    """Stage 0's context (128 here) must hold the prompt and the max_tokens the client set (it was
+    cut short instead, reported as if it reached max_tokens); the default is cut to fit. Each error
+    names the field the client sent."""
+    from omni_server.wire.messages import StageReady
+
+    ready = StageReady(stage_id=0, pid=1, startup_s=1.0, info={"max_model_len": "128"})
+    client.server_state.orch.stage_info = lambda stage_id: ready if stage_id == 0 else None
+    post = lambda path, **kw: client.post(path, json=kw, headers=AUTH)  # noqa: E731
+    for path, body, param in (
+            ("/v1/chat/completions", {**CHAT, "max_tokens": 60}, "max_tokens"),
+            ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 60}, "max_completion_tokens"),
+            ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 60}, "max_output_tokens"),
+            ("/v1/completions", {"model": "m", "prompt": [1] * 120}, "max_tokens")):  # (its default: 16)
+        r = post(path, **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+        assert "this model's context is 128 tokens" in r.json()["error"]["message"]
+    # Within the context, or no max_tokens: past this check (no pipeline here: 503).
+    assert post("/v1/chat/completions", **CHAT).status_code == 503
+    assert post("/v1/chat/completions", **CHAT, max_tokens=8).status_code == 503
+    r = post("/v1/chat/completions", **CHAT, max_completion_tokens=99999)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    assert "max_completion_tokens 99999 exceeds the limit" in r.json()["error"]["message"]
+
+
+def test_null_means_the_default_and_a_message_needs_content(client):
+    post = lambda **kw: client.post("/v1/chat/completions", json=kw, headers=AUTH)  # noqa: E731
+    assert post(**CHAT, n=None, stream=None, max_tokens=None).status_code == 503  # (valid; no pipeline here)
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": None, "echo": None, "stream": None},
+                    headers=AUTH)
+    assert r.status_code == 503, r.text
+    for message in ({"role": "user"}, {"role": "user", "content": None}, {"role": "user", "content": []},
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}):
+        r = post(model="m", messages=[message])
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (message, r.text)
+
+
+def test_merged_streams_lead_with_each_first_item_in_order_and_keep_finish_reason():
+    """Choices' streams merged: every stream's first item (a choice's role chunk) in the streams'
+    order, whichever is ready first (the openai client places choices by that order), then items as
+    they come; stream chunks keep `finish_reason: null`, as OpenAI's (the legacy type requires it)."""
+    from omni_server.api.protocol import ChatCompletionChunk, ChunkChoice, CompletionChoice, DeltaMessage
+    from omni_server.api.runs import _merged
+
+    async def stream(name: str, delays: list[float]):
+        for k, d in enumerate(delays):
+            await asyncio.sleep(d)
+            yield f"{name}{k}"
+
+    async def main():
+        streams = [stream("a", [0.2, 0.0]), stream("b", [0.1, 0.3]), stream("c", [0.0, 0.0])]
+        return [item async for item in _merged(streams)]
+
+    items = asyncio.run(main())
+    assert items[:3] == ["a0", "b0", "c0"] and sorted(items[3:]) == ["a1", "b1", "c1"] and items[-1] == "b1"
+    chunk = ChatCompletionChunk(id="x", created=1, model="m", choices=[ChunkChoice(delta=DeltaMessage(content="hi"))])
+    assert json.loads(chunk.model_dump_json(exclude_none=True))["choices"][0] == {
+        "index": 0, "delta": {"content": "hi"}, "finish_reason": None}
+    assert "finish_reason" in json.loads(CompletionChoice(index=0, text="t").model_dump_json(exclude_none=True))

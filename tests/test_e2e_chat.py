@@ -166,7 +166,7 @@ def _wait_until_dropped(server, request_id: str, stages: list[int], timeout: flo
 
 
 def test_disconnect_mid_stream_aborts_in_every_stage(text_server, client):
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2000, temperature=0,
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1900, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True})
     first = next(iter(stream))
     request_id = first.id
@@ -177,7 +177,7 @@ def test_disconnect_mid_stream_aborts_in_every_stage(text_server, client):
 
 
 def test_disconnect_non_stream_aborts(text_server):
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{text_server.base_url}/v1/chat/completions", json=body, timeout=1.5)
     deadline = time.monotonic() + 20
@@ -206,8 +206,9 @@ def test_disconnect_non_stream_aborts(text_server):
     ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),  # past int()'s limit
     ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
-    ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ({"model": MODEL, "messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
+    ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400,
+     "tools.0.function.name"),
+    ({"model": MODEL, "messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),  # (without tools)
     # (an earlier reply's audio by id: this server stores none, so it is refused, not dropped)
     ({"model": MODEL, "messages": [{"role": "assistant", "audio": {"id": "audio_1"}}, *MESSAGES]}, 400, "messages.0"),
     # (OpenAI's rule: not silently ignored without a stream)

@@ -91,9 +91,25 @@ def test_stream_reassembles_to_the_whole(client, text_server):
     _stages_empty(text_server, range(1))
 
 
+def test_the_openai_stream_helper_assembles_every_choice(client, text_server):
+    """`client.chat.completions.stream` places a choice by the order the choices' first chunks come
+    (index 0 must lead): each choice's role chunk leaves in index order, whichever is ready first."""
+    kw = dict(n=3, max_tokens=8, temperature=1.0, seed=11)
+    whole = _create(client, **kw)
+    for _ in range(3):
+        with client.chat.completions.stream(model=MODEL, messages=MESSAGES, **kw) as stream:
+            roles = [c.choices[0].index for e in stream if e.type == "chunk" for c in [e.chunk]
+                     if c.choices and c.choices[0].delta.role]
+            final = stream.current_completion_snapshot  # (get_final_completion refuses a "length" finish)
+        assert roles == [0, 1, 2]
+        assert [(c.index, c.message.content) for c in final.choices] == \
+            [(c.index, c.message.content) for c in whole.choices]
+    _stages_empty(text_server, range(1))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_aborts_every_choice(text_server, stream):
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True, "n": 3, "stream": stream}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1900, "ignore_eos": True, "n": 3, "stream": stream}
     url = f"{text_server.base_url}/v1/chat/completions"
     if stream:
         with httpx.stream("POST", url, json=body, timeout=60) as r:

@@ -31,6 +31,7 @@ def test_response_is_the_chat_reply(client):
     assert tokens == reference.thinker_greedy(MODELS / "tiny-qwen2_5-omni", chat.model_extra["prompt_token_ids"], 12)
     assert resp.output_text == chat.choices[0].message.content and resp.output_text
     assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == MODEL
+    assert (resp.temperature, resp.top_p) == (0.0, 1.0)  # (as sampled: the request's, else the defaults)
     assert [item.type for item in resp.output] == ["message"] and resp.output[0].role == "assistant"
     assert resp.usage.input_tokens == chat.usage.prompt_tokens
     assert resp.usage.output_tokens == chat.usage.completion_tokens == len(tokens)

@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -18,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from omni_server.api import audio, completions, errors, media, responses, transcription
+from omni_server.api import audio, completions, errors, media, responses, tools, transcription
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import (
     ChatCompletionRequest,
@@ -32,8 +33,8 @@ from omni_server.api.runs import Completion, Run, SpeechStream, TextCompletionRu
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.orchestrator import Orchestrator, RequestState, StageUnavailable
-from omni_server.wire.messages import (AUDIO_SAMPLE_RATE, CACHE_SALT_OPTION, REPLY_FROM_OPTION, STAGE_COUNTERS, STAGE_GAUGES,
-                                       VOICE_OPTION, SamplingSpec)
+from omni_server.wire.messages import (AUDIO_SAMPLE_RATE, CACHE_SALT_OPTION, REPLY_FROM_OPTION, SPEED_OPTION,
+                                       STAGE_COUNTERS, STAGE_GAUGES, VOICE_OPTION, SamplingSpec)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,9 @@ class ServerState:
         self.on_startup = on_startup
         self.orch: Orchestrator | None = None
         stage0 = cfg.stage(0)
-        self.text = TextCodec(stage0.tokenizer or stage0.model)
+        template = cfg.server.chat_template
+        self.text = TextCodec(stage0.tokenizer or stage0.model,
+                              Path(os.path.expanduser(template)).read_text() if template else None)
         self.text_stage = next((s.id for s in cfg.stages if s.output == "text"), None)
         audio_stage = cfg.output_stage("audio")
         self.audio_stage = audio_stage.id if audio_stage else None
@@ -62,11 +65,15 @@ class ServerState:
         would refuse them anyway): `server.max_prompt_tokens`, and stage 0's context length as its
         engine settled it (reported when ready), less room for one generated token."""
         limits = [self.cfg.server.max_prompt_tokens] if self.cfg.server.max_prompt_tokens else []
-        ready = self.orch.stage_info(0) if self.orch is not None else None
-        context = int(ready.info.get("max_model_len", 0)) if ready is not None else 0
-        if context > 0:
-            limits.append(context - 1)
+        if self.context:
+            limits.append(self.context - 1)
         return min(limits, default=None)
+
+    @property
+    def context(self) -> int:
+        """Stage 0's context length as its engine settled it (reported when ready); 0: not known."""
+        ready = self.orch.stage_info(0) if self.orch is not None else None
+        return int(ready.info.get("max_model_len", 0)) if ready is not None else 0
 
     def voices(self) -> list[str]:
         """Voices of the audio stage (reported by the stage when it is ready)."""
@@ -181,14 +188,16 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.logprobs and state.text_stage is None:
             raise APIError(400, f"model `{state.cfg.model}` has no text output for logprobs", param="logprobs")
-        decoded, prompt_ids = await _chat_prompt(state, body)
         outputs = _modalities(state, body)
+        _check_tools(state, body, outputs)
+        decoded, prompt_ids = await _chat_prompt(state, body)
         options = _salted({}, body)
         audio_format = None
         if "audio" in outputs:
             options[VOICE_OPTION] = state.check_voice(body.audio.voice if body.audio else None, "audio.voice")
             audio_format = _check_format(body.audio.format if body.audio else "wav", "audio.format")
         sampling = _sampling(state, body)
+        _check_room(state, [prompt_ids], body)
         orch = _orch(state)
         # One pipeline request per choice, with ids derived from the completion's (n = 1: its own).
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -208,12 +217,15 @@ def create_app(state: ServerState) -> FastAPI:
             body = ChatCompletionRequest.model_validate(responses.to_chat(raw))
         except ValidationError as e:
             raise RequestValidationError(responses.request_errors(e.errors(), raw)) from None
+        body._max_tokens_name = "max_output_tokens"
         _check_model(state, body.model)
         if state.text_stage is None:
             raise APIError(400, f"model `{state.cfg.model}` has no text output", param="model")
         decoded, prompt_ids = await _chat_prompt(state, body, param="input")
+        sampling = _sampling(state, body)
+        _check_room(state, [prompt_ids], body)
         orch = _orch(state)
-        [req] = await _submit(state, orch, [f"resp-{uuid.uuid4().hex}"], [prompt_ids], [_sampling(state, body)],
+        [req] = await _submit(state, orch, [f"resp-{uuid.uuid4().hex}"], [prompt_ids], [sampling],
                               {"text"}, _salted({}, body), decoded)
         out = responses.ResponseRun(Run(state, orch, req, body, prompt_ids), raw, state.cfg.model)
         if body.stream:
@@ -232,6 +244,7 @@ def create_app(state: ServerState) -> FastAPI:
             _check_prompt(state, prompt_ids, param="prompt")
         chat = completions.chat_body(body)
         sampling = _sampling(state, chat)
+        _check_room(state, prompts, chat)
         orch = _orch(state)
         completion_id, n, total = f"cmpl-{uuid.uuid4().hex}", body.n, len(prompts) * body.n
         # Choice k answers prompt k // n, seeded as a chat's choice k % n.
@@ -265,8 +278,10 @@ def create_app(state: ServerState) -> FastAPI:
         sampling[first].max_tokens, sampling[first].ignore_eos = 1, True
         orch = _orch(state)
         request_id = f"speech-{uuid.uuid4().hex}"
-        [req] = await _submit(state, orch, [request_id], [prompt_ids], [sampling], {"audio"},
-                              _salted({VOICE_OPTION: voice, REPLY_FROM_OPTION: str(len(prefix))}, body))
+        options = {VOICE_OPTION: voice, REPLY_FROM_OPTION: str(len(prefix))}
+        if body.speed != 1.0:  # (the audio stage's playback model: its listener plays that much faster)
+            options[SPEED_OPTION] = repr(body.speed)
+        [req] = await _submit(state, orch, [request_id], [prompt_ids], [sampling], {"audio"}, _salted(options, body))
 
         speech_out = SpeechStream(state, orch, req, fmt, n_input=len(reply), speed=body.speed)
         if body.stream_format == "sse":
@@ -376,15 +391,46 @@ def _check_prompt(state: ServerState, prompt_ids: list[int], param: str = "messa
         raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param=param)
 
 
+def _check_room(state: ServerState, prompts: list[list[int]], body: ChatCompletionRequest) -> None:
+    """A max_tokens the client set that the context cannot hold after the prompt is a 400 (as
+    OpenAI's and vLLM's), not a reply cut short as if it reached it; the configured default is cut to
+    fit by the engine. (Where stage 0 samples the text: its context is the one that counts.)"""
+    asked, context = body.max_completion_tokens or body.max_tokens, state.context
+    longest = max(map(len, prompts), default=0)
+    if asked is not None and context and state.sampling_stage == 0 and longest + asked > context:
+        raise APIError(400, f"this model's context is {context} tokens: the prompt's {longest} and "
+                            f"{body.max_tokens_param()} {asked} do not fit", param=body.max_tokens_param())
+
+
 async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,
                        param: str = "messages") -> tuple[dict[str, Any], list[int]]:
     """A chat body's decoded media and its prompt (the rendered template), checked against the limit."""
     decoded = await media.decode_media(state.cfg, body)
     # (In a thread, as everything below that scales with the body: a prompt of megabytes takes
     # seconds to render and tokenize, and the event loop serves every other request meanwhile.)
-    prompt_ids = await asyncio.to_thread(state.text.render_chat, [media.template_message(m) for m in body.messages])
+    if body.tool_mode() and not await asyncio.to_thread(lambda: state.text.writes_tools):
+        raise APIError(400, "this model's chat template writes no tools into the prompt: the model would not "
+                            "know them (server.chat_template can name a template that does)", param="tools")
+    messages = [media.template_message(m) for m in body.messages]
+    offered = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    prompt_ids = await asyncio.to_thread(state.text.render_chat, messages, offered)
     _check_prompt(state, prompt_ids, param=param)
     return decoded, prompt_ids
+
+
+def _check_tools(state: ServerState, body: ChatCompletionRequest, outputs: set[str]) -> None:
+    """Tool calls come as text from the text stage (api/tools.py), not spoken."""
+    mode = body.tool_mode()
+    if mode is None:
+        return
+    if state.text_stage is None:
+        raise APIError(400, f"model `{state.cfg.model}` has no text output for tool calls", param="tools")
+    if "audio" in outputs:
+        raise APIError(400, "tool calls come as text: with `tools`, ask for modalities [\"text\"] (or set "
+                            "tool_choice none)", param="modalities")
+    if mode != "auto" and body.response_format is not None:
+        raise APIError(400, f"tool_choice {mode if mode == 'required' else 'naming a function'} shapes the "
+                            "reply as the calls' JSON: it cannot also follow response_format", param="response_format")
 
 
 async def _audio_to_text(state: ServerState, request: Request, kind: str, file: UploadFile, model: str,
@@ -406,8 +452,8 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
                        param="response_format")
     limits = state.cfg.server
     try:
-        wave = await asyncio.to_thread(audio.decode_audio, await file.read(), target_rate=AUDIO_SAMPLE_RATE,
-                                       max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
+        wave = await media.off_loop(audio.decode_audio, await file.read(), target_rate=AUDIO_SAMPLE_RATE,
+                                    max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
     except audio.AudioError as e:
         raise APIError(400, f"file: {e}", param="file") from None
     import torch
@@ -489,6 +535,10 @@ def _request_ids(completion_id: str, count: int) -> list[str]:
     return [completion_id] if count == 1 else [f"{completion_id}-{k}" for k in range(count)]
 
 
+def _choice_dump(choice: Any) -> Any:
+    return choice.model_dump() if hasattr(choice, "model_dump") else choice
+
+
 def _choice_sampling(sampling: dict[int, SamplingSpec], index: int) -> dict[int, SamplingSpec]:
     """Choice `index`'s sampling: every seeded stage's seed + index, so seeded choices differ from
     each other yet the whole response is reproducible (choice 0 samples as an n = 1 request does)."""
@@ -517,7 +567,8 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None,
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is not None:
                 if max_tokens > cap:
-                    raise APIError(400, f"max_tokens {max_tokens} exceeds the limit of {cap}", param="max_tokens")
+                    name = body.max_tokens_param()
+                    raise APIError(400, f"{name} {max_tokens} exceeds the limit of {cap}", param=name)
                 spec.max_tokens = max_tokens
             if body.temperature is not None:
                 spec.temperature = body.temperature
@@ -539,6 +590,10 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None,
                 spec.json_object = True
             elif fmt is not None and fmt.type == "json_schema":
                 spec.json_schema = json.dumps(fmt.json_schema.json_schema)
+            calls = tools.choice_schema([t.model_dump() for t in body.tools or []], _choice_dump(body.tool_choice),
+                                        body.parallel_tool_calls) if body.tool_mode() in ("named", "required") else None
+            if calls is not None:  # (the reply is the calls' JSON: decoded to match it)
+                spec.json_schema = json.dumps(calls)
         spec.max_tokens = min(spec.max_tokens, cap)
         out[s.id] = spec
     return out

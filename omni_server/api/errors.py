@@ -11,7 +11,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+# (OpenAI answers an unknown model or route 404 with type invalid_request_error.)
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
@@ -40,7 +41,8 @@ def install(app: FastAPI) -> None:
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        # (a body that is not JSON: its location is a character position, no parameter)
+        param = None if first.get("type") == "json_invalid" else ".".join(loc) or None
         msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in errs[:5])
         return JSONResponse(error_body(400, msg, param=param), status_code=400)

@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
+import functools
 import time
+import types
+import typing
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_serializer,
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
 
 class _Lenient(BaseModel):
     # Unknown fields from newer OpenAI clients are ignored rather than rejected.
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """null for a field that has a default but takes no null (`n`, `stream`, `echo`) means the
+        default, as OpenAI reads it (the openai client's types declare them Optional)."""
+        if isinstance(data, dict) and None in data.values():
+            fields = _defaulted_not_null(cls)
+            data = {k: v for k, v in data.items() if not (v is None and k in fields)}
+        return data
+
+
+@functools.cache
+def _defaulted_not_null(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for name, f in model.model_fields.items()
+                     if not f.is_required() and not _takes_none(f.annotation))
+
+
+def _takes_none(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    if typing.get_origin(annotation) is Annotated:
+        return _takes_none(typing.get_args(annotation)[0])
+    return any(_takes_none(a) for a in typing.get_args(annotation)) if typing.get_origin(annotation) in (
+        Union, types.UnionType) else False
 
 
 class TextPart(_Lenient):
@@ -66,18 +94,66 @@ ContentPart = Annotated[Union[TextPart, InputAudioPart, AudioURLPart, ImageURLPa
                         Field(discriminator="type")]
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed call: the whole call in one piece (its index counts the choice's calls)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # OpenAI's reference to an earlier spoken reply ({"id": ...}): refused, not dropped unread.
     audio: Any = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # (an assistant's: calls it made)
+    tool_call_id: str | None = None  # (a tool's: the call it answers)
 
     @model_validator(mode="after")
     def _no_audio_reference(self) -> ChatMessage:
         if self.audio is not None:
             raise ValueError("a message's `audio` (an earlier reply's audio by id) is not supported: this server "
                              "stores no replies; send that reply's transcript as the message's `content`")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has `tool_calls`")
+        if (self.content is None or self.content == []) and not self.tool_calls:
+            raise ValueError(f"a {self.role} message needs `content` (a string or a non-empty list of parts)"
+                             + (" or `tool_calls`" if self.role == "assistant" else ""))
         return self
 
     def text(self) -> str:
@@ -174,9 +250,10 @@ class ChatCompletionRequest(_Lenient):
     response_format: ResponseFormat | None = None
     # Token id (as a string, OpenAI's form) -> bias added to its logit, -100..100 (-100: never).
     logit_bias: dict[str, float] | None = Field(None, max_length=1024)
-    # Not supported (the models' templates here take no tools): refused, not silently ignored.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    # Tools the model may call (api/tools.py); the deprecated `functions` form is refused.
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
     # Extensions (vLLM-compatible names), passed by the openai client through `extra_body`.
@@ -185,25 +262,40 @@ class ChatCompletionRequest(_Lenient):
     cache_salt: CacheSalt = None
 
     _stream_options = field_validator("stream_options")(classmethod(stream_options_need_stream))
+    # What the client called its reply's token limit (/v1/responses: max_output_tokens), for errors.
+    _max_tokens_name: str = PrivateAttr("max_tokens")
+
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else self._max_tokens_name
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         return logit_bias(v)
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
+    def _no_functions(cls, v: Any) -> Any:
         if v:
-            raise ValueError("tool calling is not supported by this server")
+            raise ValueError("the deprecated `functions` / `function_call` are not supported: use `tools` / `tool_choice`")
         return v
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, v: Any) -> Any:
-        if v not in (None, "none"):
-            raise ValueError("tool calling is not supported by this server")
+    def _tool_choice_names_a_tool(cls, v: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if v not in (None, "none") and not names:
+            raise ValueError("only allowed when tools are given")
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"names the function {v.function.name!r}, which `tools` does not have")
         return v
+
+    def tool_mode(self) -> str | None:
+        """How the reply holds tool calls (api/tools.py): None (no tools offered, or choice none),
+        "auto", "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return "named" if isinstance(self.tool_choice, NamedToolChoice) else (self.tool_choice or "auto")
 
     @field_validator("stop")
     @classmethod
@@ -253,6 +345,7 @@ class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     audio: AudioResponse | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -310,9 +403,21 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     audio: AudioDelta | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChunkChoice(BaseModel):
+class _KeepsFinishReason(BaseModel):
+    """A choice whose `finish_reason` is written even when null (streams are dumped without
+    nulls): OpenAI sends it on every chunk, and the legacy completion's type requires it."""
+
+    @model_serializer(mode="wrap")
+    def _with_finish_reason(self, handler):
+        out = handler(self)
+        out.setdefault("finish_reason", self.finish_reason)
+        return out
+
+
+class ChunkChoice(_KeepsFinishReason):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
@@ -392,7 +497,7 @@ class LegacyLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_KeepsFinishReason):
     index: int
     text: str
     logprobs: LegacyLogprobs | None = None

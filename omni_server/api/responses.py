@@ -31,9 +31,10 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         if body.get(key):
             raise APIError(400, f"`{key}` is not supported: {why}", param=key)
     if body.get("tools"):
-        raise APIError(400, "tools are not supported by this model's template", param="tools")
+        raise APIError(400, "tools are not supported by /v1/responses here (chat completions take them)",
+                       param="tools")
     if body.get("tool_choice") not in (None, "none", "auto"):
-        raise APIError(400, "`tool_choice` needs tools, which are not supported", param="tool_choice")
+        raise APIError(400, "`tool_choice` needs tools, which /v1/responses does not take here", param="tool_choice")
     include = body.get("include")
     if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
         raise APIError(400, "`include` must be a list of strings", param="include")
@@ -166,10 +167,19 @@ class ResponseRun:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": self.body.get("instructions"), "max_output_tokens": self.body.get("max_output_tokens"),
             "model": self.model, "output": output, "parallel_tool_calls": False,
-            "temperature": self.body.get("temperature"), "top_p": self.body.get("top_p"),
+            # (the values it sampled with: the request's, else the text stage's configured ones)
+            "temperature": self._sampled("temperature", 1.0), "top_p": self._sampled("top_p", 1.0),
             "tool_choice": "none", "tools": [], "text": text or {"format": {"type": "text"}},
             "truncation": "disabled", "metadata": self.body.get("metadata") or {}, "store": False, "usage": usage,
         }
+
+    def _sampled(self, name: str, default: float) -> float:
+        given = self.body.get(name)
+        if given is not None:
+            return given
+        state = self.run.state
+        configured = getattr(state.cfg.stage(state.sampling_stage).default_sampling, name)
+        return default if configured is None else configured
 
     def _event(self, kind: str, **fields) -> dict[str, Any]:
         self.sequence += 1

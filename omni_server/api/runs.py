@@ -12,7 +12,7 @@ import uuid
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
-from omni_server.api import audio, completions, errors, transcription
+from omni_server.api import audio, completions, errors, tools, transcription
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import (
     AudioDelta,
@@ -30,6 +30,8 @@ from omni_server.api.protocol import (
     ResponseMessage,
     TextCompletion,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
@@ -172,6 +174,11 @@ class Run(_Pipelined):
         self.logprobs: list[TokenLogprob] | None = [] if body.logprobs else None
         self.logprobs_sent = 0
         self.token_ids_sent = 0  # (`return_token_ids`: of token_ids, how many a stream has sent)
+        # The reply's tool calls (api/tools.py), read from its text; None: no tools offered.
+        mode = body.tool_mode() if state.text_stage is not None else None
+        named = body.tool_choice.function.name if mode == "named" else None
+        self.calls = None if mode is None else tools.Calls(mode, named)
+        self.calls_sent = 0  # (a stream's calls so far: each one's index)
         self._stream = self._events()
 
     async def first(self) -> tuple[str, Any] | None:
@@ -253,9 +260,14 @@ class Run(_Pipelined):
         text = "".join(texts)
         content = text if self.state.text_stage is not None else None
         message = ResponseMessage(content=content)
+        finish = self.finish_reason or "stop"
+        if self.calls is not None:
+            content, found = tools.Calls.split(self.calls.mode, text, self.calls.name)
+            message = ResponseMessage(content=content, tool_calls=[ToolCall(**c) for c in found] or None)
+            finish = "tool_calls" if found else finish
         if self.audio_format is not None:
             message = ResponseMessage(content=None, audio=await self._audio(text, pieces))
-        return Choice(index=self.index, message=message, finish_reason=self.finish_reason or "stop",
+        return Choice(index=self.index, message=message, finish_reason=finish,
                       logprobs=None if self.logprobs is None else ChoiceLogprobs(content=self.logprobs),
                       token_ids=self.token_ids if self.body.return_token_ids else None)
 
@@ -306,7 +318,10 @@ class Run(_Pipelined):
         audio_id, encoder = f"audio_{uuid.uuid4().hex}", None
         expires_at = int(time.time()) + AUDIO_TTL_S
         async for kind, value in self.stream_from(first):
-            if kind == "text" and self.audio_format is None:
+            if kind == "text" and self.calls is not None:
+                for choice in self._tool_items(self.calls.feed(value)):
+                    yield choice
+            elif kind == "text" and self.audio_format is None:
                 yield self._text_choice(DeltaMessage(content=value), logprobs=self._new_logprobs())
             elif kind == "text":
                 yield self._text_choice(DeltaMessage(audio=AudioDelta(id=audio_id, transcript=value)),
@@ -324,9 +339,27 @@ class Run(_Pipelined):
             data = await asyncio.to_thread(encoder.close)
             if data:
                 yield self._audio_choice(audio_id, data, expires_at)
+        finish = self.finish_reason or "stop"
+        if self.calls is not None:
+            for choice in self._tool_items(self.calls.close()):
+                yield choice
+            finish = "tool_calls" if self.calls.count else finish
         rest = self._new_logprobs()  # (tokens whose text was held back or empty)
-        yield self._text_choice(DeltaMessage(), finish=self.finish_reason or "stop",
+        yield self._text_choice(DeltaMessage(), finish=finish,
                                 logprobs=rest if rest is not None and rest.content else None)
+
+    def _tool_items(self, items: list[tuple[str, Any]]) -> list[ChunkChoice]:
+        """Chunks of content and calls read out of the text (tools.Calls); the tokens' logprobs and
+        ids go with the first."""
+        out = []
+        for kind, value in items:
+            if kind == "content":
+                delta = DeltaMessage(content=value)
+            else:
+                self.calls_sent += 1
+                delta = DeltaMessage(tool_calls=[ToolCallDelta(index=self.calls_sent - 1, **value)])
+            out.append(self._text_choice(delta, logprobs=self._new_logprobs() if not out else None))
+        return out
 
 
 class Completion:
@@ -450,13 +483,23 @@ class TextCompletionRun(Completion):
 
 
 async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
-    """The items of `streams` as they come (each stream's in its order). A failure in one ends all;
-    those still running are cancelled when this ends early."""
-    pending = {asyncio.ensure_future(anext(it)): it for it in streams}
+    """The items of `streams` as they come (each stream's in its order), each stream's first item
+    first, in the streams' order, and items ready together in that order too (the openai client
+    places choices by the order their first chunks come: index 0 must lead). A failure in one ends
+    all; those still running are cancelled when this ends early."""
+    order = {id(it): k for k, it in enumerate(streams)}
+    pending: dict[asyncio.Future, AsyncIterator[Any]] = {}
     try:
+        for it in streams:
+            try:
+                item = await anext(it)
+            except StopAsyncIteration:
+                continue
+            yield item
+            pending[asyncio.ensure_future(anext(it))] = it
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
+            for task in sorted(done, key=lambda t: order[id(pending[t])]):
                 it = pending.pop(task)
                 try:
                     item = task.result()

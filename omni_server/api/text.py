@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
@@ -10,11 +11,13 @@ from tokenizers.decoders import DecodeStream
 class TextCodec:
     """Owns the first stage's tokenizer (loaded once; the api process never loads weights)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, chat_template: str | None = None):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if chat_template is not None:  # (server.chat_template: the deployment's own)
+            self.tokenizer.chat_template = chat_template
+        elif getattr(self.tokenizer, "chat_template", None) is None:
             # Some multimodal checkpoints keep the template with the processor only.
             from transformers import AutoProcessor
 
@@ -28,9 +31,16 @@ class TextCodec:
         self._special = set(self.tokenizer.all_special_ids)
         self._token_bytes: dict[int, bytes] = {}
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+    @functools.cached_property
+    def writes_tools(self) -> bool:
+        """Whether the chat template writes `tools` into the prompt (some ignore them), found once."""
+        turn = [{"role": "user", "content": "?"}]
+        probe = [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}]
+        return self.render_chat(turn, probe) != self.render_chat(turn)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

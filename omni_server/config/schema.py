@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 def _check_zmq_address(a: str) -> str:
     """A ZMQ endpoint a stage binds or connects to: tcp://HOST:PORT or ipc://PATH."""
     host, _, port = a.removeprefix("tcp://").rpartition(":")
-    if not (a.startswith("ipc://") and len(a) > 6 or a.startswith("tcp://") and host and port.isdigit()):
-        raise ValueError(f"a ZMQ address tcp://HOST:PORT or ipc://PATH, got {a!r}")
+    if not (a.startswith("ipc://") and len(a) > 6 or a.startswith("tcp://") and host and port.isdigit()
+            and 1 <= int(port) <= 65535):
+        raise ValueError(f"a ZMQ address tcp://HOST:PORT (port 1-65535) or ipc://PATH, got {a!r}")
     return a
 
 
@@ -195,6 +196,9 @@ class ServerConfig(_Strict):
     api_key: str | None = None
     max_request_bytes: int = Field(16 << 20, ge=1024)
     max_prompt_tokens: int | None = Field(None, ge=1)
+    # A Jinja chat template file (relative to the config file) used instead of the tokenizer's own,
+    # e.g. one that writes `tools` into the prompt for a model whose template does not.
+    chat_template: str | None = None
     max_tokens_limit: int = Field(4096, ge=1)
     # Each `input_audio` of a chat request: longer ones are answered 400.
     max_audio_seconds: float = Field(120.0, gt=0)

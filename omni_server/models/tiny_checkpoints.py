@@ -57,7 +57,7 @@ DEFAULT_OUT_DIR = Path("var/models")
 # left behind by an older version of this module is rebuilt instead of being silently reused:
 # bump RECIPE_VERSION whenever the files written here change.
 COMPLETE_MARKER = ".tiny-checkpoint-complete"
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 SEED = 1234
 
@@ -160,6 +160,10 @@ _VOICE_TOKENS = [f"<|voice_{voice.lower()}|>" for voice in _VOICES]
 TEXT_VOCAB_SIZE = 1280
 
 _SPECIAL_TOKENS = _QWEN_SPECIAL_TOKENS + _TTS_TOKENS + _VOICE_TOKENS
+# Added tokens the real Qwen tokenizers keep as text (not special): decoded replies show them, so
+# tool calls (`<tool_call>`) and thinking (`<think>`) survive detokenization.
+_TEXT_MARKERS = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+                 "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"}
 _RESERVED_TOKENS = [
     f"<|reserved_special_token_{i}|>" for i in range(TEXT_VOCAB_SIZE - _BPE_VOCAB_SIZE - len(_SPECIAL_TOKENS))
 ]
@@ -509,7 +513,11 @@ def _qwen_tokenizer(
 
     specials = _SPECIAL_TOKENS + _RESERVED_TOKENS if specials is None else specials
     backend = copy.deepcopy(_bpe_tokenizer())
-    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    for token in specials:  # (one at a time: each takes the next id, whichever kind it is)
+        if token in _TEXT_MARKERS:
+            backend.add_tokens([AddedToken(token, special=False, normalized=False)])
+        else:
+            backend.add_special_tokens([AddedToken(token, special=True, normalized=False)])
     if backend.get_vocab_size() != TEXT_VOCAB_SIZE:
         raise RuntimeError(f"tokenizer has {backend.get_vocab_size()} tokens, expected {TEXT_VOCAB_SIZE}")
     named = _NAMED_MULTIMODAL_TOKENS if named_tokens is None else named_tokens
