@@ -53,3 +53,36 @@ def mp4(frames: int, fps: float = 4.0, width: int = 64, height: int = 48, seed: 
             url = "data:video/mp4;base64," + base64.b64encode(f.read()).decode()
     return url, decode_video_url(url, max_bytes=1 << 30, max_pixels=1 << 30, max_frames=1 << 20,
                                  max_total_pixels=1 << 40)
+
+
+def mp4_with_gap(before: int, gap_s: float, after: int, fps: float = 4.0, seed: int = 0) -> str:
+    """An MP4 data URL of `before` frames at `fps`, then `after` more starting `gap_s` seconds after
+    the last one would have ended: its sample table's durations rewritten (the frames' times are
+    in `stts`, in a `moov` that OpenCV's writer puts after the media data, so no offset moves) and
+    its edit list dropped."""
+    import struct
+
+    url, _ = mp4(before + after, fps=fps, seed=seed)
+    data = bytearray(base64.b64decode(url.split(",", 1)[1]))
+    path, off, end = [], 0, len(data)  # (offset of each box on the way to stts)
+    while True:
+        size, kind = struct.unpack(">I4s", data[off:off + 8])
+        if kind == b"stts":
+            break
+        if kind == b"edts":  # (its edit list would end the track at the old duration: made padding)
+            data[off + 4:off + 8] = b"free"
+        if kind in (b"moov", b"trak", b"mdia", b"minf", b"stbl"):
+            path.append(off)
+            off, end = off + 8, off + size
+        else:
+            off += size
+        assert off < end, "no stts box"
+    (count, delta) = struct.unpack(">II", data[off + 16:off + 24])
+    assert count == before + after
+    entries = [(before - 1, delta), (1, delta + round(gap_s * fps * delta)), (after, delta)]
+    table = struct.pack(">II", 0, len(entries)) + b"".join(struct.pack(">II", n, d) for n, d in entries)
+    grow = 8 + len(table) - size
+    data[off:off + size] = struct.pack(">I4s", 8 + len(table), b"stts") + table
+    for parent in path:
+        data[parent:parent + 4] = struct.pack(">I", struct.unpack(">I", data[parent:parent + 4])[0] + grow)
+    return "data:video/mp4;base64," + base64.b64encode(bytes(data)).decode()

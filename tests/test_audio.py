@@ -230,6 +230,19 @@ def test_stream_encoder_opus_streams_pages():
     assert abs(len(decoded) - len(wave)) < 2000 and abs(peak_hz(decoded, 24000) - 440) < 5
 
 
+def test_stream_encoder_opus_pages_leave_with_the_audio_pushed():
+    """Each piece's audio leaves with it, up to a short page (libsndfile's default page held the
+    first second of audio back)."""
+    if "opus" not in audio.supported_output_formats():
+        pytest.skip("libsndfile without opus")
+    wave = sine(24000, 2.0)
+    enc, sent = audio.StreamEncoder(24000, "opus"), b""
+    for k in range(0, len(wave), 12000):  # pieces of 0.5 s
+        sent += enc.push(wave[k:k + 12000])
+        playable = len(sf.read(io.BytesIO(sent), dtype="float32")[0]) / 24000
+        assert playable >= (k + 12000) / 24000 - 0.1, (k, playable)
+
+
 @pytest.mark.parametrize("fmt", ["flac", "mp3"])
 def test_stream_encoder_whole_file_formats_come_at_close(fmt):
     if fmt not in audio.supported_output_formats():
@@ -237,3 +250,45 @@ def test_stream_encoder_whole_file_formats_come_at_close(fmt):
     wave = sine(24000, 1.0)
     pieces, tail = _streamed(fmt, wave, 24000)
     assert not any(pieces) and tail == encode_audio(wave, 24000, fmt)
+
+
+def test_a_truncated_mp3_decodes_to_the_audio_it_holds():
+    """Its header promises the whole length: the frames the decoder really returned count, not the
+    reused read buffer's (which repeated earlier audio or held garbage up to the promised length)."""
+    if "mp3" not in audio.supported_output_formats():
+        pytest.skip("libsndfile without mp3")
+    data = encode_audio(sine(44100, 4.0), 44100, "mp3")
+    wave = decode_audio(data[:len(data) // 2], **LIMITS)
+    assert 1.5 < len(wave) / 16000 < 2.3
+
+
+def test_a_wav_codec_libsndfile_cannot_seek_in_is_read_to_its_end():
+    buf = io.BytesIO()
+    sf.write(buf, sine(8000, 1.0), 8000, format="WAV", subtype="GSM610")
+    wave = decode_audio(buf.getvalue(), max_bytes=10_000_000, max_seconds=120)  # (was "120.0 s long")
+    # (GSM 06.10 codes whole frames of 160 samples at 8 kHz: the last is padded)
+    assert 16000 <= len(wave) <= 16000 + 2 * 320 and abs(peak_hz(wave, 16000) - 440) < 5
+
+
+def test_float_samples_past_full_scale_are_clipped():
+    x = sine(16000, 0.5)
+    x[::3] = 3e38
+    x[1::3] = -2.0
+    buf = io.BytesIO()
+    sf.write(buf, x, 16000, format="WAV", subtype="FLOAT")
+    wave = decode_audio(buf.getvalue(), **LIMITS)
+    assert np.isfinite(wave).all() and wave.max() == 1.0 and wave.min() == -1.0
+
+
+def test_stream_encoder_opus_at_a_rate_opus_lacks_is_encoded_whole():
+    """Opus takes 8/12/16/24/48 kHz: other audio is resampled, which piece by piece would click at
+    every piece's edges and add samples, so it comes whole from close."""
+    if "opus" not in audio.supported_output_formats():
+        pytest.skip("libsndfile without opus")
+    wave = sine(22050, 1.0)
+    pieces, tail = _streamed("opus", wave, 22050, piece=1000)
+    assert not any(pieces)
+    # (each Ogg stream draws a random serial number: compare what they decode to)
+    streamed, rate = sf.read(io.BytesIO(tail), dtype="float32")
+    whole, _ = sf.read(io.BytesIO(encode_audio(wave, 22050, "opus")), dtype="float32")
+    assert rate == 24000 and np.array_equal(streamed, whole)

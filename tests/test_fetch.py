@@ -152,6 +152,8 @@ def test_a_compressed_body_is_held_as_sent(base):
     ("::ffff:10.0.0.1", False), ("::ffff:93.184.216.34", True),  # IPv4-mapped
     ("64:ff9b::a00:1", False), ("64:ff9b::5db8:d822", True),  # NAT64 of 10.0.0.1 / a public one
     ("2002:a00:1::", False),  # 6to4 of 10.0.0.1
+    # NAT64's local-use prefix: a network's own translator (127.0.0.1 embedded at /48; 8.8.8.8 at /96)
+    ("64:ff9b:1:7f00:0:100:808:808", False), ("64:ff9b:1::808:808", False),
     ("::127.0.0.1", False),  # IPv4-compatible
 ])
 def test_public_addresses(address, ok):
@@ -241,3 +243,49 @@ def test_a_ca_file_that_cannot_be_read_fails_the_config(tmp_path):
     with pytest.raises(RuntimeError, match="cannot read CA certificates"):
         asyncio.run(fetch("https://localhost/x", kind="image", domains=["localhost"], private=True,
                           max_bytes=1 << 20, timeout_s=5.0, ca_file=str(tmp_path / "missing.pem")))
+
+
+def test_lookups_and_decoding_run_on_threads_of_their_own(base, monkeypatch):
+    """A name server that never answers, or a slow decode, ties up only those threads: not the
+    loop's default ones (asyncio.to_thread), which encode every streamed reply's audio."""
+    import base64
+
+    from omni_server.api import video
+    from omni_server.api.media import decode_part
+    from omni_server.api.protocol import VideoURLPart
+    from omni_server.config.schema import ServerConfig
+    from tests.media import mp4
+
+    threads = {}
+    lookup, decode = socket.getaddrinfo, video.decode_video
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            threads[name] = threading.current_thread().name
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(socket, "getaddrinfo", recorded("lookup", lookup))
+    monkeypatch.setattr(video, "decode_video", recorded("decode", decode))
+    url, frames = mp4(2)
+    _Handler.files["/w.mp4"] = base64.b64decode(url.split(",", 1)[1])
+    limits = ServerConfig(media_url_domains=["127.0.0.1", "::1", "localhost"], media_url_private=True)
+    part = VideoURLPart(type="video_url", video_url={"url": f"{base}/w.mp4"})
+    assert asyncio.run(decode_part(limits, part)).shape == frames.shape
+    assert threads["lookup"].startswith("omni-dns") and threads["decode"].startswith("omni-media")
+
+
+def test_a_relative_ca_file_is_read_beside_the_config(tls, tmp_path, monkeypatch):
+    """As every other path in a config: relative to its file (from another directory it failed:
+    "cannot read CA certificates from 'ca.pem'")."""
+    import shutil
+
+    from omni_server.config import load_config
+
+    ca_file, _ = tls
+    shutil.copy(ca_file, tmp_path / "ca.pem")
+    config = tmp_path / "pipeline.yaml"
+    config.write_text("model: m\nstages:\n  - {id: 0, name: a, model: x, output: text}\n"
+                      "server: {media_url_ca_file: ca.pem}\n")
+    monkeypatch.chdir("/")
+    assert load_config(config).server.media_url_ca_file == str(tmp_path / "ca.pem")

@@ -16,16 +16,25 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
+import socket
 import ssl
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import certifi
 import httpx
 
 _REDIRECTS = 3
-# IPv6 prefixes that carry an IPv4 address in their last 32 bits: NAT64 (RFC 6052, RFC 8215) and
-# IPv4-compatible addresses (deprecated).
-_EMBEDDING = [ipaddress.ip_network(n) for n in ("64:ff9b::/96", "64:ff9b:1::/48", "::/96")]
+# Name lookups run on threads of their own: the fetch's timeout ends the request but not a lookup a
+# name server never answers, and on the loop's default threads (those of asyncio.to_thread, which
+# encode every streamed reply's audio) a few such lookups held up every request.
+_RESOLVER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="omni-dns")
+# IPv6 prefixes that carry an IPv4 address in their last 32 bits: NAT64's well-known prefix (RFC
+# 6052) and IPv4-compatible addresses (deprecated).
+_EMBEDDING = [ipaddress.ip_network(n) for n in ("64:ff9b::/96", "::/96")]
+# NAT64's local-use prefix (RFC 8215): a network's own translators, which may embed the IPv4
+# address at any of several prefix lengths (not only in the last 32 bits): never public.
+_LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")
 
 
 class FetchError(ValueError):
@@ -135,7 +144,8 @@ async def _check(url: str, kind: str, domains: list[str], private: bool) -> str:
         raise FetchError(f"{kind} URLs from {host} are not fetched (server.media_url_domains)")
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port)
+        infos = await asyncio.get_running_loop().run_in_executor(
+            _RESOLVER, functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM))
     except OSError:
         raise FetchError(f"the {kind} URL's host {host} could not be resolved") from None
     addresses = [info[4][0] for info in infos]
@@ -149,7 +159,7 @@ def public(address: str) -> bool:
     """Whether `address` is a public one, and so is any IPv4 address it carries."""
     ip = ipaddress.ip_address(address.split("%")[0])
     if ip.version == 6:
-        if ip.is_site_local:  # (fec0::/10: deprecated, but routed privately where still used)
+        if ip.is_site_local or ip in _LOCAL_NAT64:  # (fec0::/10: deprecated, but routed privately where still used)
             return False
         carried = [ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None]
         carried += [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) for net in _EMBEDDING if ip in net]

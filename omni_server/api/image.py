@@ -13,6 +13,9 @@ from omni_server.api.data_url import payload
 _DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp|gif|bmp);base64,", re.IGNORECASE)
 
 
+_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
 class ImageError(ValueError):
     """An image the server will not take; the message is safe to show to the client."""
 
@@ -25,17 +28,20 @@ def image_data_url(url: str, *, max_bytes: int) -> bytes:
 
 def decode_image(data: bytes, *, max_pixels: int) -> np.ndarray:
     """RGB uint8 [height, width, 3] of an image file's bytes."""
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        # (only the formats the data: URLs name; a phone's MPO opens as JPEG)
+        with Image.open(io.BytesIO(data), formats=_FORMATS) as img:
             # The header's size, checked before any pixel is decoded (decompression bombs).
             width, height = img.size
             if width * height > max_pixels:
                 raise ImageError(f"image is {width}x{height} pixels; the limit is {max_pixels} pixels")
             if width == 0 or height == 0:
                 raise ImageError("image has no pixels")
-            rgb = np.asarray(img.convert("RGB"), dtype=np.uint8)
+            # Upright as a viewer shows it (a phone stores a portrait photo sideways, with an EXIF
+            # orientation), as vLLM's and transformers' image loaders do.
+            rgb = np.asarray(ImageOps.exif_transpose(img).convert("RGB"), dtype=np.uint8)
     except ImageError:
         raise
     except Exception:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from omni_server.api import audio, fetch, image, video
@@ -10,6 +14,17 @@ from omni_server.api.errors import APIError
 from omni_server.api.protocol import ChatCompletionRequest
 from omni_server.config.schema import PipelineConfig, ServerConfig
 from omni_server.wire.messages import AUDIO_SAMPLE_RATE
+
+# Media is decoded on threads of its own, a few at a time: a slow decode (a long video, many
+# images) then waits for these, not for the loop's default threads, which encode every streamed
+# reply's audio and render prompts; and the memory decodes hold at once stays bounded.
+_DECODERS = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="omni-media")
+
+
+async def off_loop(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a media decoding thread."""
+    return await asyncio.get_running_loop().run_in_executor(_DECODERS, functools.partial(fn, *args, **kwargs))
+
 
 # Each media part type and the kind of input it is (the chat template's placeholder).
 KIND = {"input_audio": "audio", "audio_url": "audio", "image_url": "image", "video_url": "video"}
@@ -34,10 +49,23 @@ def template_message(m) -> dict[str, Any]:
     `developer` role is the system turn, as /v1/responses reads it: the templates know no other)."""
     role = "system" if m.role == "developer" else m.role
     if not m.media_parts():
-        return {"role": role, "content": m.text()}
-    parts = [{"type": "text", "text": p.text} if p.type == "text" else {"type": KIND[p.type]}
-             for p in m.content]
-    return {"role": role, "content": parts}
+        out: dict[str, Any] = {"role": role, "content": m.text()}
+    else:
+        out = {"role": role, "content": [{"type": "text", "text": p.text} if p.type == "text"
+                                         else {"type": KIND[p.type]} for p in m.content]}
+    if m.tool_calls:  # (arguments as objects where they parse, as templates write them with tojson)
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest) -> dict[str, Any]:
@@ -66,19 +94,19 @@ async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest) -> dict
 async def decode_part(limits: ServerConfig, part) -> Any:
     """One media part's array (see `decode_media`)."""
     if part.type == "input_audio":
-        return await asyncio.to_thread(audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
-                                       max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
+        return await off_loop(audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
+                              max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
     url, kind = getattr(part, part.type).url, KIND[part.type]
     if fetch.is_remote(url):
         data = await fetch.fetch(url, kind=kind, domains=limits.media_url_domains, private=limits.media_url_private,
                                  max_bytes=limits.max_request_bytes, timeout_s=limits.media_url_timeout_s,
                                  ca_file=limits.media_url_ca_file)
     else:
-        data = await asyncio.to_thread(_DATA_URL_BYTES[kind], url, max_bytes=limits.max_request_bytes)
+        data = await off_loop(_DATA_URL_BYTES[kind], url, max_bytes=limits.max_request_bytes)
     if kind == "audio":
-        return await asyncio.to_thread(audio.decode_audio, data, target_rate=AUDIO_SAMPLE_RATE,
-                                       max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
+        return await off_loop(audio.decode_audio, data, target_rate=AUDIO_SAMPLE_RATE,
+                              max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
     if kind == "image":
-        return await asyncio.to_thread(image.decode_image, data, max_pixels=limits.max_image_pixels)
-    return await asyncio.to_thread(video.decode_video, data, max_pixels=limits.max_image_pixels,
-                                   max_frames=limits.max_video_frames, max_total_pixels=limits.max_video_pixels)
+        return await off_loop(image.decode_image, data, max_pixels=limits.max_image_pixels)
+    return await off_loop(video.decode_video, data, max_pixels=limits.max_image_pixels,
+                          max_frames=limits.max_video_frames, max_total_pixels=limits.max_video_pixels)

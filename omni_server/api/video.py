@@ -40,8 +40,25 @@ def video_data_url(url: str, *, max_bytes: int) -> bytes:
                    max_bytes=max_bytes, error=VideoError)
 
 
+# Frames decoded (kept or not) per frame kept, at most: a 60 fps video sampled at 2 a second. Bounds
+# the decoding work a request can ask for: frames of `DECODED_PER_KEPT` x max_total_pixels in all.
+DECODED_PER_KEPT = 30
+
+
+def _named_container(head: bytes) -> bool:
+    """Whether these first bytes open a container the data: URLs name: FFmpeg picks its demuxer by
+    content, and some of its formats are playlists that read other files (ffconcat names local ones)."""
+    return (head[4:8] in (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")  # (MP4 / QuickTime: a box type)
+            or head[:4] == b"\x1a\x45\xdf\xa3"  # (EBML: Matroska, WebM)
+            or head[:4] == b"RIFF" and head[8:12] == b"AVI "
+            or head[:4] in (b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3")  # (MPEG program / elementary stream)
+            or len(head) > 376 and head[0] == head[188] == head[376] == 0x47)  # (MPEG transport stream)
+
+
 def decode_video(data: bytes, *, max_pixels: int, max_frames: int, max_total_pixels: int) -> np.ndarray:
     """`decode_video_url` of a video file's bytes."""
+    if not _named_container(data[:400]):
+        raise VideoError("video data could not be decoded: it is not MP4 / QuickTime, Matroska / WebM, AVI or MPEG")
     # OpenCV's FFmpeg reader opens files only: the bytes go to a private temporary file.
     fd, path = tempfile.mkstemp(suffix=".video")
     try:
@@ -63,26 +80,41 @@ def _frames(path: str, *, max_pixels: int, max_frames: int, max_total_pixels: in
         if width * height > max_pixels:
             raise VideoError(f"video is {width}x{height} pixels; the limit is {max_pixels} pixels")
         frames: list[np.ndarray] = []
-        due = 0.0  # the time of the next frame to keep, in seconds
-        while True:
-            ok, bgr = cap.read()
+        decodable = DECODED_PER_KEPT * max_total_pixels
+        step, due = 1.0 / FPS, None  # due: the time of the next frame to keep, in seconds
+        while cap.grab():  # (decodes; only frames kept are converted)
+            decodable -= max(width * height, 1)
+            if decodable < 0:
+                raise VideoError(f"video has more frames to decode than the limit: {DECODED_PER_KEPT} x "
+                                 f"{max_total_pixels} pixels in all (over {DECODED_PER_KEPT * FPS:g} frames a second "
+                                 "at the frame and pixel limits)")
+            t = cap.get(cv2.CAP_PROP_POS_MSEC) / 1000.0
+            due = t if due is None else due  # (times count from the first frame's)
+            if t + 1e-6 < due:
+                continue
+            ok, bgr = cap.retrieve()
             if not ok:
                 break
             if bgr.shape[0] * bgr.shape[1] > max_pixels:  # (a stream whose frames outgrow its header)
                 raise VideoError(f"video frames exceed the limit of {max_pixels} pixels")
-            t = cap.get(cv2.CAP_PROP_POS_MSEC) / 1000.0
-            if t + 1e-6 < due:
-                continue
-            if len(frames) == max_frames:
-                raise VideoError(f"video is longer than the limit of {max_frames} frames at {FPS:g} per "
-                                 f"second ({max_frames / FPS:g} s)")
-            if (len(frames) + 1) * bgr.shape[0] * bgr.shape[1] > max_total_pixels:
-                raise VideoError(f"video has more than the limit of {max_total_pixels} pixels in its "
-                                 f"{len(frames) + 1} frames at {FPS:g} per second")
-            frames.append(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
-            due += 1.0 / FPS
+            # Frame i is the picture at i / FPS: times a gap in the stream skipped show the frame before it.
+            while frames and t + 1e-6 >= due + step:
+                _keep(frames, frames[-1], max_frames, max_total_pixels)
+                due += step
+            _keep(frames, cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), max_frames, max_total_pixels)
+            due += step
     finally:
         cap.release()
     if not frames:
         raise VideoError("video data could not be decoded (no frames)")
     return np.ascontiguousarray(np.stack(frames))
+
+
+def _keep(frames: list[np.ndarray], rgb: np.ndarray, max_frames: int, max_total_pixels: int) -> None:
+    if len(frames) == max_frames:
+        raise VideoError(f"video is longer than the limit of {max_frames} frames at {FPS:g} per "
+                         f"second ({max_frames / FPS:g} s)")
+    if (len(frames) + 1) * rgb.shape[0] * rgb.shape[1] > max_total_pixels:
+        raise VideoError(f"video has more than the limit of {max_total_pixels} pixels in its "
+                         f"{len(frames) + 1} frames at {FPS:g} per second")
+    frames.append(rgb)
