@@ -11,7 +11,10 @@ batch index, in the metadata). `--requests N`: N - 1 more requests with the same
 it. Greedy, ignore_eos. `--then-prompt-ids`: once those are done, request `then` runs that prompt
 (its prefix may hit the cache the first one filled) beside one that feeds no stage, then request
 `cold` the same prompt under another cache salt (computed whole); OUT_DIR/cached.json holds each
-request's prefix cache hit in tokens.
+request's prefix cache hit in tokens. `--kv-blocks N`: the stage's KV cache holds N blocks of 128
+tokens (its context: N - 1 blocks);
+OUT_DIR/sched.json: the most requests running at once and those ever preempted. `--prompt-embeds N`:
+the probe's prompt is N random embedding rows without ids (the stage must take prompt embeddings: one with `inputs`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ def main() -> None:
     p.add_argument("--stream", type=int, default=0, metavar="CHUNK")
     p.add_argument("--requests", type=int, default=1)
     p.add_argument("--then-prompt-ids", default="")
+    p.add_argument("--kv-blocks", type=int, default=0, metavar="N", help="the stage's KV cache: N blocks of 128 tokens")
+    p.add_argument("--prompt-embeds", type=int, default=0, metavar="N",
+                   help="the probe's prompt: N seeded random embedding rows, no ids (others keep --prompt-ids)")
     a = p.parse_args()
     from omni_server.config import load_config
     from omni_server.config.schema import PipelineConfig
@@ -70,6 +76,9 @@ def main() -> None:
     data["stages"].append({"id": sink, "name": "sink", "model": "unused", "inputs": [a.stage],
                            "input_processor": a.processor,
                            **({"input_mode": "stream", "stream_chunk": a.stream} if a.stream else {})})
+    if a.kv_blocks:  # (blocks of 128 tokens on any device; the context what one less holds)
+        data["stages"][a.stage]["engine_args"].update(
+            num_gpu_blocks_override=a.kv_blocks, block_size=128, max_model_len=(a.kv_blocks - 1) * 128)
     cfg = PipelineConfig(**data)
 
     from omni_server.models import register_vllm_models
@@ -85,13 +94,26 @@ def main() -> None:
     ids = [int(t) for t in a.prompt_ids.split(",")]
     sampling = SamplingSpec(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(a.requests):
+        if i == 0 and a.prompt_embeds:
+            import torch
+
+            size = engine.vllm_config.model_config.get_hidden_size()
+            rows = torch.randn(a.prompt_embeds, size, generator=torch.Generator().manual_seed(0)).to(engine.dtype)
+            engine._add("probe", {"type": "embeds", "prompt_embeds": rows}, sampling, [sink])
+            continue
         engine._handle(AddRequest(request_id="probe" if i == 0 else f"other{i}", prompt_token_ids=ids,
                                   forward_to=[sink], sampling=sampling))
 
+    sched = engine.core.scheduler
+    most_running, preempted = 0, set()
+
     def run() -> None:
+        nonlocal most_running
         while engine.has_work():
             engine.step()
             rec.step += 1
+            most_running = max(most_running, len(sched.running))
+            preempted.update(r.request_id for q in (sched.running, sched.waiting) for r in q if r.num_preemptions)
 
     run()
     if a.then_prompt_ids:
@@ -110,6 +132,7 @@ def main() -> None:
         run()
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "cached.json").write_text(json.dumps(rec.cached))
+    (a.out / "sched.json").write_text(json.dumps({"most_running": most_running, "preempted": sorted(preempted)}))
     kv = engine.core.scheduler.kv_cache_config
     spec = kv.kv_cache_groups[0].kv_cache_spec
     layers = len(kv.kv_cache_groups[0].layer_names)

@@ -67,3 +67,16 @@ def test_the_kv_budget_covers_the_rows_beside_it():
     tokens = kv // (28 * 2048)
     assert kv + tokens * 3584 * 2 <= budget < kv + (tokens + 1) * (28 * 2048 + 3584 * 2)
     assert kv_share(budget, {}, cfg) == budget  # no KV layers: nothing to share
+
+
+def test_speculative_decoding_is_refused_where_a_consumer_reads_hidden_states():
+    """Its steps emit no rows: the talker would fail every request on an empty tensor. A stage whose
+    consumers read only tokens may use it."""
+    import pytest
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
+    cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml", [f"thinker.speculative_config={spec}"])
+    with pytest.raises(ValueError, match=r"stage 0 \(thinker\): engine_args.speculative_config: .* talker reads them"):
+        build_engine_args(cfg, 0)
+    cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml", [f"talker.speculative_config={spec}"])
+    assert build_engine_args(cfg, 1).speculative_config["method"] == "ngram"  # (token2wav reads codes)

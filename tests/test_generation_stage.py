@@ -45,3 +45,25 @@ def test_the_requests_own_bad_option_is_a_client_error_also_from_upstream(tmp_pa
         assert "unknown voice" in str(e)
     else:
         raise AssertionError("open_stream took an unknown voice")
+
+
+def test_playback_counts_audio_at_the_listeners_speed():
+    """/v1/audio/speech's `speed` 4: the api stretches each second of audio to a quarter, so the
+    stage's playback model (underruns, stream order) counts it as 0.25 s: 1 s sent at t, 1 s more
+    at t + 0.6 ran dry 0.35 s before it (at speed 1: not at all)."""
+    import torch
+
+    from omni_server.stage import stream_order
+
+    def dry_after_two_pieces(speeds: dict) -> float:
+        fake = SimpleNamespace(streams={}, stage=SimpleNamespace(name="vocoder", inputs=[1]), speeds=speeds,
+                               playback=stream_order.Playback(), underruns=0, underrun_s=0.0,
+                               generator=SimpleNamespace(sample_rate=1000), send_outputs=lambda deltas: None)
+        fake.playback.open("r", 0.0)
+        GenerationStage._send(fake, ["r"], [torch.zeros(1000)], [False], [0])
+        fake.playback._first["r"] -= 0.6  # (the first piece went out 0.6 s ago)
+        GenerationStage._send(fake, ["r"], [torch.zeros(1000)], [False], [0])
+        return fake.underrun_s
+
+    assert dry_after_two_pieces({}) == 0.0
+    assert abs(dry_after_two_pieces({"r": 4.0}) - 0.35) < 0.01

@@ -16,9 +16,9 @@ CONFIG = REPO / "configs" / "default.yaml"
 
 
 def _probe(tmp_path: Path, prompt: list[int], max_tokens: int, *extra: str,
-           processor: str = "hidden_to_embeds") -> list[dict]:
+           processor: str = "hidden_to_embeds", config: Path = CONFIG, stage: int = 0) -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.stage_probe", str(CONFIG), "0", str(tmp_path), "--processor", processor,
+        [sys.executable, "-m", "tests.stage_probe", str(config), str(stage), str(tmp_path), "--processor", processor,
          "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(max_tokens), *extra],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -332,3 +332,132 @@ def test_chunks_send_views_of_one_piece_and_cut_the_final_rows():
     tracked.sent_rows = 4  # several pieces: joined, then cut at `end`
     ARStage._send_chunk(stage, "r", tracked, final=True, end=9)
     assert torch.equal(sent[-1].tensors["hidden"], rows[4:9])
+
+
+def test_a_prompt_of_embeddings_alone_sends_a_row_for_every_position(tmp_path):
+    """A stage fed embeddings without ids (`hidden_to_embeds`) that feeds a hidden-state reader:
+    its prompt's rows count as the prompt (they were counted from the ids: none), whole and streamed."""
+    config, n_prompt, n_out = REPO / "tests" / "configs" / "two_stage.yaml", 10, 5
+    (whole,) = _probe(tmp_path / "full", [1], n_out, "--prompt-embeds", str(n_prompt), config=config, stage=1)
+    assert len(whole["out"]) == n_out and len(whole["hidden"]) == n_prompt + n_out - 1
+    streamed = _probe(tmp_path / "stream", [1], n_out, "--prompt-embeds", str(n_prompt), "--stream", "2",
+                      config=config, stage=1)
+    assert len(streamed[0]["hidden"]) == n_prompt and streamed[-1]["final"]
+    assert torch.equal(torch.cat([c["hidden"] for c in streamed]), whole["hidden"])
+
+
+def test_steps_that_keep_advancing_nothing_wait_on_the_socket():
+    """A stage with work that cannot advance (every running request held for input or credit, the
+    rest waiting for a slot) waits on its socket between steps from the second empty step on, not
+    spinning a core; a step that advances something makes it poll without waiting again."""
+    from omni_server.config import load_config_text
+    from omni_server.stage.base import IDLE_POLL_MS, Stage
+
+    cfg = load_config_text("model: m\nstages:\n  - {id: 0, name: a, model: x, output: text}\n")
+    waits = []
+    sockets = SimpleNamespace(replica=0, send_api=lambda msg: None,
+                              recv_inputs=lambda timeout_ms: waits.append(timeout_ms) or iter(()))
+
+    class Stuck(Stage):
+        served = [0, 0, 0, 0, 1, 0, 0]
+
+        def has_work(self):
+            return True
+
+        def step(self):
+            served = self.served.pop(0)
+            self.running = bool(self.served)
+            return served
+
+    Stuck(cfg, 0, sockets).run()
+    assert waits == [0, 0, IDLE_POLL_MS, IDLE_POLL_MS, IDLE_POLL_MS, 0, 0]
+
+
+def test_consumers_that_finish_before_their_input_remember_a_bounded_number_of_ids(monkeypatch):
+    """A talker that ends (max tokens, its end code) while the thinker still streams to it keeps the
+    request's id, so late chunks are dropped; like aborted ids, only the newest MAX_TOMBSTONES."""
+    from collections import OrderedDict
+
+    from omni_server.stage import base
+    from omni_server.stage.ar import ARStage
+    from omni_server.stage.base import Stage
+
+    monkeypatch.setattr(base, "MAX_TOMBSTONES", 8)
+    s = SimpleNamespace(in_engine=set(), stream_in={}, stream_src={}, waiting={}, aborted=OrderedDict(),
+                        tracked={}, credits=[])
+    s.forget_use = lambda rid: None
+    s._end_stream = lambda rid: ARStage._end_stream(s, rid)
+    s.tombstone = lambda rid: Stage.tombstone(s, rid)
+    s.send_credit = lambda rid, sources, consumed: s.credits.append((rid, consumed))
+    for i in range(20):
+        rid = f"r{i}"
+        s.in_engine.add(rid)
+        s.stream_in[rid], s.stream_src[rid] = 3, [0]
+        ARStage._finished(s, rid)
+    assert list(s.aborted) == [f"r{i}" for i in range(12, 20)]
+    assert s.credits == [(f"r{i}", -1) for i in range(20)] and not s.stream_in and not s.in_engine
+
+
+def test_payloads_without_a_request_are_bounded_in_count_bytes_and_time(monkeypatch):
+    """Kept for their ExpectRequest (normally ms behind, if at all): the oldest go once there are too
+    many or they hold too many bytes, and any older than ORPHAN_TTL_S at the next stats query (the
+    api's probe), each failed and its later chunks dropped. (The requests a restarted consumer's old
+    process held had theirs kept for good: GBs of hidden rows.)"""
+    import torch
+
+    from omni_server.config import load_config_text
+    from omni_server.stage import base
+    from omni_server.stage.base import Stage
+    from omni_server.wire.messages import StagePayload, StatsQuery
+
+    cfg = load_config_text("model: m\nstages:\n  - {id: 0, name: a, model: x, output: text}\n"
+                           "  - {id: 1, name: b, model: x, inputs: [0], input_processor: hidden_to_embeds, "
+                           "output: tokens}\n")
+    failed = []
+    sockets = SimpleNamespace(replica=0, recv_inputs=lambda timeout_ms: iter(()),
+                              send_api=lambda msg: failed.extend(d.request_id for d in getattr(msg, "deltas", ())))
+
+    class Consumer(Stage):
+        def drop(self, request_ids):
+            pass
+
+    stage = Consumer(cfg, 1, sockets)
+
+    def payload(rid: str) -> StagePayload:
+        return StagePayload(request_id=rid, source_stage=0, prompt_token_ids=[1], output_token_ids=[],
+                            tensors={"hidden": torch.zeros(1, 256)})  # 1 KiB
+
+    monkeypatch.setattr(base, "MAX_ORPHAN_PAYLOADS", 3)
+    for i in range(5):
+        stage._handle(payload(f"r{i}"))
+    assert failed == ["r0", "r1"] and list(stage.waiting) == ["r2", "r3", "r4"]
+    stage._handle(payload("r1"))  # (a late chunk of a dropped one)
+    assert list(stage.waiting) == ["r2", "r3", "r4"]
+
+    stage._handle(StatsQuery(nonce=1))  # (3 of at most 3, young, 3 KiB: all kept)
+    assert len(failed) == 2
+    monkeypatch.setattr(base, "MAX_ORPHAN_BYTES", 1536)
+    stage._handle(StatsQuery(nonce=2))
+    assert failed[2:] == ["r2", "r3"] and list(stage.waiting) == ["r4"]
+    monkeypatch.setattr(base, "ORPHAN_TTL_S", 0.0)
+    stage._handle(StatsQuery(nonce=3))
+    assert failed[4:] == ["r4"] and not stage.waiting
+
+
+def test_a_streaming_stage_admits_only_what_its_kv_cache_holds_to_the_end(tmp_path):
+    """8 requests of 7 prompt + 130 reply tokens (2 blocks of 128 each, with a step's placeholder)
+    and a KV cache of 5 blocks (4 usable). Feeding a full-mode consumer, vLLM admits 4 and preempts
+    as they grow; feeding a streaming one, the stage admits 2 at a time and preempts none (a held
+    request cannot be preempted: with preemption, producer and consumer could wait on each other).
+    The replies are the same."""
+    import json
+
+    prompt, n = [11, 12, 13, 14, 15, 16, 17], 130
+    args = (prompt, n, "--requests", "8", "--kv-blocks", "5")
+    config = REPO / "tests" / "configs" / "two_stage.yaml"  # (its thinker's consumer reads it whole)
+    full = _probe(tmp_path / "full", *args, config=config)
+    streamed = _probe(tmp_path / "stream", *args, "--stream", "64", config=config)
+    plain, reserved = (json.loads((tmp_path / d / "sched.json").read_text()) for d in ("full", "stream"))
+    assert plain["preempted"] and plain["most_running"] > 2  # (the scenario: vLLM alone preempts here)
+    assert reserved == {"most_running": 2, "preempted": []}
+    assert sum((c["out"] for c in streamed), []) == full[0]["out"] and len(full[0]["out"]) == n

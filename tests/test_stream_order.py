@@ -91,7 +91,7 @@ def _stage(n: int) -> tuple[GenerationStage, _FakeStreams, list]:
     stage.generator, stage.playback, stage._pass_s = gen, Playback(), 0.0
     stage.underruns, stage.underrun_s = 0, 0.0
     stage.stage = SimpleNamespace(max_batch_size=16, inputs=[1])
-    stage.streams, stage.sources = {}, {}
+    stage.streams, stage.sources, stage.speeds = {}, {}, {}
     stage.report_use = lambda *a: None
     stage.send_outputs = sent.extend
     t = time.monotonic()

@@ -70,6 +70,13 @@ class _Tracked:
     loose: int = 0
     # Leading rows no longer held: every consumer had them in chunks and none takes them whole.
     dropped: int = 0
+    # Prompt positions: the token ids', or the embedding rows' of a prompt given as embeddings
+    # alone (no ids). Default: len(prompt_token_ids).
+    prompt_len: int = -1
+
+    def __post_init__(self):
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.prompt_token_ids)
 
     def chunk_ready(self, rows_chunk: int | None = None) -> bool:
         """Whether the streaming consumers get a chunk now. Hidden rows: the prompt's once all are
@@ -83,7 +90,7 @@ class _Tracked:
         model that completes its tokens into frames (they lag the tokens by one step and travel
         with them), else the token."""
         if self.with_hidden:
-            n, prompt = self.hidden_len, len(self.prompt_token_ids)
+            n, prompt = self.hidden_len, self.prompt_len
             if self.sent_rows < prompt:
                 return n >= prompt
             chunk = self.chunk if rows_chunk is None else min(self.chunk, rows_chunk)
@@ -191,7 +198,13 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
         args["distributed_executor_backend"] = OneProcessExecutor
     if stage.inputs:
         args.setdefault("enable_prompt_embeds", True)
-    if any(processors.reads_hidden(cfg.stage(c).input_processor) for c in cfg.consumers(stage_id)):
+    readers = [cfg.stage(c).name for c in cfg.consumers(stage_id) if processors.reads_hidden(cfg.stage(c).input_processor)]
+    if readers and args.get("speculative_config"):
+        # (the runner's capture does not handle drafted tokens, whose rows a verifying step may
+        # reject: it leaves such steps to vLLM untouched, and they emit no rows)
+        raise ValueError(f"stage {stage_id} ({stage.name}): engine_args.speculative_config: speculative decoding "
+                         f"emits no hidden states, and {', '.join(readers)} reads them")
+    if readers:
         # Consumers need a hidden row for every prompt position, cached prefixes included: the
         # runner keeps them beside the KV cache (stage/prefix_rows.py) while prefix caching is on.
         args["additional_config"] = {**(args.get("additional_config") or {}), PREFIX_ROWS: True}
@@ -200,6 +213,17 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
 
         args["logits_processors"] = [*(args.get("logits_processors") or ()), LOGITS_PROCESSOR]
     return EngineArgs(**args)
+
+
+def _check_token_ids(stage, vocab: int) -> None:
+    """The config's token ids must be the model's: an id past its vocabulary failed every request
+    as the client's bad logit_bias (400), whatever the request."""
+    d = stage.default_sampling
+    for field in ("stop_token_ids", "suppress_token_ids"):
+        bad = [t for t in getattr(d, field) or [] if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stage {stage.id} ({stage.name}): default_sampling.{field}: {bad} not in the model's "
+                             f"vocabulary (0-{vocab - 1})")
 
 
 def _logit_bias(spec: SamplingSpec) -> dict[int, float]:
@@ -219,6 +243,7 @@ class ARStage(Stage):
         t0 = time.monotonic()
         super().__init__(cfg, stage_id, sockets)
         self.vllm_config = build_engine_args(cfg, stage_id).create_engine_config()
+        _check_token_ids(self.stage, self.vllm_config.model_config.get_vocab_size())
         sched = self.vllm_config.scheduler_config
         # Chosen after the platform settled async scheduling (on for GPUs, off on CPU).
         sched.scheduler_cls = scheduler_cls_for(sched.async_scheduling)
@@ -238,6 +263,9 @@ class ARStage(Stage):
         self.stream_in: dict[str, int] = {}
         self.stream_src: dict[str, list[int]] = {}
         self.core.scheduler.held = self._held
+        # A stage streaming to or from another never preempts (scheduler._admissible says why).
+        self.core.scheduler.reserve_kv = self.stage.input_mode == "stream" or any(
+            cfg.stage(c).input_mode == "stream" for c in cfg.consumers(stage_id))
         # Load what the input processor needs now, not on the first request (seconds on a big model).
         prepare = getattr(self.processor, "prepare", None)
         if prepare is not None:
@@ -372,6 +400,8 @@ class ARStage(Stage):
             request = self.inputs.process_inputs(request_id, prompt, params, supported_tasks=self.tasks)
             # The engine's prompt: multimodal placeholders expanded to one token per embedding row.
             prompt_token_ids = list(request.prompt_token_ids or [])
+            # (an embeddings prompt has no ids: its rows are its positions)
+            prompt_len = len(request.prompt_embeds) if request.prompt_token_ids is None else len(prompt_token_ids)
             req, wave = self.core.preprocess_add_request(request)
             self.core.add_request(req, wave)
         except Exception as e:  # invalid request (too long, bad params): fail it, keep serving
@@ -384,7 +414,7 @@ class ARStage(Stage):
             chunk = min((self.cfg.stage(c).stream_chunk for c in stream_to), default=8)
             window = min((self.cfg.stage(c).stream_window for c in stream_to), default=0)
             self.tracked[request_id] = _Tracked(prompt_token_ids, list(forward_to), stream_to, chunk,
-                                                with_hidden=with_hidden, window=window)
+                                                with_hidden=with_hidden, window=window, prompt_len=prompt_len)
 
     def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool, step_embeds: torch.Tensor | None = None,
                          positions: torch.Tensor | None = None):
@@ -428,7 +458,7 @@ class ARStage(Stage):
             # Downstream gets the tokens before the stop string, not those made until the stop
             # reached this stage; at least one (a consumer starts on the first), and never fewer
             # than a streaming consumer had already.
-            sent = max(tracked.sent_tokens, tracked.sent_rows - len(tracked.prompt_token_ids) + 1)
+            sent = max(tracked.sent_tokens, tracked.sent_rows - tracked.prompt_len + 1)
             del tracked.output_token_ids[max(keep, sent, 1):]
         self._finished(request_id)
         self.send_outputs([RequestDelta(request_id=request_id, finished=True, finish_reason="stop")])
@@ -442,7 +472,7 @@ class ARStage(Stage):
             # Done before its streamed input was: drop the rest of that input, and tell the sources
             # to send no more.
             w = self.waiting.pop(rid, None)
-            self.aborted[rid] = None
+            self.tombstone(rid)
             sources = streamed or (w.expect.sources if w and w.expect else [])
             self.send_credit(rid, sources, -1)
         tracked = self.tracked.pop(rid, None)
@@ -633,7 +663,7 @@ class ARStage(Stage):
             capture.wait()
         # One row per fed position: prompt + every output token but the last (cut short by
         # finish_early, a step may have run one position further).
-        rows = len(tracked.prompt_token_ids) + len(tracked.output_token_ids) - 1
+        rows = tracked.prompt_len + len(tracked.output_token_ids) - 1
         full_to = [d for d in tracked.forward_to if d not in tracked.stream_to]
         if not full_to:  # (streamed only: the rows not sent yet, without joining all of them)
             self._send_chunk(request_id, tracked, final=True, end=max(rows, 0))

@@ -39,12 +39,19 @@ from omni_server.wire.transport import StageSockets
 
 log = logging.getLogger(__name__)
 
-# Payloads that arrived before their ExpectRequest are kept, but not without bound.
+# Payloads that arrived before their ExpectRequest are kept, but not without bound: in count, in
+# bytes, and in time (the api announces a request to its consumers before its producer even gets
+# it, so a payload's ExpectRequest is ms behind it if at all; one that never comes, e.g. for the
+# requests a restarted consumer's old process held, would otherwise keep the payload for good).
 MAX_ORPHAN_PAYLOADS = 1024
+MAX_ORPHAN_BYTES = 1 << 30
+ORPHAN_TTL_S = 30.0
 # Ids of aborted/failed requests remembered, so payloads still in flight for them are dropped.
 MAX_TOMBSTONES = 16384
 # Requests whose replica choices are remembered (far more than can be in flight).
 MAX_ROUTES = 65536
+# How long the loop waits on its socket once two steps in a row advanced nothing (see run).
+IDLE_POLL_MS = 5
 
 
 @dataclass
@@ -55,6 +62,7 @@ class _Waiting:
     expect: ExpectRequest | None = None
     payloads: dict[int, StagePayload] = field(default_factory=dict)
     started: bool = False
+    since: float = field(default_factory=time.monotonic)  # when its first message came
     # Streamed tensors per (source, name): a buffer with room to grow, and the rows in it. The
     # merged payload holds views of the filled part (concatenating every chunk onto the whole so
     # far would copy a long prompt's hidden rows once per chunk).
@@ -86,6 +94,10 @@ class _Waiting:
             self._grown[(src, key)] = buf
         buf[n:n + m] = more
         return buf[:n + m]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for p in self.payloads.values() for t in p.tensors.values()
+                   if isinstance(t, torch.Tensor))
 
     def complete(self) -> bool:
         return self.expect is not None and all(
@@ -259,11 +271,16 @@ class Stage:
         steplog = StepLog.from_env(name)
         self.sockets.send_api(StageReady(stage_id=self.stage_id, pid=os.getpid(), replica=self.replica,
                                          startup_s=round(self.startup_s, 2), info=self.info(), boot=self.boot))
+        idle = 0  # engine steps in a row that advanced no request
         try:
             while self.running:
                 busy = self.has_work()
+                # Steps that keep advancing nothing wait on something from outside (streamed input, a
+                # consumer's credit, a slot while every running request is held): wait for it on the
+                # socket, not spin a core (on a CPU host, maybe the one the stage it waits on needs).
+                wait_ms = 50 if not busy else IDLE_POLL_MS if idle >= 2 else 0
                 t0, n = time.perf_counter(), 0
-                for msg in self.sockets.recv_inputs(timeout_ms=0 if busy else 50):
+                for msg in self.sockets.recv_inputs(timeout_ms=wait_ms):
                     self._handle(msg)
                     n += 1
                 t1 = time.perf_counter()
@@ -283,6 +300,7 @@ class Stage:
                     self.step_s += took
                     if steplog is not None:
                         steplog.after(served, took)
+                    idle = 0 if served else idle + 1
                     if served:  # (not a step that only told the engine of finished requests)
                         self.steps += 1
                         self.batch_sum += served
@@ -312,7 +330,7 @@ class Stage:
             if msg.request_id in self.aborted:  # aborted while its payload was on the way
                 return
             if msg.request_id not in self.waiting:
-                self._bound_orphans()
+                self._bound_orphans(room=1)
             try:
                 self.waiting.setdefault(msg.request_id, _Waiting()).merge(msg)
             except (RuntimeError, ValueError, TypeError) as e:  # a chunk that does not fit the ones before
@@ -327,6 +345,7 @@ class Stage:
         elif isinstance(msg, StreamCredit):
             self.credit(msg)
         elif isinstance(msg, StatsQuery):
+            self._bound_orphans()
             running, waiting = self.counts()
             self.sockets.send_api(StageStats(
                 stage_id=self.stage_id, nonce=msg.nonce, num_running=running, num_waiting=waiting,
@@ -341,12 +360,21 @@ class Stage:
         else:
             log.warning("stage %d: ignoring unexpected %s", self.stage_id, type(msg).__name__)
 
-    def _bound_orphans(self) -> None:
-        orphans = [rid for rid, w in self.waiting.items() if w.expect is None]
-        if len(orphans) >= MAX_ORPHAN_PAYLOADS:
-            oldest = orphans[0]
-            log.warning("stage %d: too many payloads without a request; failing %s", self.stage_id, oldest)
-            self.fail(oldest, f"stage {self.stage.name}: input dropped (too many pending payloads)", code=503)
+    def _bound_orphans(self, room: int = 0) -> None:
+        """Drop payloads without a request (see MAX_ORPHAN_PAYLOADS): those older than ORPHAN_TTL_S,
+        then the oldest while there are too many (with `room` for new ones) or they hold too many
+        bytes. Called before a new one is kept and on every stats query (the api's probe: each second)."""
+        now = time.monotonic()
+        orphans = [(rid, w) for rid, w in self.waiting.items() if w.expect is None]
+        stale = [rid for rid, w in orphans if now - w.since > ORPHAN_TTL_S]
+        held = sum(w.nbytes() for _, w in orphans)
+        while orphans and (len(orphans) + room > MAX_ORPHAN_PAYLOADS or held > MAX_ORPHAN_BYTES
+                           or orphans[0][0] in stale):
+            rid, w = orphans.pop(0)
+            held -= w.nbytes()
+            why = "no request came for it" if rid in stale else "too many pending payloads"
+            log.warning("stage %d: dropping the input of %s: %s", self.stage_id, rid, why)
+            self.fail(rid, f"stage {self.stage.name}: input dropped ({why})", code=503)
 
     def _start_dirty(self) -> None:
         """Inputs are processed once per loop, after the drain: a burst of stream chunks for one
@@ -404,7 +432,11 @@ class Stage:
             self.waiting.pop(rid, None)
             self.routes.pop(rid, None)
             self.arrived.pop(rid, None)
-            self.aborted[rid] = None
+            self.tombstone(rid)
+
+    def tombstone(self, request_id: str) -> None:
+        """Drop what still arrives for this request (payloads in flight); the oldest are forgotten."""
+        self.aborted[request_id] = None
         while len(self.aborted) > MAX_TOMBSTONES:
             self.aborted.popitem(last=False)
 

@@ -22,7 +22,7 @@ from omni_server.config.schema import PipelineConfig
 from omni_server.stage import generators, stream_order
 from omni_server.stage.base import Stage
 from omni_server.stage.processors import StageInput
-from omni_server.wire.messages import VOICE_OPTION, ExpectRequest, RequestDelta
+from omni_server.wire.messages import SPEED_OPTION, VOICE_OPTION, ExpectRequest, RequestDelta
 from omni_server.wire.transport import StageSockets
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class GenerationStage(Stage):
         # Streamed requests' sources (backpressure credits).
         self.sources: dict[str, list[int]] = {}
         self.playback = stream_order.Playback()
+        self.speeds: dict[str, float] = {}  # request id -> its listener's speed (SPEED_OPTION), when not 1
         # Recent streamed passes' seconds, the longest (decaying): how long a stream left out may wait.
         self._pass_s = 0.0
         self.startup_s = time.monotonic() - t0
@@ -82,6 +83,8 @@ class GenerationStage(Stage):
             return
         self.streams[rid] = stream
         self.sources[rid] = list(expect.sources)
+        if SPEED_OPTION in expect.options:
+            self.speeds[rid] = float(expect.options[SPEED_OPTION])
         self.playback.open(rid, time.monotonic())
         stream.feed(final=final, **(stage_input.data or {}))
         self._report_use(rid, stream)
@@ -102,6 +105,7 @@ class GenerationStage(Stage):
             self.ready.pop(rid, None)
             self.streams.pop(rid, None)
             self.sources.pop(rid, None)
+            self.speeds.pop(rid, None)
             self.playback.forget(rid)
             self.forget_use(rid)
 
@@ -172,7 +176,9 @@ class GenerationStage(Stage):
             wave = wave.detach().to("cpu", torch.float32).reshape(-1).contiguous()
             if not done and wave.numel() == 0:
                 continue
-            dry = self.playback.sent(rid, wave.numel() / self.generator.sample_rate, time.monotonic())
+            # (played at the request's speed: /v1/audio/speech's `speed`, stretched by the api)
+            seconds = wave.numel() / self.generator.sample_rate / self.speeds.get(rid, 1.0)
+            dry = self.playback.sent(rid, seconds, time.monotonic())
             if dry > 0:  # this stream's listener ran out of audio before this piece (server-side view)
                 self.underruns += 1
                 self.underrun_s += dry

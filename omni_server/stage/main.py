@@ -53,8 +53,8 @@ def run_stage(cfg: PipelineConfig, stage_id: int, runtime_dir: str, parent_pid: 
     # hop per step, and a distributed-init port picked by one process and bound seconds later by
     # another, which engines starting together can both pick (EADDRINUSE at start).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    for key, value in stage.env.items():
-        os.environ.setdefault(key, value)
+    for key, value in stage.env.items():  # (the config's, or --stage-arg's, over the serve process's own)
+        os.environ[key] = value
     if stage.devices_of(replica) is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(stage.devices_of(replica),
                                                              os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -30,6 +30,10 @@ class _TakesHiddenCaptures:
         # next scheduler output (no extra round trip to the workers; in order with the steps).
         self.step_embeds_out: dict[str, list] = {}
         self.scheduled = 0  # requests in the batches scheduled so far (the stage's batch statistic)
+        # Set by the stage loop for a stage that streams to or from another: admit a request only
+        # while the KV cache can hold every running one to its end, so none is ever preempted (see
+        # _admissible).
+        self.reserve_kv = False
 
     def queue_step_embeds(self, request_id: str, rows, ready=None) -> None:
         """Rows for the runner with the next step; `ready`: the event device rows wait for."""
@@ -43,6 +47,39 @@ class _TakesHiddenCaptures:
         return out
 
     def _schedule(self, *args, **kwargs):
+        if not self.reserve_kv or not (self.waiting or self.skipped_waiting):
+            return self._schedule_unheld(*args, **kwargs)
+        cap = self.max_num_running_reqs
+        self.max_num_running_reqs = min(cap, self._admissible())
+        try:
+            return self._schedule_unheld(*args, **kwargs)
+        finally:
+            self.max_num_running_reqs = cap
+
+    def _admissible(self) -> int:
+        """Running requests (held ones too) plus the waiting ones the KV cache can take, counting
+        each request's blocks up to its end (prompt + max_tokens, at most max_model_len): then no
+        running request ever lacks a block, and none is preempted. A stage in a stream must not be:
+        a held request keeps its blocks (it cannot be preempted), so with preemption a producer's
+        held requests could wait on a consumer whose own requests wait on the producer's preempted
+        ones. Waiting requests count largest first, whichever of them vLLM admits."""
+        groups = max(1, len(self.kv_cache_config.kv_cache_groups))
+        length = self.max_model_len
+
+        def blocks(r: Request) -> int:
+            end = min(length, r.num_prompt_tokens + (r.max_tokens or 0)) + 1  # (+1: a step's placeholder)
+            return groups * -(-end // self.block_size)
+
+        free = self.kv_cache_manager.block_pool.num_gpu_blocks - 1 - sum(blocks(r) for r in self.running)
+        running = len(self.running) + self.num_waiting_for_streaming_input
+        admit = 0
+        for need in sorted((blocks(r) for q in (self.waiting, self.skipped_waiting) for r in q), reverse=True):
+            if need > free:
+                break
+            free, admit = free - need, admit + 1
+        return running + admit if running or admit else 1
+
+    def _schedule_unheld(self, *args, **kwargs):
         held = [r for r in self.running if self.held(r)] if self.held is not None else []
         if not held:
             return super().schedule(*args, **kwargs)

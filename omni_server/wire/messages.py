@@ -19,6 +19,7 @@ VIDEO_FPS = 2.0  # frames a second the api keeps of a video; the first stage's p
 # Request option names (AddRequest/ExpectRequest.options) the api sets and stages read.
 VOICE_OPTION = "voice"  # the generator's / talker's voice
 REPLY_FROM_OPTION = "reply_from"  # text-to-speech: prompt index where the given reply starts
+SPEED_OPTION = "speed"  # text-to-speech: the listener plays the audio this much faster (the api stretches it)
 # The request's prefix-cache salt: AR stages key its KV blocks by it too, so only requests with the
 # same salt share cached prefixes (tenants that must not learn of each other's prompts by timing).
 CACHE_SALT_OPTION = "cache_salt"
@@ -117,7 +118,7 @@ class StagePayload(_Msg):
 
     request_id: str
     source_stage: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # (empty for a prompt given as embeddings alone; its rows still lead "hidden")
     output_token_ids: list[int]
     # e.g. "hidden": [num_prompt + num_output - 1, hidden_size] final-layer hidden states.
     tensors: dict[str, Any] = {}

@@ -8,6 +8,7 @@ Defaults are ipc sockets in a private runtime dir; TCP addresses come from the Y
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import tempfile
@@ -27,13 +28,26 @@ log = logging.getLogger(__name__)
 SEND_HWM = 100_000
 
 
+_locks: list = []  # (open files holding runtime_dir locks: held for the process's life)
+
+
 def make_runtime_dir(cfg: PipelineConfig) -> Path:
+    """`serve`'s socket directory: the configured one, locked against a second `serve` (ZMQ lets a
+    second process bind an ipc path another listens on: it would take over the first one's
+    sockets without a word), or a private temporary one."""
     if cfg.runtime_dir:
         path = Path(cfg.runtime_dir)
         try:
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            lock = open(path / "serve.lock", "a")
         except OSError as e:
             raise SystemExit(f"runtime_dir {path}: cannot create it: {e.strerror or e}") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise SystemExit(f"runtime_dir {path} is in use by another `omni-server serve`") from None
+        _locks.append(lock)
         return path
     return Path(tempfile.mkdtemp(prefix="omni-server-"))  # mode 0700: sockets stay private
 

@@ -17,7 +17,7 @@ runs on the new mel with `vocoder_context_frames` either side and holds back the
 `vocoder_context_frames` until their right context exists. Every window's noise is the slice of the
 request's one noise sequence at the same positions, and which windows run depends only on the codes,
 never on when they arrived: a streamed waveform equals the same codes decoded by `stream_all`, and a
-response of at most (first window + `future_frames`) mel frames equals the full decode (exactly;
+response of fewer than (first window + `future_frames`) mel frames equals the full decode (exactly;
 with `dit_past_cache` up to float rounding, ~1e-7: the first window attends through the past path to
 masked-out empty keys, other shapes than the whole decode's).
 
@@ -173,13 +173,15 @@ class Token2Wav:
         for name, value, unit in (("chunk_frames", chunk_frames, block),
                                   *(("first_chunk_frames", size, block) for size in starts),
                                   ("past_frames", past_frames, block), ("future_frames", future_frames, repeats)):
-            positive = name.endswith("chunk_frames")
+            # (future_frames 0 made a stream's audio depend on when its last codes came: the vocoder
+            # held back its context, or not, by whether the final flag came with them)
+            positive = name.endswith("chunk_frames") or name == "future_frames"
             if not isinstance(value, int) or value < 0 or value % unit or (positive and value == 0):
                 raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} "
                                  f"multiple of {unit} (the DiT's {'block size' if unit == block else 'code rate'}), "
                                  f"got {value}")
-        if vocoder_context_frames < 0:
-            raise ValueError(f"vocoder_context_frames must be >= 0, got {vocoder_context_frames}")
+        if not isinstance(vocoder_context_frames, int) or vocoder_context_frames < 0:
+            raise ValueError(f"vocoder_context_frames must be a whole number >= 0, got {vocoder_context_frames!r}")
         self.chunk_frames, self.past_frames, self.future_frames = chunk_frames, past_frames, future_frames
         # New frames of the stream's first windows, in order; `chunk_frames` each after them.
         self.start_windows: tuple[int, ...] = tuple(starts)
