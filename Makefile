@@ -1,5 +1,6 @@
 # Set-up is part of every target: a fresh machine needs only `make serve` or `make test`.
-PY := .venv/bin/python
+export VENV ?= .venv
+PY := $(VENV)/bin/python
 CONFIG ?= configs/default.yaml
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -26,4 +27,4 @@ soak: tiny
 	$(PY) -m pytest -q -m slow tests/test_soak.py
 
 clean:
-	rm -rf .venv var
+	rm -rf $(VENV) var

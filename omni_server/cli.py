@@ -57,7 +57,7 @@ def cmd_check(args) -> int:
 
     from omni_server.orchestrator.launcher import Launcher
 
-    launcher = Launcher(cfg, args.config, Path("."))
+    launcher = Launcher(cfg, Path("."))
     for note in launcher.gpu_start_notes() + launcher.host_notes():
         print(f"note: {note}")
     return 0
@@ -108,8 +108,7 @@ def cmd_serve(args) -> int:
         cfg.cuda_mps = {"true": True, "false": False}.get(args.cuda_mps, args.cuda_mps)
     from omni_server.server import serve
 
-    return asyncio.run(serve(cfg, args.config, args.stage_arg, external_stages=args.external_stages,
-                             started=started))
+    return asyncio.run(serve(cfg, external_stages=args.external_stages, started=started))
 
 
 def cmd_bench(args) -> int:
@@ -125,6 +124,11 @@ def cmd_bench(args) -> int:
         print("error: --shared-prefix-words opens every chat with one system message; /v1/audio/speech "
               "takes none: leave out one of --speech and --shared-prefix-words", file=sys.stderr)
         return 2
+    for flag, value in (("--requests", args.requests), ("--reference-requests", args.reference_requests),
+                        ("--concurrency", min(args.concurrency))):
+        if value is not None and value < 1:
+            print(f"error: {flag} must be at least 1", file=sys.stderr)
+            return 2
     if args.request_rate is not None and not args.request_rate > 0:
         print("error: --request-rate must be a positive number of requests per second", file=sys.stderr)
         return 2
@@ -150,6 +154,8 @@ def cmd_bench(args) -> int:
               + (f"  TTFP p50 ms={lv['ttfp_ms']['p50']}  audio s/wall s={lv['audio_s_per_wall_s']}  "
                  f"RTF p50={lv['rtf']['p50']}  stall p90/max ms={lv['stall_ms']['p90']}/{lv['stall_ms']['max']} "
                  f"({lv['stalled_requests']} requests stalled)" if args.audio or args.speech else ""))
+        for example in lv.get("error_examples", []):
+            print(f"    error: {example}")
         for st in lv.get("stages", []):
             print(f"    stage {st['stage_id']}: {st['steps']} steps, {st['step_ms_mean']} ms/step, busy {st['busy']}, "
                   f"batch {st['batch_mean']}, {st['payload_mb']} MB to stages, {st['backpressure_pauses']} pauses, "
@@ -166,9 +172,12 @@ def cmd_bench(args) -> int:
 def cmd_keys(args) -> int:
     from omni_server.wire.security import create_keys
 
+    if not args.dir:
+        print("error: name the directory for the keys", file=sys.stderr)
+        return 2
     try:
         secret = create_keys(args.dir)
-    except FileExistsError as e:
+    except OSError as e:  # (exists already, or cannot be written)
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {secret} (secret, mode 0600) and its public half; set server.curve_keys_dir: {args.dir} "

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import time
-from typing import Sequence
 
 import uvicorn
 
@@ -30,8 +30,7 @@ class _Stopped(BaseException):
     that catches Exception while the api sets up must not swallow it)."""
 
 
-async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] = (),
-                external_stages: bool = False, started: float | None = None) -> int:
+async def serve(cfg: PipelineConfig, external_stages: bool = False, started: float | None = None) -> int:
     """Run the api; start and supervise the stage processes unless they are external (started
     separately, e.g. by docker-compose or on other hosts, and found at their configured addresses).
     `started`: the command's time.monotonic(), which the ready time counts from (default: now)."""
@@ -43,7 +42,7 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
             raise SystemExit(f"--external-stages needs `address` on every stage and server.output_address "
                              f"(or a shared runtime_dir); missing: {', '.join(missing)}")
     runtime_dir = make_runtime_dir(cfg)
-    launcher = Launcher(cfg, config_path, runtime_dir, overrides)
+    launcher = Launcher(cfg, runtime_dir)
     try:
         mps = None if external_stages else launcher.start_mps()
     except MPSError as e:
@@ -63,6 +62,9 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop_starting)
+    # The terminal closing (SIGHUP) stops serve as SIGTERM does, whoever handles that one by then
+    # (uvicorn while serving); by default it killed serve without its clean-up.
+    signal.signal(signal.SIGHUP, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
     failed: list[str] = []
     try:
         # Every stage process starts now, before the api's own set-up (tokenizer, media processors,
@@ -85,7 +87,8 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
             units = cfg.units()
             waiting = list(after)
             announced = False
-            timeout = max(s.startup_timeout_s for s in cfg.stages)
+            # Each stage's own startup_timeout_s, from its launch (a held one's: from its release).
+            deadline = {u: launched + cfg.stage(u[0]).startup_timeout_s for u in units if u not in waiting}
             restart_at: dict[Unit, float] = {}
             crashes: dict[Unit, list[float]] = {}
             gave_up: set[Unit] = set()
@@ -103,6 +106,7 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
                     if all(e in ready for e in after[unit]):
                         launcher.release(unit)
                         waiting.remove(unit)
+                        deadline[unit] = time.monotonic() + cfg.stage(unit[0]).startup_timeout_s
                 await asyncio.sleep(0.2)
                 now = time.monotonic()
                 for unit, code in launcher.exited().items():
@@ -145,12 +149,15 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
                         launcher.start(unit)
                 if not announced and orch is not None and orch.all_ready:
                     announced = True
+                    bound = [sock.getsockname()[1] for server in uv.servers for sock in server.sockets]
                     log.info("all %d stages ready in %.1f s; serving on http://%s:%d", len(cfg.stages),
-                             time.monotonic() - t0, cfg.server.host, cfg.server.port)
-                if not announced and time.monotonic() - launched > timeout:
-                    absent = [f"{cfg.unit_name(u)} ({stage_address(cfg, u[0], runtime_dir, u[1])})" for u in units
-                              if orch is None or u not in orch.ready]
-                    failed.append(f"stages not ready after {timeout:.0f} s: {', '.join(absent)}")
+                             time.monotonic() - t0, cfg.server.host, bound[0] if bound else cfg.server.port)
+                late = [u for u, at in deadline.items() if not announced and time.monotonic() > at
+                        and (orch is None or u not in orch.ready)]
+                if late:
+                    absent = [f"{cfg.unit_name(u)} ({stage_address(cfg, u[0], runtime_dir, u[1])}; startup_timeout_s "
+                              f"{cfg.stage(u[0]).startup_timeout_s:g})" for u in late]
+                    failed.append(f"stages not ready in time: {', '.join(absent)}")
                     uv.should_exit = True
                     return
 
@@ -165,7 +172,7 @@ async def serve(cfg: PipelineConfig, config_path: str, overrides: Sequence[str] 
     except _Stopped as e:
         log.info("%s while starting: stopping the stages", e)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # (a second Ctrl-C must not cut the clean-up short)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (a second one must not cut the clean-up short)
             signal.signal(sig, lambda signum, frame: None)
         launcher.stop_all()
         if mps is not None:

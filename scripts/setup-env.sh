@@ -13,7 +13,8 @@ case $device in cpu|cuda) ;; *) echo "OMNI_DEVICE must be cpu or cuda, got '$dev
 
 stamp=$VENV/.omni-installed
 want=$(cat pyproject.toml requirements/*.txt scripts/setup-env.sh | sha256sum | cut -c1-16)-$device
-if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then exit 0; fi
+# (and only while its python still runs: an upgraded system python leaves the venv's link dangling)
+if [[ -f $stamp && $(cat "$stamp") == "$want" ]] && "$VENV/bin/python" -c "" 2>/dev/null; then exit 0; fi
 
 echo "setting up $VENV for $device (pinned vLLM 0.26.0, torch 2.11.0) ..."
 # (A venv whose creation failed half-way, e.g. without Debian's python3-venv, has a python but no

@@ -658,7 +658,9 @@ def test_check_and_serve_name_a_local_model_path_that_does_not_exist(tmp_path):
           - {id: 0, name: a, model: /nowhere/Qwen2.5-Omni-7B, output: text}
           - {id: 1, name: b, model: ../var/models/tiny-nothing, tokenizer: Qwen/Qwen2.5-Omni-7B, inputs: [0],
              input_processor: hidden_to_embeds, output: tokens}
-        """))
+        server: {chat_template: no-such-template.jinja, curve_keys_dir: /nowhere/keys}
+        runtime_dir: /tmp/%s
+        """ % ("r" * 100)))
     for cmd in ("check", "serve"):
         proc = subprocess.run([sys.executable, "-m", "omni_server.cli", cmd, str(path)], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
@@ -666,7 +668,10 @@ def test_check_and_serve_name_a_local_model_path_that_does_not_exist(tmp_path):
         assert proc.stderr.strip().splitlines()[1:] == [
             f"{path}: stage 0 (a): model: no such directory: /nowhere/Qwen2.5-Omni-7B",
             f"{path}: stage 1 (b): model: no such directory: ../var/models/tiny-nothing (`make tiny` builds the "
-            "test models)"]
+            "test models)", f"{path}: server: chat_template: no such file: no-such-template.jinja",
+            f"{path}: server: curve_keys_dir: no omni.key_secret in /nowhere/keys (`omni-server keys /nowhere/keys` "
+            "makes one)",
+            f"{path}: runtime_dir: /tmp/{'r' * 100} is too long for its sockets' paths (117 characters, at most 107)"]
 
 
 def test_check_rejects_generator_args_the_generator_does_not_take(tmp_path):
@@ -750,6 +755,58 @@ def test_yaml_merge_keys_may_be_overridden():
         load_config_text(text.replace("max_model_len: 4096}", "max_model_len: 4096, max_model_len: 1}"))
 
 
+def test_an_override_changes_only_its_stage_when_stages_share_an_anchor():
+    """`engine_args: *args` in two stages loads as one shared mapping: an override of one stage's
+    must not change the other's."""
+    from omni_server.config import load_config_text
+
+    text = textwrap.dedent("""\
+        model: m
+        stages:
+          - {id: 0, name: a, model: x, output: text, engine_args: &args {max_num_seqs: 8}, env: &env {A: "1"}}
+          - {id: 1, name: b, model: x, inputs: [0], input_processor: hidden_to_embeds, output: tokens,
+             engine_args: *args, env: *env}
+        """)
+    cfg = load_config_text(text, overrides=["a.max_num_seqs=2", "b.env.A=2"])
+    assert cfg.stage(0).engine_args == {"max_num_seqs": 2} and cfg.stage(1).engine_args == {"max_num_seqs": 8}
+    assert cfg.stage(0).env == {"A": "1"} and cfg.stage(1).env == {"A": "2"}
+
+
+def test_an_override_that_names_no_field_is_an_argument_of_the_stages_engine_or_generator():
+    from omni_server.config import load_config
+
+    cfg = load_config(REPO / "configs" / "default.yaml", ["token2wav.chunk_frames=144", "thinker.max_num_seqs=4",
+                                                          "token2wav.generator_args.past_frames=24"])
+    assert cfg.stage(2).generator_args["chunk_frames"] == 144 and cfg.stage(2).generator_args["past_frames"] == 24
+    assert cfg.stage(0).engine_args["max_num_seqs"] == 4 and "chunk_frames" not in cfg.stage(2).engine_args
+
+
+def test_env_values_are_the_text_written():
+    """YAML would read `1.10` as 1.1, `010` as 8, `0x1F` as 31 and `yes` as true: an environment
+    value is the text as written, in the file (aliases too) and in --stage-arg."""
+    from omni_server.config import load_config_text
+
+    text = textwrap.dedent("""\
+        model: m
+        stages:
+          - {id: 0, name: a, model: x, output: text, env: &e {A: 1.10, B: 010, C: yes, D: 0x1F, E: "q", F: 4}}
+          - {id: 1, name: b, model: x, inputs: [0], input_processor: hidden_to_embeds, output: tokens, env: *e}
+        """)
+    cfg = load_config_text(text, overrides=["a.env.G=1.10", "b.env.H=007"])
+    written = {"A": "1.10", "B": "010", "C": "yes", "D": "0x1F", "E": "q", "F": "4"}
+    assert cfg.stage(0).env == {**written, "G": "1.10"} and cfg.stage(1).env == {**written, "H": "007"}
+
+
+def test_a_tcp_port_past_65535_is_refused():
+    """(ZMQ would bind it modulo 65536: tcp://127.0.0.1:99999 listened on 34463.)"""
+    from omni_server.config import load_config_text
+
+    text = VALID.replace("model: ", "model: ", 1)
+    with pytest.raises(ConfigError, match=r"port 1-65535"):
+        load_config_text(text, overrides=["0.address=tcp://127.0.0.1:99999"])
+    assert load_config_text(text, overrides=["0.address=tcp://127.0.0.1:65535"]).stage(0).address.endswith(":65535")
+
+
 def test_check_names_engine_args_vllm_does_not_take():
     """A typo or the CLI's dashed spelling in `engine_args` (here through --stage-arg): `check`
     says which, with vLLM's closest names, instead of the stage failing at start."""
@@ -782,7 +839,7 @@ def test_stage_args_take_lists_and_check_devices_and_addresses():
     where = REPO / "configs" / "default.yaml"
     assert _problems(err) == [
         f"{where}: stage 0 (thinker): devices: GPU indices or UUIDs, one or comma-separated (e.g. 0 or 0,1), got "
-        "'gpu0'", f"{where}: stage 1 (talker): address: a ZMQ address tcp://HOST:PORT or ipc://PATH, got 'localhost:7002'"]
+        "'gpu0'", f"{where}: stage 1 (talker): address: a ZMQ address tcp://HOST:PORT (port 1-65535) or ipc://PATH, got 'localhost:7002'"]
 
 
 def test_serve_says_when_it_cannot_make_its_runtime_dir(tmp_path):

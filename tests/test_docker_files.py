@@ -86,3 +86,13 @@ def test_compose_config_validates():
         assert device["capabilities"] == ["gpu"] and device["device_ids"] == ["0"]
     assert any(str(p.get("published", p) if isinstance(p, dict) else p).startswith("8000")
                for p in services["api"]["ports"])
+
+
+def test_the_build_context_leaves_out_the_venv_and_keeps_what_the_image_copies():
+    """(Without .dockerignore the context carried the multi-GB .venv and the built models.)"""
+    ignored = [line.strip().rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    assert {".venv", "var", ".git"} <= set(ignored)
+    copied = [p.rstrip("/") for line in (DOCKER / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")
+              for p in line.split()[1:-1]]
+    assert copied and all((REPO / p).exists() and p not in ignored for p in copied), copied

@@ -26,7 +26,7 @@ stages:
 
 
 def _launcher(sequential: bool) -> Launcher:
-    launcher = Launcher(load_config_text(CONFIG), "unused.yaml", Path("/tmp"))
+    launcher = Launcher(load_config_text(CONFIG), Path("/tmp"))
     launcher.sequential = sequential
     return launcher
 
@@ -57,7 +57,7 @@ stages:
 def test_engines_with_a_fixed_kv_size_share_a_gpu_from_the_start():
     # Given kv_cache_memory_bytes, vLLM does not measure memory while starting: such engines and
     # generation stages build side by side; an engine that profiles still starts alone.
-    launcher = Launcher(load_config_text(SIZED), "unused.yaml", Path("/tmp"))
+    launcher = Launcher(load_config_text(SIZED), Path("/tmp"))
     launcher.sequential = True
     assert [launcher.start_after(u) for u in launcher.cfg.units()] == [[], [], [], [(0, 0), (1, 0), (2, 0)]]
 
@@ -67,7 +67,7 @@ def test_engines_with_a_fixed_kv_size_share_a_gpu_from_the_start():
 def test_shipped_one_gpu_pipelines_build_every_stage_at_once(path):
     """Their engines have fixed KV sizes: nothing waits for another stage's start (the Qwen3 config
     profiled memory until 2026-12-01 and took 100 s + 94 s instead of the longer of the two)."""
-    launcher = Launcher(load_config(REPO / path), path, Path("/tmp"))
+    launcher = Launcher(load_config(REPO / path), Path("/tmp"))
     launcher.sequential = True
     assert all(launcher.start_after(u) == [] for u in launcher.cfg.units())
 
@@ -86,7 +86,7 @@ def test_a_generation_stage_builds_before_the_engines_that_profile_its_gpu():
     # A one-GPU speech pipeline whose engines profile memory: token2wav (CUDA graph capture, ~20 s
     # on the H200) builds first, while thinker and talker import; they then profile with its memory
     # already in use. (configs/qwen2_5_omni.yaml gives both engines KV sizes: all three build at once.)
-    launcher = Launcher(load_config_text(ONE_GPU), "unused.yaml", Path("/tmp"))
+    launcher = Launcher(load_config_text(ONE_GPU), Path("/tmp"))
     launcher.sequential = True
     assert launcher.build_order() == [(2, 0), (0, 0), (1, 0)]
     assert [launcher.start_after(u) for u in launcher.cfg.units()] == [[(2, 0)], [(2, 0), (0, 0)], []]
@@ -128,7 +128,7 @@ def test_held_stage_imports_then_builds_its_engine_only_when_released(tiny_model
     # A real stage process (token2wav of the default pipeline): held, it gets as far as its imports
     # and waits; released, it builds its generator and reports ready; EOF without "go" ends it.
     cfg_path = str(REPO / "configs" / "default.yaml")
-    launcher = Launcher(load_config(cfg_path), cfg_path, tmp_path)
+    launcher = Launcher(load_config(cfg_path), tmp_path)
     held, dropped = (2, 0), (1, 0)
     out = _StageLog(tmp_path / "stages.log")
     out.start(launcher, held, hold=True)
@@ -193,12 +193,12 @@ def test_failure_note_of_a_stage_process():
 def test_check_explains_which_stages_build_one_after_another():
     """`omni-server check` notes the stages that wait for others on a GPU host, and why (on any
     host: the note is about the deployment, not this machine)."""
-    launcher = Launcher(load_config_text(SIZED), "unused.yaml", Path("/tmp"))
+    launcher = Launcher(load_config_text(SIZED), Path("/tmp"))
     launcher.sequential = False
     (note,) = launcher.gpu_start_notes()
     assert note.startswith("stage 3 (late) builds after thinker, talker, voc on a GPU host: its engine measures")
     assert "kv_cache_memory_bytes" in note and launcher.sequential is False
-    notes = Launcher(load_config_text(ONE_GPU), "unused.yaml", Path("/tmp")).gpu_start_notes()
+    notes = Launcher(load_config_text(ONE_GPU), Path("/tmp")).gpu_start_notes()
     assert notes == ["stage 0 (thinker) builds after voc on a GPU host: its engine measures free GPU memory while "
                      "it starts; `kv_cache_memory_bytes` in its engine_args lets it build beside them",
                      "stage 1 (talker) builds after voc, thinker on a GPU host: its engine measures free GPU memory "
@@ -237,12 +237,12 @@ def test_serve_stops_its_stages_when_the_api_cannot_start(tmp_path, monkeypatch,
 
     monkeypatch.setattr(Launcher, "start", recording_start)
     with pytest.raises(OSError, match="no-such-tokenizer"):
-        asyncio.run(serve(cfg, str(REPO / "configs" / "default.yaml")))
+        asyncio.run(serve(cfg))
     assert len(started) == len(cfg.units()) == 3
     assert all(p.poll() is not None for p in started)  # stopped, and waited for
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_signal_while_the_stages_start_stops_everything_cleanly(tiny_models, tmp_path, sig):
     """Ctrl-C or SIGTERM in the seconds before the api serves (stages launched, the api setting
     up): `serve` stops its stages and exits 0 without a traceback, as it does once serving."""
@@ -271,6 +271,102 @@ def test_a_signal_while_the_stages_start_stops_everything_cleanly(tiny_models, t
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
-    assert f"{sig} while starting: stopping the stages" in text and "Traceback" not in text, text[-3000:]
+    as_ = "SIGTERM" if sig == "SIGHUP" else sig  # (the terminal closing stops serve as SIGTERM does)
+    assert f"{as_} while starting: stopping the stages" in text and "Traceback" not in text, text[-3000:]
     assert len(stages) == 3 and not [p for p in stages if psutil.pid_exists(p)
                                      and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_runtime_dir_serves_one_serve_at_a_time(tmp_path):
+    """A second `serve` on the same runtime_dir would bind the first one's ipc sockets (ZMQ lets it)
+    and take them over silently: it is refused, and the directory is free again once released."""
+    from omni_server.config import load_config_text
+    from omni_server.wire import transport
+
+    cfg = load_config_text(f"model: m\nruntime_dir: {tmp_path / 'rt'}\nstages:\n  - {{id: 0, name: a, model: x, output: text}}\n")
+    assert transport.make_runtime_dir(cfg) == tmp_path / "rt"
+    with pytest.raises(SystemExit, match="in use by another `omni-server serve`"):
+        transport.make_runtime_dir(cfg)
+    transport._locks.pop().close()
+    assert transport.make_runtime_dir(cfg) == tmp_path / "rt"
+    transport._locks.pop().close()
+
+
+def test_each_stage_has_its_own_startup_timeout_and_port_0_logs_the_port_bound(tiny_models, tmp_path):
+    """A stage's startup_timeout_s is its own (the largest, token2wav's 600 s, applied to all), and
+    the ready line names the port `--port 0` got, not 0."""
+    import re
+
+    import httpx
+
+    from tests.conftest import Server
+
+    late = Server(REPO / "tests" / "configs" / "text.yaml", tmp_path / "late.log",
+                  args=["--stage-arg", "thinker.startup_timeout_s=0.5"])
+    try:
+        assert late.proc.wait(120) != 0
+    finally:
+        late.stop()
+    assert "stages not ready in time: thinker (" in late.log_tail() and "startup_timeout_s 0.5)" in late.log_tail()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "omni_server.cli", "serve", "tests/configs/text.yaml", "--port",
+                                 "0"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline, m = time.monotonic() + 180, None
+        while m is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", log.read_text())
+        assert m is not None and int(m.group(1)) != 0, log.read_text()[-3000:]
+        assert httpx.get(f"http://127.0.0.1:{m.group(1)}/health", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(2)
+        proc.wait(60)
+
+
+def test_a_config_token_id_past_the_vocabulary_fails_the_stage_start(tiny_models, tmp_path):
+    """(It failed every request instead, as the client's bad logit_bias: a 400 for a field never sent.)"""
+    from tests.conftest import Server
+
+    server = Server(REPO / "tests" / "configs" / "text.yaml", tmp_path / "serve.log",
+                    args=["--stage-arg", "thinker.default_sampling.suppress_token_ids=[5, 99999999]"])
+    try:
+        assert server.proc.wait(240) == 1
+    finally:
+        server.stop()
+    assert ("stage 0 (thinker) failed to start (exit code 1): ValueError: stage 0 (thinker): "
+            "default_sampling.suppress_token_ids: [99999999] not in the model's vocabulary (0-1279)") in server.log_tail()
+
+
+def test_a_restarted_stage_runs_the_config_serve_read(tiny_models, tmp_path):
+    """Stages start from serve's validated config (overrides applied), not from the file again: a
+    stage restarted after the file was moved away (or edited) runs as before."""
+    import os
+    import signal
+
+    import httpx
+
+    from tests.conftest import Server
+
+    text = (REPO / "tests" / "configs" / "text.yaml").read_text()
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(text.replace("../../var/models/", str(REPO / "var" / "models") + "/")
+                      .replace("chat_template: tools_template.jinja", f"chat_template: {REPO}/tests/configs/tools_template.jinja"))
+    server = Server(config, tmp_path / "serve.log", args=["--stage-arg", "thinker.default_sampling.max_tokens=3"])
+    try:
+        server.wait_ready(time.monotonic() + 180)
+        config.unlink()
+        pid = httpx.get(f"{server.base_url}/health").json()["pids"]["thinker"]
+        os.kill(pid, signal.SIGKILL)
+        deadline, health = time.monotonic() + 120, None
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{server.base_url}/health")
+            if health.status_code == 200 and health.json()["pids"]["thinker"] != pid:
+                break
+            time.sleep(0.5)
+        assert health.status_code == 200 and health.json()["pids"]["thinker"] != pid, server.log_tail()
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                       json={"model": "omni-tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.json()["usage"]["completion_tokens"] == 3  # (the override still applies)
+    finally:
+        server.stop()

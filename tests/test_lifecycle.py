@@ -20,12 +20,12 @@ def test_killed_stage_fails_requests_then_restarts(crash_server):
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
     pid = httpx.get(f"{base}/health").json()["pids"]["thinker"]
 
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2000, stream=True,
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1900, stream=True,
                                             extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
     # a Responses stream too: its failure is OpenAI's `error` event (the SDK raises on it)
-    events = iter(client.responses.create(model=MODEL, input="Hi", max_output_tokens=2000, stream=True,
+    events = iter(client.responses.create(model=MODEL, input="Hi", max_output_tokens=1900, stream=True,
                                           extra_body={"ignore_eos": True}))
     next(events)
     killed = time.monotonic()

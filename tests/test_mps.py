@@ -51,7 +51,7 @@ stages:
 
 
 def _on_gpu_host(text: str, runtime_dir: Path) -> Launcher:
-    launcher = Launcher(load_config_text(text), str(REPO / "configs/default.yaml"), runtime_dir)
+    launcher = Launcher(load_config_text(text), runtime_dir)
     launcher.cuda = True  # (what this CPU host is not: the decision under test is what follows)
     return launcher
 
@@ -207,7 +207,7 @@ def test_serve_runs_its_stages_under_the_daemon_and_quits_it(fake_mps, monkeypat
     cfg = load_config(REPO / "configs/default.yaml", overrides)
     cfg.cuda_mps, cfg.server.port, cfg.runtime_dir = True, free_port(), str(fake_mps / "run")
     with caplog.at_level(logging.INFO):
-        assert asyncio.run(serve(cfg, str(REPO / "configs/default.yaml"), overrides)) == 1
+        assert asyncio.run(serve(cfg)) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert "CUDA MPS daemon started" in caplog.text
     assert errors[-2].startswith("the stages ran as clients of serve's CUDA MPS daemon (cuda_mps)")

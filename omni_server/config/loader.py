@@ -13,6 +13,7 @@ validation, so a bad override is reported like a bad line in the file.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from collections.abc import Sequence
@@ -106,7 +107,33 @@ def _parse_yaml(text: str, name: str) -> dict[str, Any]:
         raise ConfigError(
             f"{name}: the top level must be a mapping with `model` and `stages`, got {_type_name(data)}"
         )
+    _env_as_written(yaml.compose(text, Loader=_UniqueKeyLoader), data)  # noqa: S506
     return data
+
+
+def _env_as_written(root: yaml.Node, data: dict[str, Any]) -> None:
+    """Stages' `env` values as the file spells them: environment values are text, and YAML would
+    read `1.10` as 1.1, `010` as 8, `0x1F` as 31 and `yes` as true."""
+    stages = _child(root, "stages")
+    if not isinstance(stages, yaml.SequenceNode) or not isinstance(data.get("stages"), list):
+        return
+    for node, stage in zip(stages.value, data["stages"]):
+        env, values = _child(node, "env"), stage.get("env") if isinstance(stage, dict) else None
+        if not isinstance(env, yaml.MappingNode) or not isinstance(values, dict):
+            continue
+        for key_node, value_node in env.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            written = values.get(key)
+            if isinstance(value_node, yaml.ScalarNode) and isinstance(written, (bool, int, float)):
+                values[key] = value_node.value
+
+
+def _child(node: yaml.Node | None, key: str) -> yaml.Node | None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value == key:
+                return value_node
+    return None
 
 
 def _type_name(v: Any) -> str:
@@ -127,6 +154,8 @@ class StageOverride(BaseModel):
     stage: str
     path: tuple[str, ...]
     value: Any
+    # KEY named no stage field: an engine_args key, or a generator_args one on a generation stage.
+    implicit: bool = False
 
 
 def parse_override(text: str) -> StageOverride:
@@ -142,13 +171,16 @@ def parse_override(text: str) -> StageOverride:
     head = parts[0]
     if head in ("id", "name"):
         raise ConfigError(bad + f"the stage's `{head}` cannot be overridden")
-    if head in _STAGE_FIELDS:
+    implicit = head not in _STAGE_FIELDS
+    if not implicit:
         path = parts
     else:  # engine_args key; dotted keys set nested engine args (e.g. compilation_config.level)
         path = ("engine_args", *parts)
     raw = raw.strip()
     # (A flow list, e.g. devices=[0,1] or one address per replica, is YAML as in the file.)
-    if len(path) == 1 and head in _STR_FIELDS and raw not in ("", "null", "~") and not raw.startswith("["):
+    # (An env value too: environment values are text, `env.VER=1.10` is "1.10", not 1.1.)
+    as_text = len(path) == 1 and head in _STR_FIELDS or len(path) == 2 and head == "env"
+    if as_text and raw not in ("", "null", "~") and not raw.startswith("["):
         value: Any = raw[1:-1] if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"" else raw
     else:
         try:
@@ -156,7 +188,7 @@ def parse_override(text: str) -> StageOverride:
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ConfigError(bad + f"VALUE is not a valid YAML value: {problem}") from None
-    return StageOverride(text=text, stage=stage.strip(), path=path, value=value)
+    return StageOverride(text=text, stage=stage.strip(), path=path, value=value, implicit=implicit)
 
 
 def _stage_desc(raw: Any) -> str:
@@ -185,12 +217,17 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str], name: str = 
     STAGE is a stage id or name (a number matches an id first). KEY is a StageConfig field
     (anything but `id`/`name`: e.g. devices, model, tokenizer, address, output, inputs) or a
     dotted path into one (`default_sampling.max_tokens`, `env.FOO`); any other KEY is an
-    `engine_args` key (`max_num_seqs`, or dotted `compilation_config.level` for a nested one).
+    `engine_args` key (`max_num_seqs`, or dotted `compilation_config.level` for a nested one), on a
+    generation stage a `generator_args` one (`chunk_frames`).
     VALUE is a YAML scalar or flow value: `8` -> 8, `true` -> True, `0.5` -> 0.5,
     `[1,2]` -> [1, 2], `null` -> None; for model/tokenizer/devices/address/input_processor it is
     taken as a string.
     """
     problems: list[str] = []
+    # (YAML anchors and aliases load as one shared object: an override on one stage's `engine_args`
+    # would change every stage that aliases it. Each stage gets its own copy first.)
+    if overrides and isinstance(data.get("stages"), list):
+        data["stages"] = [copy.deepcopy(stage) for stage in data["stages"]]  # (one copy each: unshared)
     stages = data.get("stages")
     for text in overrides:
         try:
@@ -206,17 +243,20 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str], name: str = 
             known = ", ".join(_stage_desc(s) for s in stages) or "none"
             problems.append(f"{name}: override {text!r}: no stage with id or name {ov.stage!r} (stages: {known})")
             continue
+        path = ov.path
+        if ov.implicit and stage.get("kind") == "generation":  # (its arguments are the generator's)
+            path = ("generator_args", *path[1:])
         node: Any = stage
-        for i, part in enumerate(ov.path[:-1]):
+        for i, part in enumerate(path[:-1]):
             if node.get(part) is None:
                 node[part] = {}
             node = node[part]
             if not isinstance(node, dict):
-                where = ".".join(ov.path[: i + 1])
+                where = ".".join(path[: i + 1])
                 problems.append(f"{name}: override {text!r}: `{where}` is {_type_name(node)}, not a mapping")
                 break
         else:
-            node[ov.path[-1]] = ov.value
+            node[path[-1]] = ov.value
     return problems
 
 
@@ -338,7 +378,8 @@ def missing_paths(cfg: PipelineConfig, name: str) -> list[str]:
     """Stages' model / tokenizer values that are local paths (absolute, `~`, `./`, `../`, or more
     than one `/`: a hub id is `org/name`) and do not exist; checked by `serve` and `check` before
     any stage starts (the hub client would otherwise take them for a malformed repo id, deep in a
-    traceback). Not at load: a config may name paths of another machine (a container's /model)."""
+    traceback). Not at load: a config may name paths of another machine (a container's /model).
+    Also the api's own files: server.chat_template, the CURVE key, a runtime_dir its sockets fit in."""
     out = []
     for stage in cfg.stages:
         for field in _PATH_FIELDS:
@@ -348,6 +389,20 @@ def missing_paths(cfg: PipelineConfig, name: str) -> list[str]:
             if value.startswith(("/", "~", "./", "../")) or value.count("/") > 1:
                 hint = " (`make tiny` builds the test models)" if "var/models" in value else ""
                 out.append(f"{name}: stage {stage.id} ({stage.name}): {field}: no such directory: {value}{hint}")
+    template = cfg.server.chat_template
+    if template and not Path(os.path.expanduser(template)).is_file():
+        out.append(f"{name}: server: chat_template: no such file: {template}")
+    keys = cfg.server.curve_keys_dir
+    if keys and not (Path(os.path.expanduser(keys)) / "omni.key_secret").is_file():
+        out.append(f"{name}: server: curve_keys_dir: no omni.key_secret in {keys} (`omni-server keys {keys}` "
+                   "makes one)")
+    if cfg.runtime_dir:  # (ZMQ refuses an ipc path past its limit: the longest socket's here)
+        import zmq
+
+        longest = Path(cfg.runtime_dir) / f"stage{len(cfg.stages) - 1}.{max(s.replicas for s in cfg.stages)}.in"
+        if len(str(longest)) > zmq.IPC_PATH_MAX_LEN:
+            out.append(f"{name}: runtime_dir: {cfg.runtime_dir} is too long for its sockets' paths "
+                       f"({len(str(longest))} characters, at most {zmq.IPC_PATH_MAX_LEN})")
     return out
 
 
@@ -386,6 +441,11 @@ def load_config_text(
     paths resolve against `base_dir` (if given), then the current directory."""
     data = _parse_yaml(text, name)
     problems = apply_overrides(data, overrides, name)
+    server = data.get("server") if isinstance(data, dict) else None
+    if isinstance(server, dict) and isinstance(server.get("media_url_ca_file"), str):
+        # (read while validating: relative to the config file first, as every other path in it)
+        server["media_url_ca_file"] = _resolve_path(server["media_url_ca_file"],
+                                                    Path(base_dir) if base_dir is not None else None)
     cfg: PipelineConfig | None = None
     try:
         cfg = PipelineConfig.model_validate(data)
@@ -399,6 +459,7 @@ def load_config_text(
         for field in _PATH_FIELDS:
             setattr(stage, field, _resolve_path(getattr(stage, field), base))
     cfg.server.curve_keys_dir = _resolve_path(cfg.server.curve_keys_dir, base)
+    cfg.server.chat_template = _resolve_path(cfg.server.chat_template, base)
     return cfg
 
 

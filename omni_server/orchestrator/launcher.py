@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -10,7 +11,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Sequence
 
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.mps import PROGRAM as MPS_PROGRAM
@@ -57,11 +57,12 @@ def failure_note(exc: BaseException) -> str | None:
 
 
 class Launcher:
-    def __init__(self, cfg: PipelineConfig, config_path: str, runtime_dir: Path, overrides: Sequence[str] = ()):
+    def __init__(self, cfg: PipelineConfig, runtime_dir: Path):
         self.cfg = cfg
-        self.config_path = config_path
         self.runtime_dir = runtime_dir
-        self.overrides = list(overrides)
+        # Stages start (and restart) from the validated config as `serve` read it, overrides applied
+        # (written at the first start): a restart must not read a config file edited or moved since.
+        self.config_path = str(runtime_dir / "pipeline.json")
         self.procs: dict[Unit, subprocess.Popen] = {}
         self.env: dict[str, str] = {}  # added to every stage process's environment
         self.cuda = _cuda_host()
@@ -151,11 +152,12 @@ class Launcher:
         """Start a stage process. `hold`: it imports everything, then waits for `release` before it
         builds its engine (the imports take ~15 s a process on the H200 host; they need not wait)."""
         stage_id, replica = unit
+        if not self.procs:
+            with open(os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                json.dump(self.cfg.model_dump(mode="json"), f)
         cmd = [sys.executable, "-m", "omni_server.cli", "stage", "--config", self.config_path,
                "--stage", str(stage_id), "--replica", str(replica), "--runtime-dir", str(self.runtime_dir),
                "--parent-pid", str(os.getpid())]
-        for o in self.overrides:
-            cmd += ["--stage-arg", o]
         if hold:
             cmd.append("--hold")
         failure_path(self.runtime_dir, unit).unlink(missing_ok=True)  # a restart's note is its own
