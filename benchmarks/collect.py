@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from pathlib import Path
 
 
@@ -67,8 +68,10 @@ def _hbm_fraction(out: Path, variant: str = "", mode: str = "omni-emit") -> floa
 def _talker(out: Path) -> dict:
     """Session step `talker` (talker_*.txt): decode tok/s of the 7B talker's shape per engine (plain
     vLLM, our stage loop), sampling (greedy, the talker's) and batch."""
+    # (Not talker_prof_*: one profiled repeat, slowed by the profiler.)
+    files = [f for f in sorted(out.glob("talker_*.txt")) if not f.name.startswith("talker_prof")]
     return {f"talker_{r['mode']}_{r['sampling']}_bs{r['batch']}_tok_s": round(r["tok_s"], 1)
-            for r in _results(sorted(out.glob("talker_*.txt")))}
+            for r in _results(files)}
 
 
 def _ready_s(log: Path) -> float | None:
@@ -79,19 +82,28 @@ def _ready_s(log: Path) -> float | None:
 def _token2wav_speed(out: Path) -> dict:
     """benchmarks/token2wav_speed.py RESULT lines (t2w.txt): per mode and batch, ms per window step
     and RTF, and per mode its start (construction, warm-up and any compile) in seconds."""
-    keys: dict = {}
+    # Several steps write the same mode and batch (t2w, qkv, pastkv, pastkvab into t2w.txt): a
+    # timing key is the median of its runs; a start time the first's (a later mode in the same
+    # process does not start cold).
+    runs: dict[str, list] = {}
+    starts: dict = {}
     for r in _results([out / "t2w.txt"]):
         name = f"t2w_{r['mode']}"
-        keys[f"{name}_b{r['batch']}_step_ms"] = r.get("step_ms_p50")
-        keys[f"{name}_b{r['batch']}_rtf"] = r.get("rtf")
+        runs.setdefault(f"{name}_b{r['batch']}_step_ms", []).append(r.get("step_ms_p50"))
+        runs.setdefault(f"{name}_b{r['batch']}_rtf", []).append(r.get("rtf"))
         if r.get("start_s") is not None:
-            keys[f"{name}_start_s"] = r["start_s"]
+            starts.setdefault(f"{name}_start_s", r["start_s"])
     # steps t2wprof, t2wtriton: t2wprof_<mode>_w<last window>_b<batch>_{step_ms,rtf,dit_s,vocoder_s}
     for r in _results([out / "t2wprof.txt", out / "t2wtriton.txt"]):
         name = f"t2wprof_{r['mode']}_w{(r.get('windows') or [0])[-1]}_b{r['batch']}"
         for field, key in (("step_ms_p50", "step_ms"), ("rtf", "rtf"), ("dit_s", "dit_s"), ("vocoder_s", "vocoder_s")):
-            keys[f"{name}_{key}"] = r.get(field)
-    return keys
+            runs.setdefault(f"{name}_{key}", []).append(r.get(field))
+    return {k: _median(v) for k, v in runs.items()} | starts
+
+
+def _median(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def _dit_variants(out: Path) -> dict:

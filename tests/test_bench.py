@@ -161,3 +161,62 @@ def test_bench_shared_prefix_reports_what_the_prefix_cache_spared(speech_server,
     bad = subprocess.run([sys.executable, "-m", "omni_server.cli", "bench", "--model", "m", "--speech",
                           "--shared-prefix-words", "9"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--shared-prefix-words" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_percentiles_interpolate_between_the_nearest_values():
+    from omni_server.bench.runner import _pct
+
+    assert _pct([], 50) is None and _pct([7.0], 99) == 7.0
+    assert _pct([1, 2], 50) == 1.5 and _pct([4, 1, 3, 2], 50) == 2.5
+    assert _pct(list(range(1, 17)), 50) == 8.5  # (rounding the rank picked 9 of 16)
+    assert _pct(list(range(1, 17)), 90) == 14.5 and _pct([0, 10], 99) == 9.9
+
+
+def _chat_chunk(content: str | None = None, finish: str | None = None, usage: bool = False) -> str:
+    choice = {"index": 0, "delta": {"content": content} if content else {}, "finish_reason": finish}
+    body = {"choices": [] if usage else [choice]}
+    if usage:
+        body["usage"] = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    return "data: " + json.dumps(body) + "\n\n"
+
+
+def test_a_cut_or_malformed_stream_is_that_requests_error_not_a_success_or_the_runs_end():
+    """Replies that end before their finish, lack the usage asked for, or hold an event that is
+    not JSON count as errors of their own requests; the other requests of the level still count."""
+    import asyncio
+
+    import httpx
+
+    from omni_server.bench.runner import BenchConfig, run_bench
+
+    whole = _chat_chunk("hi") + _chat_chunk("!", finish="stop") + _chat_chunk(usage=True) + "data: [DONE]\n\n"
+    replies = {
+        0: whole,
+        1: _chat_chunk("hi"),  # connection closed after the first piece
+        2: _chat_chunk("hi") + _chat_chunk("!", finish="stop") + "data: [DONE]\n\n",  # no usage chunk
+        3: 'data: {"choices": [\n\n',  # not JSON
+        4: whole,
+    }
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/v1/omni/stages"):
+            return httpx.Response(404)
+        i = len(seen)
+        seen.append(i)
+        return httpx.Response(200, text=replies[i], headers={"content-type": "text/event-stream"})
+
+    cfg = BenchConfig(base_url="http://bench.test", model="m", concurrency=[1], requests_per_level=5)
+    result = asyncio.run(run_bench(cfg, progress=lambda *a: None, transport=httpx.MockTransport(handler)))
+    (lv,) = result["levels"]
+    assert lv["requests"] == 5 and lv["errors"] == 3
+    assert lv["output_tokens"] == 2 * 2  # the two whole replies' usage
+    text = " ".join(lv["error_examples"])
+    assert "[DONE]" in text and "usage" in text and "JSONDecodeError" in text
+
+
+def test_bench_refuses_counts_below_one(tmp_path):
+    for flag in ("--requests", "--reference-requests", "--concurrency"):
+        proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "bench", "--model", "m", flag, "0"],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and f"{flag} must be at least 1" in proc.stderr, proc.stderr

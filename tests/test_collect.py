@@ -220,3 +220,20 @@ def test_named_rate_servers_and_past_cache_ab_keys(tmp_path):
     assert r["rate_again_ttfp_ms_c16"] == 1222.0 and "ratekv2_ttfp_ms_c16" not in r  # (failed requests: no numbers)
     assert (r["pkvoff_ttfp_ms_c16"], r["pkvon_ttfp_ms_c16"], r["pkvon_rtf_c1"]) == (845.7, 818.0, 0.19)
     assert (r["pkvon_token2wav_steps"], r["pkvon_token2wav_step_ms_p50"]) == (9, 399.0) and "pkvon_talker_steps" not in r
+
+
+def test_repeated_token2wav_runs_take_the_median_and_the_first_start_and_profiled_talkers_are_left_out(tmp_path):
+    """Steps t2w / pastkv / pastkvab all append to t2w.txt: a timing key is the median of its runs,
+    a start time the first run's (a second mode in one process starts warm); the talker's
+    profiled repeat (talker_prof_*) is no decode-speed sample."""
+    line = 'RESULT {{"mode": "config_past_cache", "batch": 16, "step_ms_p50": {}, "rtf": {}{}}}\n'
+    (tmp_path / "t2w.txt").write_text(line.format(300.0, 0.3, ', "start_s": 90.0') + line.format(200.0, 0.2, "")
+                                      + line.format(250.0, 0.25, ', "start_s": 5.0'))
+    (tmp_path / "talker_omni-plain_talker.txt").write_text(
+        'RESULT {"model": "talker-7b", "sampling": "talker", "mode": "omni-plain", "batch": 1, "tok_s": 300.0}\n')
+    (tmp_path / "talker_prof_talker.txt").write_text(
+        'RESULT {"model": "talker-7b", "sampling": "talker", "mode": "omni-plain", "batch": 1, "tok_s": 120.0}\n')
+    r = _collect(tmp_path)
+    assert (r["t2w_config_past_cache_b16_step_ms"], r["t2w_config_past_cache_b16_rtf"]) == (250.0, 0.25)
+    assert r["t2w_config_past_cache_start_s"] == 90.0
+    assert r["talker_omni-plain_talker_bs1_tok_s"] == 300.0

@@ -103,24 +103,38 @@ def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
 
 
 def _pct(values: list[float], q: float) -> float | None:
+    """The q-th percentile, interpolated between the two nearest values (numpy's default: the p50
+    of an even count is the mean of the middle two)."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+    x = q / 100 * (len(ordered) - 1)
+    lo = min(int(x), len(ordered) - 1)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (x - lo)
 
 
 class _BadStatus(Exception):
     pass
 
 
-async def _events(client: httpx.AsyncClient, path: str, body: dict) -> AsyncIterator[dict]:
-    """The JSON events of a streamed (SSE) response; a non-200 answer raises _BadStatus."""
+class _Cut(Exception):
+    """The stream ended before its end marker: the reply is incomplete."""
+
+
+async def _events(client: httpx.AsyncClient, path: str, body: dict, done_marker: bool) -> AsyncIterator[dict]:
+    """The JSON events of a streamed (SSE) response; a non-200 answer raises _BadStatus, and one
+    that ends without `data: [DONE]` (when `done_marker`) raises _Cut."""
     async with client.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             raise _BadStatus(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
         async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+            if line == "data: [DONE]":
+                return
+            if line.startswith("data: "):
                 yield json.loads(line[6:])
+    if done_marker:
+        raise _Cut("the stream ended without data: [DONE]")
 
 
 async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
@@ -136,14 +150,15 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
         body["modalities"] = ["text", "audio"]
         body["audio"] = {"format": "wav", **({"voice": cfg.voice} if cfg.voice else {})}
     t0 = time.perf_counter()
-    ttft, tokens, error, usage = None, 0, None, {}
+    ttft, tokens, error, usage, finished = None, 0, None, {}, False
     audio = _WavStream(t0)
     try:
-        async for chunk in _events(client, "/v1/chat/completions", body):
+        async for chunk in _events(client, "/v1/chat/completions", body, done_marker=True):
             if "error" in chunk:
                 error = chunk["error"].get("message", "error")
                 continue
             deltas = [c.get("delta", {}) for c in chunk.get("choices", [])]
+            finished |= any(c.get("finish_reason") for c in chunk.get("choices", []))
             if ttft is None and any(d.get("content") or (d.get("audio") or {}).get("transcript") for d in deltas):
                 ttft = time.perf_counter() - t0
             for d in deltas:
@@ -155,8 +170,10 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
                 tokens = usage["completion_tokens"]
     except _BadStatus as e:
         return {"error": str(e)}
-    except httpx.HTTPError as e:
+    except (_Cut, httpx.HTTPError) as e:
         error = f"{type(e).__name__}: {e}"
+    if error is None and not (finished and usage):
+        error = "the stream had no finish_reason" if not finished else "the stream had no usage chunk"
     if cfg.audio and error is None and not audio.seconds:
         error = "no audio in the response"
     return {**audio.result(ttft, tokens, error), "prompt_tokens": usage.get("prompt_tokens", 0),
@@ -169,7 +186,7 @@ async def _one_speech(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> di
     tokens, error, done = 0, None, False
     audio = _WavStream(time.perf_counter())
     try:
-        async for event in _events(client, "/v1/audio/speech", body):
+        async for event in _events(client, "/v1/audio/speech", body, done_marker=False):
             if event.get("type") == "speech.audio.delta":
                 audio.add(base64.b64decode(event["audio"]))
             elif event.get("type") == "speech.audio.done":
@@ -227,7 +244,7 @@ class _WavStream:
         return self.sample_bytes / 2 / self.rate if self.rate else 0.0
 
 
-async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> dict:
+async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress, transport=None) -> dict:
     n = cfg.requests_per_level or max(8, 4 * concurrency)
     headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     sem = asyncio.Semaphore(concurrency)
@@ -235,12 +252,15 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress) -> d
     limits = httpx.Limits(max_connections=concurrency + 4)
     start = arrivals(n, cfg.request_rate, cfg.arrival_seed)
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=cfg.timeout_s,
-                                 limits=limits) as client:
+                                 limits=limits, transport=transport) as client:
         async def task(i: int) -> dict:
             nonlocal done
             await asyncio.sleep(max(0.0, t0 + start[i] - time.perf_counter()))
             async with sem:
-                res = await _one(client, cfg, offset + i)
+                try:
+                    res = await _one(client, cfg, offset + i)
+                except Exception as e:  # a malformed answer fails its request, not the run
+                    res = {"error": f"{type(e).__name__}: {e}"}
             done += 1
             progress(concurrency, done, n)
             return res
@@ -343,10 +363,11 @@ def _progress(concurrency: int, done: int, total: int) -> None:
         sys.stderr.flush()
 
 
-async def run_bench(cfg: BenchConfig, progress=_progress) -> dict:
+async def run_bench(cfg: BenchConfig, progress=_progress, transport: httpx.AsyncBaseTransport | None = None) -> dict:
+    """`transport`: httpx's (default: the network)."""
     levels, offset = [], 0
     for c in cfg.concurrency:
-        levels.append(await _level(cfg, c, offset, progress))
+        levels.append(await _level(cfg, c, offset, progress, transport))
         offset += levels[-1]["requests"]
     result = {"config": asdict(cfg), "levels": levels}
     if cfg.reference:
@@ -381,5 +402,5 @@ def _reference_level(cfg: BenchConfig) -> dict:
     return {"device": device, "requests": n, "wall_s": round(wall, 3), "output_tokens": tokens,
             "output_tok_s": round(tokens / wall, 1), "audio_s": round(audio_s, 2),
             "audio_s_per_wall_s": round(audio_s / wall, 3) if audio_s else None,
-            "latency_ms": {"p50": round(_pct(lat, 50) * 1000, 1)},
+            "latency_ms": {"p50": round(_pct(lat, 50) * 1000, 1) if lat else None},
             "rtf": {"p50": _round(_pct([t / a for t, a in zip(lat, audio) if a], 50))}}
