@@ -113,6 +113,7 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
                     if unit in restart_at or unit in gave_up:
                         continue
                     name = cfg.unit_name(unit)
+                    launcher.kill(unit)  # (its children, if it left any)
                     why = launcher.failure(unit)
                     log.error("stage %d (%s) exited with code %s%s", unit[0], name, code, f": {why}" if why else "")
                     if orch is not None:

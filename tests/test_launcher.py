@@ -370,3 +370,50 @@ def test_a_restarted_stage_runs_the_config_serve_read(tiny_models, tmp_path):
         assert r.json()["usage"]["completion_tokens"] == 3  # (the override still applies)
     finally:
         server.stop()
+
+
+_PARENT = """
+import signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+print(child.pid, flush=True)
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # exits at once, its child left running
+signal.pause()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["stop_all", "kill"])
+def test_what_a_stage_process_leaves_behind_is_stopped_with_it(how):
+    # A stage that exits on SIGTERM (or crashes) while a child of its own (a tensor-parallel or
+    # compile worker) lives on: the child must not outlive it, holding its memory.
+    launcher = _launcher(sequential=False)
+    unit = (0, 0)
+    proc = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, start_new_session=True)
+    launcher.procs[unit] = proc
+    child = int(proc.stdout.readline())
+    try:
+        assert _alive(child)
+        if how == "stop_all":
+            launcher.stop_all(timeout=10)
+        else:  # serve's path for a stage that exited by itself
+            proc.terminate()
+            proc.wait(10)
+            assert _alive(child)
+            launcher.kill(unit)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        try:
+            os.kill(child, 9)
+        except ProcessLookupError:
+            pass
+        proc.stdout.close()

@@ -193,14 +193,16 @@ class Launcher:
         return {u: p.returncode for u, p in self.procs.items() if p.poll() is not None}
 
     def kill(self, unit: Unit) -> None:
-        """SIGKILL a stage process and its children (its own process group)."""
+        """SIGKILL a stage process and its children (its own process group): also what a stage that
+        exited left behind (tensor-parallel workers, compile workers), which may hold GPU memory its
+        restart needs."""
         try:
             os.killpg(self.procs[unit].pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # (the group is empty: nothing left)
             pass
 
     def stop_all(self, timeout: float = 10.0) -> None:
-        """SIGTERM every stage, wait, then SIGKILL what is left (and its children)."""
+        """SIGTERM every stage, wait, then SIGKILL what is left of each (its children too)."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -209,8 +211,5 @@ class Launcher:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
                 log.warning("stage %s did not stop in %.0f s; killing it", self.cfg.unit_name(u), timeout)
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+            self.kill(u)
+            p.wait()
