@@ -71,6 +71,19 @@ def _compose_cli() -> list[str] | None:
     return ["docker-compose"] if shutil.which("docker-compose") else None
 
 
+def test_the_mps_override_makes_every_stage_and_only_stages_clients_of_the_host_daemon():
+    compose = yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
+    mps = yaml.safe_load((DOCKER / "compose.mps.yml").read_text())["services"]
+    stages = {name for name, svc in compose["services"].items() if svc["command"][0] == "stage"}
+    assert set(mps) == stages == {"thinker", "talker", "token2wav"}
+    for svc in mps.values():
+        (volume,) = svc["volumes"]
+        assert volume.rsplit(":", 1)[1] == svc["environment"]["CUDA_MPS_PIPE_DIRECTORY"]
+        assert svc["ipc"] == "host"
+    # (the README's docker section names the override)
+    assert "compose.mps.yml" in (REPO / "README.md").read_text()
+
+
 @pytest.mark.skipif(_compose_cli() is None, reason="needs `docker compose` or `docker-compose` (e.g. Debian's docker-compose)")
 def test_compose_config_validates():
     """What `docker compose config` makes of the file with the example variables: valid, every stage
@@ -81,6 +94,13 @@ def test_compose_config_validates():
                            str(DOCKER / "example.env"), "config"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     services = yaml.safe_load(proc.stdout)["services"]
+    with_mps = subprocess.run([*_compose_cli(), "-f", str(DOCKER / "docker-compose.yml"), "-f",
+                               str(DOCKER / "compose.mps.yml"), "--env-file", str(DOCKER / "example.env"), "config"],
+                              capture_output=True, text=True, timeout=120)
+    assert with_mps.returncode == 0, with_mps.stderr
+    merged = yaml.safe_load(with_mps.stdout)["services"]
+    assert len(str(merged["thinker"]["volumes"]).split("/tmp/nvidia-mps")) > 1  # added to the model mounts
+    assert "/model" in str(merged["thinker"]["volumes"])
     for name in ("thinker", "talker", "token2wav"):
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"] and device["device_ids"] == ["0"]
