@@ -141,8 +141,11 @@ def test_payloads_validate_against_the_sdk_types(text_server):
     events = TypeAdapter(ResponseStreamEvent)
     with httpx.stream("POST", url, json={**body, "stream": True}) as s:
         assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
-        lines = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        raw = [line for line in s.iter_lines() if line]
+    lines = [line[6:] for line in raw if line.startswith("data: ")]
     parsed = [events.validate_json(line, strict=True) for line in lines]
+    # Each event as OpenAI sends it: an `event:` line naming its type, then its data.
+    assert raw == [x for e, line in zip(parsed, lines) for x in (f"event: {e.type}", f"data: {line}")]
     assert parsed[-1].type in ("response.completed", "response.incomplete")
     Response.model_validate(parsed[-1].response.model_dump(), strict=True)
 

@@ -229,7 +229,7 @@ def create_app(state: ServerState) -> FastAPI:
                               {"text"}, _salted({}, body), decoded)
         out = responses.ResponseRun(Run(state, orch, req, body, prompt_ids), raw, state.cfg.model)
         if body.stream:
-            return await _streamed(request, out, lambda first: typed_events(out.events(first), out.abort))
+            return await _streamed(request, out, lambda first: typed_events(out.events(first), out.abort, named=True))
         return await _until_disconnect(request, out.collect(), out.abort)
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])

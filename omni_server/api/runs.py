@@ -47,21 +47,25 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 AUDIO_TTL_S = 3600
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+def _sse(payload: dict, named: bool = False) -> str:
+    """One server-sent event; `named`: with an `event:` line of its type (the Responses API's form)."""
+    return (f"event: {payload['type']}\n" if named else "") + f"data: {json.dumps(payload)}\n\n"
 
 
-async def typed_events(events: AsyncIterator[dict], abort: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
+async def typed_events(events: AsyncIterator[dict], abort: Callable[[], Awaitable[None]],
+                       named: bool = False) -> AsyncIterator[str]:
     """SSE of OpenAI's typed events (`{"type": ...}`): a failure becomes an `error` event (the status
-    line is gone), and a client that leaves mid-stream has its request aborted."""
+    line is gone), and a client that leaves mid-stream has its request aborted. `named`: each
+    event also has an `event:` line naming its type, as OpenAI's Responses stream does (clients
+    that dispatch on it; the type in the data stays the one the SDKs read)."""
     finished = False
     try:
         async for event in events:
-            yield _sse(event)
+            yield _sse(event, named)
         finished = True
     except APIError as e:
         finished = True
-        yield _sse({"type": "error", **errors.error_body(e.status, e.message)})
+        yield _sse({"type": "error", **errors.error_body(e.status, e.message)}, named)
     finally:
         if not finished:
             await abort()
