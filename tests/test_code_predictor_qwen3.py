@@ -195,3 +195,37 @@ def test_served_talker_reads_its_code_predictor_options(tiny_models, tmp_path):
     last = server.log_tail().splitlines()[-1]
     assert ("stage 1 (talker) failed to start (exit code 1): ValueError: additional_config.code_predictor.complie: "
             "True is not one of compile (bool), cuda_graphs (bool), max_graph_batch (int)") in last
+
+
+def test_bfloat16_frames_equal_transformers_bfloat16(tiny_models):
+    """In the dtype the served talker runs (bf16): the same codes as transformers' bf16 model, and
+    the next input E0(c0) + residual rounded once as its one sum of the frame's embeddings is
+    (its rotary frequencies stay float32 in any dtype; rounded, they changed ~1 frame in 4)."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model_dir = str(tiny_models["tiny-qwen3-omni-moe"])
+    talker = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16).eval().talker
+    ours = CodePredictor(model_dir, "cpu", torch.bfloat16, cuda_graphs=False)
+    assert ours.module.model.rotary_emb.inv_freq.dtype == torch.float32
+    n = 32
+    h = (torch.randn(n, talker.config.text_config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+         ).to(torch.bfloat16)
+    c0 = torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        e0 = talker.get_input_embeddings()(c0)
+        codes, residual = ours(h, e0)
+        assert residual.dtype == torch.float32
+        mine = (e0.float() + residual).to(torch.bfloat16)
+        for i in range(n):
+            want, total = _hf_bf16_frame(talker, h[i], e0[i])
+            assert codes[i].tolist() == want, i
+            torch.testing.assert_close(mine[i], total, rtol=2 ** -7, atol=0)  # (summation order: an ulp at most)
+
+
+def _hf_bf16_frame(talker, h: torch.Tensor, e0: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    res = talker.code_predictor.generate(inputs_embeds=torch.stack([h, e0])[None],
+                                         max_new_tokens=talker.config.num_code_groups - 1, do_sample=False)
+    codes = res[0]
+    embeds = talker.code_predictor.get_input_embeddings()
+    parts = torch.stack([e0] + [embeds[j](codes[j:j + 1])[0] for j in range(len(codes))])
+    return codes.tolist(), parts.sum(0)

@@ -142,8 +142,21 @@ def client(qwen3_server):
 
 @pytest.fixture
 def compiled_client(tmp_path):
-    """The same pipeline with thinker and talker under vLLM's torch.compile (real configs' default)."""
-    with _serving(compiled_config(CONFIG, tmp_path / "compiled.yaml"), tmp_path / "qwen3_compiled.log") as server:
+    """The same pipeline as the real config runs it: thinker and talker under vLLM's torch.compile,
+    the talker starting on the thinker's first reply token and reading the rest as it comes
+    (`input_mode: stream`), and allowed more codes than the reply has tokens, so that it reads the
+    trailing tts_eos / tts_pad rows too."""
+    from omni_server.config import load_config
+
+    assert load_config(REPO / "configs" / "qwen3_omni.yaml").stage(1).input_mode == "stream"
+
+    def streamed(stage: dict) -> None:
+        if stage["name"] == "talker":
+            stage["input_mode"] = "stream"
+            stage["default_sampling"]["max_tokens"] = MAX_TOKENS + 8
+
+    streamed_config = edited_config(CONFIG, tmp_path / "streamed.yaml", streamed)
+    with _serving(compiled_config(streamed_config, tmp_path / "compiled.yaml"), tmp_path / "qwen3_compiled.log") as server:
         yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
@@ -395,6 +408,7 @@ def _check_speech(client):
     assert frames.shape == (len(codes) - 1, 16)  # the last sampled code is never fed: n - 1 frames
     assert pcm.shape == wave.shape, (pcm.shape, wave.shape)
     assert np.abs(pcm - wave.clamp(-1, 1).numpy()).max() < 2e-4  # pcm16 rounding
+    return codes
 
 
 def test_speech_usage_counts_the_frames_spoken(qwen3_server):
@@ -515,10 +529,13 @@ def test_streamed_speech_arrives_in_pieces_equal_to_the_whole(client):
     assert b"".join(pieces) == whole and len(whole) > 0
 
 
-def test_compiled_speech_equals_transformers(compiled_client):
-    """The same under torch.compile: the thinker's compiled stack still returns the talker's layer,
-    and the talker's compiled decoder takes any token count with its (3, tokens) M-RoPE positions."""
-    _check_speech(compiled_client)
+def test_compiled_streamed_speech_equals_transformers(compiled_client):
+    """The same under torch.compile with the talker streaming in: the thinker's compiled stack still
+    returns the talker's layer, the talker's compiled decoder takes any token count with its (3,
+    tokens) M-RoPE positions, and its input rows, given as the thinker makes them, are the whole
+    reply's (past its end too: the codes outnumber the reply's tokens)."""
+    codes = _check_speech(compiled_client)
+    assert len(codes) > MAX_TOKENS
 
 
 def test_sampled_talker_follows_the_seed(sampled_client):

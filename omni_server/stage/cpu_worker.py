@@ -17,7 +17,7 @@ from omni_server.models import register_vllm_models
 register_vllm_models()
 
 
-class CPUOmniModelRunner(UpstreamPositions, StepPredictor, StepEmbedsAdder, HiddenStatesEmitter, CPUModelRunner):
+class CPUOmniModelRunner(UpstreamPositions, StepEmbedsAdder, StepPredictor, HiddenStatesEmitter, CPUModelRunner):
     pass
 
 

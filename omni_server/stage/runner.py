@@ -167,8 +167,9 @@ class StepPredictor:
         predict_step(hidden [B, H], token_embeds [B, H], generators) -> (codes [B, G], input_add [B, H])
 
     When output token k is fed back, the model predicts the rest of its frame from the final hidden
-    state that produced it; `input_add` joins the token's input embedding (before the forward,
-    outside CUDA graphs) and [token, *codes] is that step's frame for the request
+    state that produced it; `input_add` (float32) joins the token's input embedding, rounded once
+    (before the forward, outside CUDA graphs, and before StepEmbedsAdder's rows: the mixin order),
+    and [token, *codes] is that step's frame for the request
     (`ModelRunnerOutput.omni_frames`: {req_id: (k, frame)}). A request that is recomputed after
     preemption gets the same additions again. `generators`: None per greedy request, else its own
     seeded generator (sampling requests)."""
@@ -222,7 +223,7 @@ class StepPredictor:
                 k = pos - prompt_len  # output token k is fed at this position
                 row = offset + pos - start
                 if k < len(added):  # recomputed after preemption: the same addition again
-                    inputs_embeds[row] += added[k]
+                    inputs_embeds[row] = (inputs_embeds[row].float() + added[k]).to(inputs_embeds.dtype)
                 elif k == len(added) and rid in st["hidden"]:
                     step_rows, i_row = st["hidden"][rid]
                     rows.append(row), rids.append(rid), ks.append(k), hs.append(step_rows[i_row])
@@ -233,13 +234,15 @@ class StepPredictor:
         tokens = self.input_ids.gpu[index]
         gens = [self._predict_generator(rid) for rid in rids]
         codes, add = predict(torch.stack(hs), model.embed_input_ids(tokens), gens)
-        inputs_embeds[index] += add.to(inputs_embeds.dtype)
+        # (`add` is float32: the token's embedding plus it rounds once, as the reference's sum of
+        # the frame's embeddings does; the step rows of StepEmbedsAdder come after, as its do.)
+        inputs_embeds[index] = (inputs_embeds[index].float() + add).to(inputs_embeds.dtype)
         # Copied behind the queued work (into pinned memory, on CUDA) rather than waiting for it
         # here: the frames are read when this step's output is, which comes later in the stream.
         frames = torch.cat([tokens[:, None].to(codes.dtype), codes], dim=1).to("cpu", non_blocking=True)
         now = self.__dict__.setdefault("_frames_now", {})
         for j, (rid, k) in enumerate(zip(rids, ks)):
-            st["added"][rid].append(add[j].to(inputs_embeds.dtype))
+            st["added"][rid].append(add[j])
             now[rid] = (k, frames[j])
         return result
 
@@ -340,7 +343,7 @@ class StepEmbedsAdder:
         return result
 
 
-class GPUOmniModelRunner(UpstreamPositions, StepPredictor, StepEmbedsAdder, HiddenStatesEmitter, GPUModelRunner):
+class GPUOmniModelRunner(UpstreamPositions, StepEmbedsAdder, StepPredictor, HiddenStatesEmitter, GPUModelRunner):
     capture_s = 0.0  # how long vLLM's CUDA graph capture took (the worker logs its warm-up phases)
 
     def __init__(self, *args, **kwargs):

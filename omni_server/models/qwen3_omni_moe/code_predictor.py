@@ -49,7 +49,14 @@ class CodePredictor:
         config = read_config(model_dir).talker_config.code_predictor_config
         self.device = torch.device(device)
         self.groups = config.num_code_groups - 1
-        self.module = load_module(Module, config, model_dir, WEIGHTS_PREFIX, self.device).to(dtype)
+        self.module = load_module(Module, config, model_dir, WEIGHTS_PREFIX, self.device)
+        # Rotary frequencies stay float32 in any dtype, as in transformers' own load (rounded to
+        # bf16 they shifted the angles ~4e-3 and changed a quarter of greedy frames).
+        rotary = {name: buf for name, buf in self.module.named_buffers() if name.endswith("inv_freq")}
+        self.module.to(dtype)
+        for name, buf in rotary.items():
+            owner, _, attr = name.rpartition(".")
+            setattr(self.module.get_submodule(owner), attr, buf)
         self.dtype = dtype
         # Group j's positions (2 rows at j = 0, then one each) are slices of one range.
         self._positions = torch.arange(self.groups + 2, device=self.device)
@@ -76,7 +83,8 @@ class CodePredictor:
     @torch.inference_mode()
     def __call__(self, h: torch.Tensor, e0: torch.Tensor, generators: list[torch.Generator | None] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """h, e0: [B, hidden]. Returns (codes [B, 15] int64: c1..c15, residual [B, hidden]).
+        """h, e0: [B, hidden]. Returns (codes [B, 15] int64: c1..c15, residual [B, hidden] float32:
+        summed unrounded, so that E0(c0) + residual rounds once, as transformers' one sum does).
         `generators`: per row, None = greedy, else sample (top-k 50, top-p 0.8) from that generator."""
         batch = h.shape[0]
         x = torch.stack([h, e0], dim=1).to(self.device, self.dtype)
@@ -115,7 +123,7 @@ class CodePredictor:
         batch = x.shape[0]
         cache = _FrameCache(len(model.layers), batch, cfg.num_key_value_heads, self.groups + 1,
                             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, x)
-        codes, residual = [], torch.zeros(batch, x.shape[-1], device=x.device, dtype=x.dtype)
+        codes, residual = [], torch.zeros(batch, x.shape[-1], device=x.device, dtype=torch.float32)
         for j in range(self.groups):
             start = 0 if j == 0 else j + 1
             cache.end = start + x.shape[1]
@@ -137,7 +145,7 @@ class CodePredictor:
             code = _pick(logits, u[:, j])
             codes.append(code)
             x = embeds[j](code)[:, None]
-            residual += x[:, 0]
+            residual += x[:, 0].float()
         return torch.stack(codes, dim=1), residual
 
 
