@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 
 import pytest
@@ -437,3 +438,13 @@ def test_merged_streams_lead_with_each_first_item_in_order_and_keep_finish_reaso
     assert json.loads(chunk.model_dump_json(exclude_none=True))["choices"][0] == {
         "index": 0, "delta": {"content": "hi"}, "finish_reason": None}
     assert "finish_reason" in json.loads(CompletionChoice(index=0, text="t").model_dump_json(exclude_none=True))
+
+
+def test_stage_stats_of_a_stage_with_no_ready_replica_is_a_503_at_once(tiny_models, tmp_path):
+    """Not a 5 s wait for an answer that cannot come: the stage is down (or starting), and says so."""
+    cfg = load_config_text(CONFIG % (MODELS / "tiny-qwen2_5-omni", tmp_path))
+    with TestClient(create_app(ServerState(cfg, lambda: Orchestrator(cfg, tmp_path)))) as c:
+        t0 = time.monotonic()
+        r = c.get("/v1/omni/stages/0/stats", headers=AUTH)
+        assert r.status_code == 503 and "is starting" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < 2.0

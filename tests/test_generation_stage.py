@@ -67,3 +67,39 @@ def test_playback_counts_audio_at_the_listeners_speed():
 
     assert dry_after_two_pieces({}) == 0.0
     assert abs(dry_after_two_pieces({"r": 4.0}) - 0.35) < 0.01
+
+
+def test_an_input_processor_error_is_the_clients_only_when_it_is_the_requests_own():
+    """A RequestError (an unknown voice) is a 400; any other error of an input processor is the
+    server's (its stages disagree about a payload): a 500, not an invalid_request_error."""
+    from omni_server.stage.base import Stage, _Waiting
+    from omni_server.stage.errors import RequestError
+    from omni_server.wire.messages import ExpectRequest, SamplingSpec, StagePayload
+
+    def failure(error: Exception) -> tuple[str, int]:
+        calls = []
+
+        def processor(payloads, ctx, options):
+            raise error
+
+        w = _Waiting(expect=ExpectRequest(request_id="r", sampling=SamplingSpec(), sources=[0]))
+        w.payloads[0] = StagePayload(request_id="r", source_stage=0, prompt_token_ids=[1], output_token_ids=[2],
+                                     final=True)
+        fake = SimpleNamespace(waiting={"r": w}, stage=SimpleNamespace(name="talker", input_mode="full"),
+                               stage_id=1, processor=processor,
+                               fail=lambda rid, msg, code=500: calls.append((msg, code)))
+        assert Stage._build(fake, "r") is None
+        [call] = calls
+        return call
+
+    assert failure(RequestError("unknown voice 'Nobody'")) == ("stage talker: unknown voice 'Nobody'", 400)
+    from omni_server.models.qwen2_5_omni.processors import _voice
+
+    try:
+        _voice({"voice": "Nobody"}, {"Chelsie", "Ethan"})
+    except RequestError as e:
+        assert "unknown voice 'Nobody'" in str(e)
+    else:
+        raise AssertionError("the talker's processor took an unknown voice")
+    msg, code = failure(ValueError("thinker payload has hidden states (3, 8) for 2 prompt + 2 output tokens"))
+    assert code == 500 and "input processing failed" in msg

@@ -74,3 +74,28 @@ def test_metrics_outcomes_of_a_stop_string_and_a_client_that_leaves(speech_serve
         assert time.monotonic() < deadline, "the abandoned request was never counted as aborted"
         time.sleep(0.5)
     assert _get(_scrape(speech_server), "omni_requests_in_flight", **m) == 0
+
+
+def test_a_replica_that_stops_answering_holds_no_requests_in_the_gauges():
+    """Its requests died with it: running / waiting drop to 0 (sums over replicas stay true); its
+    totals stay as they were."""
+    from types import SimpleNamespace
+
+    from omni_server.orchestrator.metrics import Metrics
+
+    metrics = Metrics("m")
+    stats = SimpleNamespace(num_running=3, num_waiting=2, steps=10, step_s=1.5, payload_bytes=7, backpressure_pauses=0,
+                            first_outputs=4, first_output_s=0.4, underruns=0, underrun_s=0.0, cached_tokens=0)
+    labels = dict(model="m", stage="thinker", replica="1")
+
+    def scrape():
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+
+    metrics.stage_sample("thinker", 1, stats)
+    assert _get(scrape(), "omni_stage_requests_running", **labels) == 3
+    metrics.stage_sample("thinker", 1, None)
+    after = scrape()
+    assert _get(after, "omni_stage_up", **labels) == 0
+    assert _get(after, "omni_stage_requests_running", **labels) == 0 == _get(after, "omni_stage_requests_waiting", **labels)
+    assert _get(after, "omni_stage_steps_total", **labels) == 10

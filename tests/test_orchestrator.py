@@ -7,6 +7,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
+import torch
 import zmq
 import zmq.asyncio
 
@@ -14,7 +16,8 @@ from omni_server.config import load_config_text
 from omni_server.orchestrator import orchestrator as orch_mod
 from omni_server.orchestrator.orchestrator import Orchestrator
 from omni_server.wire.codec import Decoder, Encoder
-from omni_server.wire.messages import AddRequest, SamplingSpec, StageReady, StageStats, StatsQuery, StreamCredit
+from omni_server.wire.messages import (AddRequest, RequestDelta, RequestOutputs, SamplingSpec, StageReady, StageStats,
+                                        StatsQuery, StreamCredit)
 from omni_server.wire.transport import api_address, stage_address
 from tests.conftest import MODELS
 
@@ -34,17 +37,20 @@ def _config(tmp_path, replicas: int = 1):
 class FakeStage:
     """A stage process's sockets: its input (PULL) and its output to the api (PUSH)."""
 
-    def __init__(self, ctx, cfg, runtime_dir, pid: int, boot: int, replica: int = 0):
-        self.pid, self.boot, self.replica = pid, boot, replica
+    def __init__(self, ctx, cfg, runtime_dir, pid: int, boot: int, replica: int = 0, stage_id: int = 0):
+        self.pid, self.boot, self.replica, self.stage_id = pid, boot, replica, stage_id
         self.enc, self.dec = Encoder(), Decoder()
         self.input = ctx.socket(zmq.PULL)
-        self.input.bind(stage_address(cfg, 0, runtime_dir, replica))
+        self.input.bind(stage_address(cfg, stage_id, runtime_dir, replica))
         self.out = ctx.socket(zmq.PUSH)
         self.out.connect(api_address(cfg, runtime_dir))
 
     async def ready(self) -> None:
-        await self.out.send_multipart(self.enc.encode(StageReady(stage_id=0, pid=self.pid, startup_s=1.0,
+        await self.out.send_multipart(self.enc.encode(StageReady(stage_id=self.stage_id, pid=self.pid, startup_s=1.0,
                                                                  replica=self.replica, boot=self.boot)))
+
+    async def send(self, *deltas: RequestDelta) -> None:
+        await self.out.send_multipart(self.enc.encode(RequestOutputs(stage_id=self.stage_id, deltas=list(deltas))))
 
     async def serve(self, seconds: float) -> list:
         """Answer probes for a while; return what else arrived."""
@@ -54,7 +60,7 @@ class FakeStage:
                 msg = self.dec.decode(await self.input.recv_multipart())
                 if isinstance(msg, StatsQuery):
                     await self.out.send_multipart(self.enc.encode(StageStats(
-                        stage_id=0, nonce=msg.nonce, num_running=0, num_waiting=0, request_ids=[], pid=self.pid,
+                        stage_id=self.stage_id, nonce=msg.nonce, num_running=0, num_waiting=0, request_ids=[], pid=self.pid,
                         replica=self.replica, boot=self.boot)))
                 else:
                     got.append(msg)
@@ -152,3 +158,93 @@ runtime_dir: {tmp_path}
     assert len(stage.routes) == 3 and "long" in stage.routes and "r9" in stage.routes
     stage.send_stage(1, "long", StreamCredit(request_id="long", stage_id=0, consumed=1))
     assert sent[-1] == ("long", 1)
+
+
+SPEECH = """
+model: m
+stages:
+  - {id: 0, name: thinker, model: %(m)s, output: text}
+  - {id: 1, name: talker, model: %(m)s, inputs: [0], input_processor: qwen2_5_omni.thinker_to_talker}
+  - {id: 2, name: token2wav, kind: generation, model: %(m)s, generator: qwen2_5_omni.token2wav, inputs: [1],
+     input_processor: qwen2_5_omni.talker_to_token2wav, output: audio}
+server: {stage_timeout_s: 30}
+runtime_dir: %(dir)s
+"""
+
+
+async def _speech_pipeline(tmp_path, ctx):
+    cfg = load_config_text(SPEECH % {"m": MODELS / "tiny-qwen2_5-omni", "dir": tmp_path})
+    orch = Orchestrator(cfg, tmp_path)
+    orch.start()
+    stages = [FakeStage(ctx, cfg, tmp_path, pid=10 + i, boot=i, stage_id=i) for i in range(3)]
+    for s in stages:
+        await s.ready()
+    await orch.wait_ready(5)
+    return orch, stages
+
+
+def test_a_stage_down_refuses_only_the_requests_whose_route_it_is_on(tmp_path):
+    """Text-only requests go on while an audio stage is down (restarting, or given up); speech waits."""
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        orch, stages = await _speech_pipeline(tmp_path, ctx)
+        try:
+            orch.mark_down((2, 0), "process exited with code -9")
+            assert not orch.serving  # (/health: the pipeline as a whole is degraded)
+            state = await orch.submit("text", [1, 2], {0: SamplingSpec()}, outputs={"text"})
+            assert state.replicas == {0: 0}
+            with pytest.raises(orch_mod.StageUnavailable, match="token2wav"):
+                await orch.submit("speech", [1, 2], {i: SamplingSpec() for i in range(3)}, outputs={"text", "audio"})
+        finally:
+            for s in stages:
+                s.close()
+            await orch.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("talker_done", [True, False])
+def test_a_stage_that_dies_after_its_part_fails_only_what_may_still_need_it(tmp_path, talker_done):
+    """The thinker dies while a reply's audio still streams from token2wav: with the talker done
+    too (it had all the thinker sent) the reply goes on to its end; with the talker still running
+    (it may lack a payload the thinker had queued) the request fails at once (503)."""
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        orch, (thinker, talker, t2w) = await _speech_pipeline(tmp_path, ctx)
+        try:
+            state = await orch.submit("r", [1, 2], {i: SamplingSpec() for i in range(3)}, outputs={"text", "audio"})
+            deltas = orch.deltas(state)
+            await thinker.send(RequestDelta("r", new_token_ids=[5], finished=True, finish_reason="stop"))
+            assert (await asyncio.wait_for(anext(deltas), 2))[0] == 0
+            if talker_done:
+                await talker.send(RequestDelta("r", finished=True, finish_reason="stop"))
+            await t2w.send(RequestDelta("r", tensors={"audio": torch.zeros(10)}, sample_rate=24000))
+            assert (await asyncio.wait_for(anext(deltas), 2))[0] == 2  # (the talker's finish is not the client's)
+            deadline = time.monotonic() + 2  # (the talker's finish came on another connection)
+            while len(state.finished) < 1 + talker_done and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert state.finished == ({0, 1} if talker_done else {0})
+            orch.mark_down((0, 0), "process exited with code -9")
+            if talker_done:
+                await t2w.send(RequestDelta("r", tensors={"audio": torch.zeros(10)}, sample_rate=24000, finished=True,
+                                            finish_reason="stop"))
+
+            async def rest():
+                return [(i, d) async for i, d in deltas]
+
+            got = await asyncio.wait_for(rest(), 5)
+            errors = [d for _, d in got if d.error is not None]
+            if talker_done:
+                assert not errors and got[-1][0] == 2 and got[-1][1].finished and state.done
+            else:
+                assert [e.error_code for e in errors] == [503] and "thinker" in errors[0].error
+        finally:
+            for s in (thinker, talker, t2w):
+                s.close()
+            await orch.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())

@@ -327,12 +327,17 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/omni/stages/{stage_id}/stats", dependencies=[Depends(require_key)])
     async def stage_stats(stage_id: int):
-        """Summed over the stage's replicas, each replica's own under `replicas`."""
+        """Summed over the stage's ready replicas, each one's own under `replicas`; the others
+        under `down`, with why."""
         orch = _orch(state)
         if not 0 <= stage_id < len(state.cfg.stages):
             raise APIError(404, f"no stage {stage_id}")
+        units = [(stage_id, r) for r in range(state.cfg.stage(stage_id).replicas)]
+        down = [{"replica": r, "reason": orch.down.get((s, r), "starting")} for s, r in units if (s, r) not in orch.ready]
+        if len(down) == len(units):
+            raise APIError(503, f"stage {stage_id} is unavailable: {orch.unavailable([stage_id])}")
         try:
-            per = [await orch.stats(stage_id, r) for r in range(state.cfg.stage(stage_id).replicas)]
+            per = [await orch.stats(s, r) for s, r in units if (s, r) in orch.ready]
         except asyncio.TimeoutError:
             raise APIError(503, f"stage {stage_id} did not answer") from None
         numbers = STAGE_GAUGES + STAGE_COUNTERS
@@ -340,7 +345,7 @@ def create_app(state: ServerState) -> FastAPI:
                     for s in per]
         total = {k: sum(r[k] for r in replicas) for k in numbers}
         return {"stage_id": stage_id, **total, "request_ids": sorted(i for r in replicas for i in r["request_ids"]),
-                "replicas": replicas}
+                "replicas": replicas, "down": down}
 
     return app
 

@@ -70,7 +70,9 @@ class Metrics:
         """One replica's stats (a StageStats, or None when it did not answer)."""
         labels = dict(model=self.model, stage=stage, replica=str(replica))
         self.stage_up.labels(**labels).set(0 if stats is None else 1)
-        if stats is None:
+        if stats is None:  # (down: the requests it ran are gone with it; its totals stay as they were)
+            self.stage_running.labels(**labels).set(0)
+            self.stage_waiting.labels(**labels).set(0)
             return
         for field, gauge in self._stage_fields.items():
             gauge.labels(**labels).set(getattr(stats, field))

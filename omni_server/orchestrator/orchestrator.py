@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterable
 
 import zmq
 import zmq.asyncio
@@ -62,6 +62,8 @@ class RequestState:
     done: bool = False
     # Stage id -> the replica serving this request, for every stage on its route.
     replicas: dict[int, int] = field(default_factory=dict)
+    # Stages on its route that finished it (their part done: a later death there does not fail it).
+    finished: set[int] = field(default_factory=set)
     released: bool = False  # its replicas' load counts were given back
     # For metrics: when it was submitted, whether text / audio came yet, how it ended (once).
     t0: float = 0.0
@@ -158,10 +160,12 @@ class Orchestrator:
         """Every stage was ready once and has a ready replica now."""
         return self._ready_event.is_set() and self.unavailable() is None
 
-    def unavailable(self) -> str | None:
-        """Why some stage has no ready replica (None: every stage has one)."""
+    def unavailable(self, stage_ids: Iterable[int] | None = None) -> str | None:
+        """Why some stage (of `stage_ids`; None: of the pipeline) has no ready replica (None: each has one)."""
         reasons = []
         for s in self.cfg.stages:
+            if stage_ids is not None and s.id not in stage_ids:
+                continue
             units = [(s.id, r) for r in range(s.replicas)]
             if not any(u in self.ready for u in units):
                 down = [f"{self.cfg.unit_name(u)}: {self.down[u]}" for u in units if u in self.down]
@@ -177,12 +181,18 @@ class Orchestrator:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
 
     def mark_down(self, unit: Unit, reason: str) -> None:
-        """A stage process died: fail the requests in flight that it serves."""
+        """A stage process died: fail the requests in flight that it serves, but those it finished
+        whose consumers on the route finished too (they hold all it sent, e.g. a reply's audio still
+        streaming from the last stage when the first one dies; a consumer still running may lack
+        a payload the dead process had queued)."""
         stage_id, replica = unit
         self.down[unit] = reason
         self.ready.pop(unit, None)
         for state in list(self.requests.values()):
-            if state.replicas.get(stage_id) == replica:
+            if state.replicas.get(stage_id) != replica:
+                continue
+            consumers = [c for c in self.cfg.consumers(stage_id) if c in state.replicas]
+            if not all(s in state.finished for s in [stage_id, *consumers]):
                 self._push(state, stage_id, RequestDelta(
                     request_id=state.request_id, finished=True, finish_reason="error",
                     error=f"stage {self.cfg.unit_name(unit)} is unavailable: {reason}", error_code=503))
@@ -205,11 +215,11 @@ class Orchestrator:
         Stages with `output: tokens` report whenever the route passes through them."""
         if not self._ready_event.is_set():
             raise StageUnavailable("the pipeline is still starting")
-        why = self.unavailable()
-        if why:
-            raise StageUnavailable(why)
         kinds = outputs if outputs is not None else {self.cfg.stage(i).output for i in self.output_stages}
         route = self.cfg.route(kinds)
+        why = self.unavailable(route)  # (a stage off its route may be down: text needs no vocoder)
+        if why:
+            raise StageUnavailable(why)
         wanted = {i for i in route if self.cfg.stage(i).output in kinds or self.cfg.stage(i).output == "tokens"}
         replicas = {i: self._least_loaded(i) for i in route}
         state = RequestState(request_id, set(wanted), outputs=set(wanted), replicas=replicas, t0=time.monotonic())
@@ -305,7 +315,7 @@ class Orchestrator:
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters[nonce] = fut
         try:
-            await self._send(self.stage_socks[(stage_id, replica)], StatsQuery(nonce=nonce))
+            await self._send_or_drop((stage_id, replica), StatsQuery(nonce=nonce))  # (a down one reads nothing)
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats_waiters.pop(nonce, None)
@@ -327,6 +337,8 @@ class Orchestrator:
             log.warning("api: %s to %s failed: %s", type(msg).__name__, self.cfg.unit_name(unit), e)
 
     def _push(self, state: RequestState, stage_id: int, delta: RequestDelta) -> None:
+        if delta.finished and delta.error is None and delta.finish_reason not in ("abort", "error"):
+            state.finished.add(stage_id)
         state.queue.put_nowait((stage_id, delta))
 
     async def _recv_loop(self) -> None:

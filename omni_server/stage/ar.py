@@ -404,9 +404,13 @@ class ARStage(Stage):
             prompt_len = len(request.prompt_embeds) if request.prompt_token_ids is None else len(prompt_token_ids)
             req, wave = self.core.preprocess_add_request(request)
             self.core.add_request(req, wave)
-        except Exception as e:  # invalid request (too long, bad params): fail it, keep serving
+        except ValueError as e:  # vLLM's check of the request (too long, bad params): the client's
             log.warning("stage %d: rejected %s: %s", self.stage_id, request_id, e)
             self.fail(request_id, f"stage {self.stage.name}: {e}", code=400)
+            return
+        except Exception as e:  # anything else is the server's: fail it, keep serving
+            log.exception("stage %d: could not add %s", self.stage_id, request_id)
+            self.fail(request_id, f"stage {self.stage.name}: could not start the request: {e}")
             return
         self.in_engine.add(request_id)
         if forward_to:

@@ -19,6 +19,7 @@ import torch
 
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import processors
+from omni_server.stage.errors import RequestError
 from omni_server.stage.processors import StageInput
 from omni_server.stage.profiling import StepLog, StepProfiler
 from omni_server.wire.messages import (
@@ -403,11 +404,11 @@ class Stage:
             since["since"] = self.step_rows_given(request_id)
         try:
             stage_input = self.processor(w.payloads, self, dict(w.expect.options), **since)
-        except ValueError as e:  # the request's own input is unusable (e.g. unknown voice)
+        except RequestError as e:  # the request's own option is unusable (e.g. an unknown voice)
             log.warning("stage %d: input of %s rejected: %s", self.stage_id, request_id, e)
             self.fail(request_id, f"stage {self.stage.name}: {e}", code=400)
             return None
-        except Exception as e:  # a bad payload fails this request only
+        except Exception as e:  # a bad payload (the server's fault) fails this request only
             log.exception("stage %d: input processor failed for %s", self.stage_id, request_id)
             self.fail(request_id, f"stage {self.stage.name}: input processing failed: {e}")
             return None

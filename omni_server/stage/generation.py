@@ -21,6 +21,7 @@ import torch
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import generators, stream_order
 from omni_server.stage.base import Stage
+from omni_server.stage.errors import RequestError
 from omni_server.stage.processors import StageInput
 from omni_server.wire.messages import SPEED_OPTION, VOICE_OPTION, ExpectRequest, RequestDelta
 from omni_server.wire.transport import StageSockets
@@ -78,7 +79,7 @@ class GenerationStage(Stage):
             return
         try:
             stream = self.generator.open_stream(expect.options.get(VOICE_OPTION), expect.sampling.seed)
-        except ValueError as e:
+        except RequestError as e:  # (its voice, say)
             self.fail(rid, f"stage {self.stage.name}: {e}", code=400)
             return
         self.streams[rid] = stream
@@ -169,7 +170,7 @@ class GenerationStage(Stage):
                 self.streams.pop(rid, None)
                 # Input that came from an upstream stage is the server's fault, not the client's;
                 # the request's own options (RequestError) are the client's.
-                upstream = self.stage.inputs and not isinstance(wave, generators.RequestError)
+                upstream = self.stage.inputs and not isinstance(wave, RequestError)
                 code, what = (500, "rejected its input from upstream: ") if upstream else (400, "")
                 self.fail(rid, f"stage {self.stage.name}: {what}{wave}", code=code)
                 continue

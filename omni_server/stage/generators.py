@@ -29,10 +29,7 @@ import importlib.util
 _REGISTRY: dict[str, str] = {}
 
 
-class RequestError(ValueError):
-    """An invalid option of the request itself (its voice, say), which a generator reports in a
-    request's place: the client's fault (400) even in a stage fed by another, where other input
-    errors are the server's (500)."""
+from omni_server.stage.errors import RequestError  # noqa: F401  (part of the generator contract)
 
 
 def register(name: str, target: str) -> None:

@@ -21,6 +21,7 @@ import torch
 from omni_server.models.checkpoint import load_tensors, read_config
 from omni_server.models.qwen2_5_omni.speakers import load_speakers
 from omni_server.stage import processors
+from omni_server.stage.errors import RequestError
 from omni_server.stage.processors import StageInput
 from omni_server.stage.transfer import aside, handoff, host_index, settle, to_device, to_host
 from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
@@ -95,7 +96,7 @@ def _single(payloads: dict[int, StagePayload]) -> StagePayload:
 def _voice(options: dict[str, str], known) -> str:
     voice = options.get(VOICE_OPTION) or min(known)
     if voice not in known:
-        raise ValueError(f"unknown voice {voice!r}; available: {sorted(known)}")
+        raise RequestError(f"unknown voice {voice!r}; available: {sorted(known)}")
     return voice
 
 

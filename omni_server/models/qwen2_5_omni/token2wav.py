@@ -46,7 +46,7 @@ from omni_server.models.checkpoint import load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
 from omni_server.models.polyphase import use_polyphase_upsampling
 from omni_server.models.windows import window_at
-from omni_server.stage.generators import RequestError
+from omni_server.stage.errors import RequestError
 from .dit import BACKENDS, backend_error, block_masks, fuse_gelu, fuse_qkv, run_layer, run_layer_with_past, windows
 from .speakers import load_speakers
 

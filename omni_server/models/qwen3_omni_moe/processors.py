@@ -33,6 +33,7 @@ from torch.nn import functional as F
 
 from omni_server.models.checkpoint import load_tensors, read_config
 from omni_server.stage import processors
+from omni_server.stage.errors import RequestError
 from omni_server.stage.processors import StageInput
 from omni_server.stage.transfer import aside, handoff, host_index, settle, to_device, to_host
 from omni_server.wire.messages import REPLY_FROM_OPTION, VOICE_OPTION, StagePayload
@@ -138,7 +139,7 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
         t = _tables(str(ctx.stage.model))
     voice = (options.get(VOICE_OPTION) or DEFAULT_VOICE).lower()
     if voice not in t.voices:
-        raise ValueError(f"unknown voice {options.get(VOICE_OPTION)!r}; available: {sorted(t.voices)}")
+        raise RequestError(f"unknown voice {options.get(VOICE_OPTION)!r}; available: {sorted(t.voices)}")
     prompt_ids, out_ids = list(p.prompt_token_ids), list(p.output_token_ids)
     if REPLY_FROM_OPTION in options:  # text to speech: the reply was part of the thinker's prompt
         cut = int(options[REPLY_FROM_OPTION])
