@@ -666,6 +666,7 @@ def test_half_precision_dit_stays_close_to_float32(t2w, model_dir, dtype):
     # Kept in float32: the time embedding and the rotary tables (their inputs need the precision).
     assert next(half.dit.time_embed.parameters()).dtype == torch.float32
     assert half.dit.rotary_embed.inv_freq.dtype == torch.float32
+    assert torch.equal(half.dit.rotary_embed.inv_freq, t2w.dit.rotary_embed.inv_freq)  # (values, not just the dtype)
     want, got = t2w(CODES, "Chelsie", seed=7), half(CODES, "Chelsie", seed=7)
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert 0 < ((got - want).norm() / want.norm()).item() < 0.01

@@ -62,3 +62,15 @@ def load_module(cls, config, model_dir: str, prefix: str, device: torch.device) 
                          f"missing {result.missing_keys}, unexpected {result.unexpected_keys}")
     # float32: these vocoders are trained / validated in float32 (transformers forces it too).
     return model.float().eval().to(device)
+
+
+def cast_keeping_rotary(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module.to(dtype)`, but its rotary frequency buffers (`*inv_freq`) keep their float32 values,
+    as transformers' own half-precision load keeps them: rounded to bf16 they are ~0.4% off, which
+    turns every position's angle (a greedy Qwen3 code predictor frame in 4 changed)."""
+    kept = {name: buf for name, buf in module.named_buffers() if name.endswith("inv_freq")}
+    module.to(dtype)
+    for name, buf in kept.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner), attr, buf)
+    return module

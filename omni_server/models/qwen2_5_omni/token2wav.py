@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omni_server.models.antialias import use_fused_activations
-from omni_server.models.checkpoint import load_module, read_config
+from omni_server.models.checkpoint import cast_keeping_rotary, load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
 from omni_server.models.polyphase import use_polyphase_upsampling
 from omni_server.models.windows import window_at
@@ -282,7 +282,7 @@ class Token2Wav:
         # time embedding, the rotary tables and the guidance stay float32.
         self.dit_dtype = DIT_DTYPES[dit_dtype]
         if self.dit_dtype != torch.float32:
-            self.dit.to(self.dit_dtype)
+            cast_keeping_rotary(self.dit, self.dit_dtype)  # (the rotary frequencies' float32 values)
             self.dit.time_embed.float()
             self.dit.rotary_embed.float()
             self._voice_codes = {name: tuple(c.to(self.dit_dtype) for c in codes)

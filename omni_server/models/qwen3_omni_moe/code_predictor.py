@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from omni_server.models.checkpoint import load_module, read_config
+from omni_server.models.checkpoint import cast_keeping_rotary, load_module, read_config
 from omni_server.models.graphs import ShapeGraphs, pow2
 
 WEIGHTS_PREFIX = "talker.code_predictor."
@@ -49,14 +49,7 @@ class CodePredictor:
         config = read_config(model_dir).talker_config.code_predictor_config
         self.device = torch.device(device)
         self.groups = config.num_code_groups - 1
-        self.module = load_module(Module, config, model_dir, WEIGHTS_PREFIX, self.device)
-        # Rotary frequencies stay float32 in any dtype, as in transformers' own load (rounded to
-        # bf16 they shifted the angles ~4e-3 and changed a quarter of greedy frames).
-        rotary = {name: buf for name, buf in self.module.named_buffers() if name.endswith("inv_freq")}
-        self.module.to(dtype)
-        for name, buf in rotary.items():
-            owner, _, attr = name.rpartition(".")
-            setattr(self.module.get_submodule(owner), attr, buf)
+        self.module = cast_keeping_rotary(load_module(Module, config, model_dir, WEIGHTS_PREFIX, self.device), dtype)
         self.dtype = dtype
         # Group j's positions (2 rows at j = 0, then one each) are slices of one range.
         self._positions = torch.arange(self.groups + 2, device=self.device)
