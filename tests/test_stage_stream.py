@@ -461,3 +461,74 @@ def test_a_streaming_stage_admits_only_what_its_kv_cache_holds_to_the_end(tmp_pa
     assert plain["preempted"] and plain["most_running"] > 2  # (the scenario: vLLM alone preempts here)
     assert reserved == {"most_running": 2, "preempted": []}
     assert sum((c["out"] for c in streamed), []) == full[0]["out"] and len(full[0]["out"]) == n
+
+
+def test_a_consumer_that_cannot_start_yet_tells_its_sources_it_waits():
+    """A streamed input too short for the processor to start the request (the talker needs the
+    thinker's first reply row): the consumer sends a `waiting` credit for each such chunk, so a
+    producer `stream_window` ahead (1 here would otherwise hold it before that row, for good) goes
+    on; once started, credits come from the request's own use."""
+    from types import SimpleNamespace
+
+    from omni_server.stage.processors import StageInput
+
+    ready = []
+    fake, calls = _consumer(lambda payloads, ctx, options, **kw: StageInput() if ready else None, rows_given=0)
+    credits = []
+    fake.__dict__.update(starved=set(), credited={}, stage=SimpleNamespace(input_mode="stream", name="s", stream_chunk=8),
+                         send_credit=lambda rid, sources, consumed, waiting=False: credits.append(
+                             (rid, sources, consumed, waiting)))
+    _new_input(fake)
+    _new_input(fake)  # another chunk, still too short: said again
+    assert credits == [("r", [0], 0, True)] * 2 and calls == []
+    ready.append(True)
+    _new_input(fake)
+    assert [c[0] for c in calls] == ["start"] and len(credits) == 2
+    fake.report_use("r", [0], 0, waiting=True)  # the started request runs out of input: said again
+    assert credits[2:] == [("r", [0], 0, True)]
+
+
+def test_kv_reservation_counts_each_cache_groups_own_blocks():
+    """Groups of 16- and 32-token blocks in one pool (the scheduler's block_size is their least
+    common multiple, 32): a request of 1022 tokens takes 64 + 32 blocks; a pool of 4 such requests
+    admits 4, not the 6 that 2 x 32 blocks each would."""
+    from types import SimpleNamespace
+
+    from omni_server.stage.scheduler import _TakesHiddenCaptures
+
+    def request():
+        return SimpleNamespace(num_prompt_tokens=1000, max_tokens=22)
+
+    groups = [SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=b)) for b in (16, 32)]
+    per_request = -(-1023 // 16) + -(-1023 // 32)
+    fake = SimpleNamespace(kv_cache_config=SimpleNamespace(kv_cache_groups=groups), block_size=32, max_model_len=4096,
+                           kv_cache_manager=SimpleNamespace(block_pool=SimpleNamespace(num_gpu_blocks=4 * per_request + 1)),
+                           running=[], num_waiting_for_streaming_input=0, waiting=[request() for _ in range(8)],
+                           skipped_waiting=[])
+    assert _TakesHiddenCaptures._admissible(fake) == 4
+    fake.running = [request()]
+    assert _TakesHiddenCaptures._admissible(fake) == 4  # (1 running + 3 more)
+
+
+def test_a_stream_window_of_one_still_speaks(tiny_models, tmp_path):
+    """The tightest window the config takes: the thinker may run one token ahead of what the talker
+    used, and the talker cannot start before the thinker's first reply row, a step past its first
+    token. The talker says it waits (before it starts, too), so the reply is spoken, not stuck."""
+    import time
+
+    import openai
+
+    from tests.conftest import REPO, Server
+
+    server = Server(REPO / "configs" / "default.yaml", tmp_path / "window1.log",
+                    args=["--stage-arg", "talker.stream_window=1"])
+    try:
+        server.wait_ready(time.monotonic() + 300)
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=60, max_retries=0)
+        resp = client.chat.completions.create(model="omni-tiny", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=20, modalities=["text", "audio"],
+                                              audio={"voice": "Chelsie", "format": "wav"},
+                                              extra_body={"ignore_eos": True})
+        assert resp.usage.completion_tokens == 20 and resp.choices[0].message.audio.data
+    finally:
+        assert server.stop() == 0, server.log_tail()

@@ -413,6 +413,11 @@ class Stage:
             self.fail(request_id, f"stage {self.stage.name}: input processing failed: {e}")
             return None
         if stage_input is None:  # a streamed input that cannot start the request yet
+            if not w.started:
+                # Say so to the sources (once per chunk that did not suffice): a producer `stream_window`
+                # ahead of a consumer that never started would otherwise wait for its credit for good.
+                self.input_arrived(request_id)
+                self.report_use(request_id, list(w.expect.sources), 0, waiting=True)
             return None
         return request_id, stage_input, complete
 
@@ -423,6 +428,7 @@ class Stage:
             del self.waiting[request_id]
         if not w.started:
             w.started = True
+            self.input_arrived(request_id)  # (re-arms the `waiting` credit its wait to start may have used)
             self.start(w.expect, stage_input, final=complete)
         else:
             self.extend(request_id, stage_input, complete)

@@ -63,12 +63,15 @@ class _TakesHiddenCaptures:
         a held request keeps its blocks (it cannot be preempted), so with preemption a producer's
         held requests could wait on a consumer whose own requests wait on the producer's preempted
         ones. Waiting requests count largest first, whichever of them vLLM admits."""
-        groups = max(1, len(self.kv_cache_config.kv_cache_groups))
+        # Each group's own block size (with several, self.block_size is their least common multiple);
+        # every group draws on the one pool. (A group that needs fewer, e.g. a sliding window's, is
+        # over-counted: safe.)
+        sizes = [g.kv_cache_spec.block_size for g in self.kv_cache_config.kv_cache_groups] or [self.block_size]
         length = self.max_model_len
 
         def blocks(r: Request) -> int:
             end = min(length, r.num_prompt_tokens + (r.max_tokens or 0)) + 1  # (+1: a step's placeholder)
-            return groups * -(-end // self.block_size)
+            return sum(-(-end // size) for size in sizes)
 
         free = self.kv_cache_manager.block_pool.num_gpu_blocks - 1 - sum(blocks(r) for r in self.running)
         running = len(self.running) + self.num_waiting_for_streaming_input
