@@ -94,6 +94,7 @@ def _consumer(processor, rows_given: int, ids=("r",)):
     fake = Stage.__new__(Stage)  # (no engine, no sockets)
     fake.__dict__.update(waiting=waiting, _dirty={}, stage=SimpleNamespace(input_mode="stream", name="s"),
                          stage_id=1, processor=processor, step_rows_given=lambda rid: rows_given,
+                         starved=set(), credited={},
                          start=lambda expect, si, final: calls.append(("start", si)),
                          extend=lambda rid, si, final: calls.append(("extend", si)),
                          fail=lambda *a, **k: calls.append(("fail", a)))
@@ -475,7 +476,7 @@ def test_a_consumer_that_cannot_start_yet_tells_its_sources_it_waits():
     ready = []
     fake, calls = _consumer(lambda payloads, ctx, options, **kw: StageInput() if ready else None, rows_given=0)
     credits = []
-    fake.__dict__.update(starved=set(), credited={}, stage=SimpleNamespace(input_mode="stream", name="s", stream_chunk=8),
+    fake.__dict__.update(stage=SimpleNamespace(input_mode="stream", name="s", stream_chunk=8),
                          send_credit=lambda rid, sources, consumed, waiting=False: credits.append(
                              (rid, sources, consumed, waiting)))
     _new_input(fake)
@@ -532,3 +533,25 @@ def test_a_stream_window_of_one_still_speaks(tiny_models, tmp_path):
         assert resp.usage.completion_tokens == 20 and resp.choices[0].message.audio.data
     finally:
         assert server.stop() == 0, server.log_tail()
+
+
+def test_held_requests_keep_their_place_in_the_running_order():
+    """A request held out of one schedule() call goes back where it was, not after the requests
+    admitted meanwhile: vLLM hands out the step's token budget in `running` order."""
+    from omni_server.stage.scheduler import _TakesHiddenCaptures
+
+    a, b, c, new = (SimpleNamespace(name=n) for n in ("a", "b", "c", "new"))
+
+    class Engine:
+        def schedule(self):
+            assert self.running == [a, c]  # b is held out of this call
+            self.running.append(new)  # admitted
+            return "scheduled"
+
+    class Sched(_TakesHiddenCaptures, Engine):
+        pass
+
+    s = Sched.__new__(Sched)
+    s.running, s.held, s.num_waiting_for_streaming_input = [a, b, c], (lambda r: r is b), 0
+    assert s._schedule_unheld() == "scheduled"
+    assert s.running == [a, b, c, new] and s.num_waiting_for_streaming_input == 0

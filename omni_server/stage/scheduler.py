@@ -88,13 +88,18 @@ class _TakesHiddenCaptures:
             return super().schedule(*args, **kwargs)
         # Out of `running` for this one schedule() call: they keep their KV cache and their slot (the
         # count vLLM keeps for paused streaming sessions makes admission leave room for them).
+        # Put back where they were: vLLM hands out the token budget in `running` order, and a
+        # held decode at the end would wait behind a newer request's chunked prefill.
+        order = {id(r): i for i, r in enumerate(self.running)}
         self.running = [r for r in self.running if r not in held]
         self.num_waiting_for_streaming_input += len(held)
         try:
             return super().schedule(*args, **kwargs)
         finally:
             self.num_waiting_for_streaming_input -= len(held)
-            self.running.extend(r for r in held if r not in self.running)
+            present = {id(r) for r in self.running}
+            merged = self.running + [r for r in held if id(r) not in present]
+            self.running = sorted(merged, key=lambda r: order.get(id(r), len(order)))  # (admitted ones last)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         capture = getattr(model_runner_output, "omni_hidden", None)
