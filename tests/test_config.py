@@ -849,3 +849,16 @@ def test_serve_says_when_it_cannot_make_its_runtime_dir(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "runtime_dir /proc/omni-server: cannot create it: No such file or directory" in proc.stderr
+
+
+def test_an_ipc_address_past_zmqs_path_limit_is_refused_at_load(tmp_path):
+    """Not a config that validates and then fails when the stage binds."""
+    import zmq
+
+    from omni_server.config import ConfigError, load_config_text
+
+    ok = "ipc:///tmp/" + "a" * (zmq.IPC_PATH_MAX_LEN - 5)
+    text = "model: m\nstages:\n  - {id: 0, name: a, model: x, output: text, address: '%s'}\n"
+    assert load_config_text(text % ok).stage(0).address == ok
+    with pytest.raises(ConfigError, match=f"ipc path of {zmq.IPC_PATH_MAX_LEN + 1} characters, at most"):
+        load_config_text(text % (ok + "a"))

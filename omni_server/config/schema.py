@@ -15,6 +15,11 @@ def _check_zmq_address(a: str) -> str:
     if not (a.startswith("ipc://") and len(a) > 6 or a.startswith("tcp://") and host and port.isdigit()
             and 1 <= int(port) <= 65535):
         raise ValueError(f"a ZMQ address tcp://HOST:PORT (port 1-65535) or ipc://PATH, got {a!r}")
+    if a.startswith("ipc://"):
+        import zmq
+
+        if len(a) - 6 > zmq.IPC_PATH_MAX_LEN:  # (else the bind fails only when the stage starts)
+            raise ValueError(f"ipc path of {len(a) - 6} characters, at most {zmq.IPC_PATH_MAX_LEN}: {a!r}")
     return a
 
 
