@@ -416,8 +416,7 @@ class Stage:
             if not w.started:
                 # Say so to the sources (once per chunk that did not suffice): a producer `stream_window`
                 # ahead of a consumer that never started would otherwise wait for its credit for good.
-                self.input_arrived(request_id)
-                self.report_use(request_id, list(w.expect.sources), 0, waiting=True)
+                self.send_credit(request_id, list(w.expect.sources), 0, waiting=True)
             return None
         return request_id, stage_input, complete
 
@@ -428,7 +427,6 @@ class Stage:
             del self.waiting[request_id]
         if not w.started:
             w.started = True
-            self.input_arrived(request_id)  # (re-arms the `waiting` credit its wait to start may have used)
             self.start(w.expect, stage_input, final=complete)
         else:
             self.extend(request_id, stage_input, complete)
