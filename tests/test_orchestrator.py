@@ -248,3 +248,34 @@ def test_a_stage_that_dies_after_its_part_fails_only_what_may_still_need_it(tmp_
             ctx.destroy(linger=0)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("audio", [True, False])
+def test_a_spoken_reply_that_ended_without_audio_counts_as_an_error(tmp_path, audio):
+    """The api answers a 500 ("the pipeline returned no audio") when the audio stage finished
+    without sending any: /metrics counts that request as an error, not ok."""
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        orch, (thinker, talker, t2w) = await _speech_pipeline(tmp_path, ctx)
+        count = lambda outcome: orch.metrics.requests.labels(model="m", outcome=outcome)._value.get()  # noqa: E731
+        try:
+            state = await orch.submit("r", [1, 2], {i: SamplingSpec() for i in range(3)}, outputs={"text", "audio"})
+            await thinker.send(RequestDelta("r", new_token_ids=[5], finished=True, finish_reason="stop"))
+            await talker.send(RequestDelta("r", finished=True, finish_reason="stop"))
+            tensors = {"audio": torch.zeros(0)} if audio else {}  # (an empty reply's audio is still audio)
+            await t2w.send(RequestDelta("r", tensors=tensors, sample_rate=24000, finished=True, finish_reason="stop"))
+            got = await asyncio.wait_for(_drain(orch.deltas(state)), 5)
+            assert [i for i, _ in got] == [0, 2] and state.done
+            assert (count("ok"), count("error")) == ((1, 0) if audio else (0, 1))
+        finally:
+            for s in (thinker, talker, t2w):
+                s.close()
+            await orch.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+async def _drain(deltas) -> list:
+    return [(i, d) async for i, d in deltas]

@@ -69,6 +69,7 @@ class RequestState:
     t0: float = 0.0
     first_text: bool = False
     first_audio: bool = False
+    got_audio: bool = False  # an audio stage sent an audio tensor (even an empty one)
     outcome: str | None = None
     counted: bool = False
 
@@ -271,7 +272,10 @@ class Orchestrator:
         finally:
             self.requests.pop(state.request_id, None)
             self._release(state)
-            self._end(state, state.outcome or ("ok" if state.done else "aborted"))
+            outcome = state.outcome or ("ok" if state.done else "aborted")
+            if outcome == "ok" and not state.got_audio and any(self.cfg.stage(i).output == "audio" for i in state.outputs):
+                outcome = "error"  # (the api answers "the pipeline returned no audio": a 500)
+            self._end(state, outcome)
 
     def _observe(self, state: RequestState, stage_id: int, delta: RequestDelta) -> None:
         kind = self.cfg.stage(stage_id).output
@@ -279,6 +283,7 @@ class Orchestrator:
             state.first_text = True
             self.metrics.ttft.observe(time.monotonic() - state.t0)
         wave = delta.tensors.get("audio") if kind == "audio" else None
+        state.got_audio = state.got_audio or wave is not None
         if wave is not None and len(wave):
             if not state.first_audio:
                 state.first_audio = True
