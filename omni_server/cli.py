@@ -151,6 +151,8 @@ def cmd_bench(args) -> int:
               f"{lv['ttft_ms']['p90']}/{lv['ttft_ms']['p99']}  latency p50/p90/p99 ms="
               f"{lv['latency_ms']['p50']}/{lv['latency_ms']['p90']}/{lv['latency_ms']['p99']}"
               + (f"  prompt tokens {lv['prompt_tokens']} ({lv['cached_tokens']} cached)" if lv["prompt_tokens"] else "")
+              + (f"  queue wait p50/max ms={lv['queue_wait_ms']['p50']}/{lv['queue_wait_ms']['max']}"
+                 if lv["queue_wait_ms"]["max"] else "")
               + (f"  TTFP p50 ms={lv['ttfp_ms']['p50']}  audio s/wall s={lv['audio_s_per_wall_s']}  "
                  f"RTF p50={lv['rtf']['p50']}  stall p90/max ms={lv['stall_ms']['p90']}/{lv['stall_ms']['max']} "
                  f"({lv['stalled_requests']} requests stalled)" if args.audio or args.speech else ""))

@@ -220,3 +220,31 @@ def test_bench_refuses_counts_below_one(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "bench", "--model", "m", flag, "0"],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and f"{flag} must be at least 1" in proc.stderr, proc.stderr
+
+
+def test_the_wait_for_a_concurrency_slot_is_reported_apart_from_the_requests_times():
+    """Arrivals faster than one slot serves: each later request waits for the one before; that
+    wait shows as `queue_wait_ms`, and latency / TTFT start at the send, as the server saw them."""
+    import asyncio
+
+    import httpx
+
+    from omni_server.bench.runner import BenchConfig, run_bench
+
+    reply = _chat_chunk("hi", finish="stop") + _chat_chunk(usage=True) + "data: [DONE]\n\n"
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/v1/omni/stages"):
+            return httpx.Response(404)
+        await asyncio.sleep(0.2)
+        return httpx.Response(200, text=reply, headers={"content-type": "text/event-stream"})
+
+    cfg = BenchConfig(base_url="http://bench.test", model="m", concurrency=[1], requests_per_level=4,
+                      request_rate=1000.0)  # (all four arrive within a few ms)
+    (lv,) = asyncio.run(run_bench(cfg, progress=lambda *a: None, transport=httpx.MockTransport(handler)))["levels"]
+    assert lv["errors"] == 0
+    assert 150 < lv["latency_ms"]["p50"] < 400 and lv["latency_ms"]["p99"] < 400  # one reply's 0.2 s each
+    assert 550 < lv["queue_wait_ms"]["max"] < 1000  # the fourth waited for three replies
+    cfg.request_rate, cfg.concurrency = None, [4]
+    (lv,) = asyncio.run(run_bench(cfg, progress=lambda *a: None, transport=httpx.MockTransport(handler)))["levels"]
+    assert lv["queue_wait_ms"]["max"] < 100  # a slot for each

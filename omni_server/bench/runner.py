@@ -1,7 +1,9 @@
 """HTTP load generator: fixed prompt set, concurrency levels, streaming chat requests.
 
 Per level it reports TTFT (first text delta), end-to-end latency (p50/p90/p99), output tokens/s
-(completion tokens from the usage chunk / wall time) and errors; with `audio`, also TTFP (first
+(completion tokens from the usage chunk / wall time), errors, and the client-side queue wait (a
+request's scheduled arrival to its send, when the level's concurrency cap holds it back; every
+other time starts at the send); with `audio`, also TTFP (first
 audio data delta), seconds of audio per wall second, RTF (request latency / its audio duration) and
 playback stalls (how long a player starting at the first packet would wait for later packets).
 Per stage (`stages`, from the stats route before and after the level): steps, mean step time, busy
@@ -257,10 +259,12 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress, tran
             nonlocal done
             await asyncio.sleep(max(0.0, t0 + start[i] - time.perf_counter()))
             async with sem:
+                waited = max(0.0, time.perf_counter() - t0 - start[i])
                 try:
                     res = await _one(client, cfg, offset + i)
                 except Exception as e:  # a malformed answer fails its request, not the run
                     res = {"error": f"{type(e).__name__}: {e}"}
+            res["queue_wait_s"] = waited
             done += 1
             progress(concurrency, done, n)
             return res
@@ -274,6 +278,7 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress, tran
     ok = [r for r in results if not r.get("error")]
     ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     lat = [r["latency_s"] for r in ok]
+    waits = [r["queue_wait_s"] for r in ok]
     tokens = sum(r["tokens"] for r in ok)
     ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
     audio = {}
@@ -308,6 +313,10 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress, tran
         "ttft_ms": {"p50": ms(_pct(ttfts, 50)), "p90": ms(_pct(ttfts, 90)), "p99": ms(_pct(ttfts, 99)),
                     "mean": ms(statistics.fmean(ttfts)) if ttfts else None},
         "latency_ms": {"p50": ms(_pct(lat, 50)), "p90": ms(_pct(lat, 90)), "p99": ms(_pct(lat, 99))},
+        # From a request's scheduled arrival to its send (a concurrency slot free): the other times
+        # start at the send, as the server saw the request (vLLM's benchmark times the same way).
+        "queue_wait_ms": {"p50": ms(_pct(waits, 50)), "p90": ms(_pct(waits, 90)),
+                          "max": ms(max(waits)) if waits else None},
         **audio,
         "stages": stages,
     }
