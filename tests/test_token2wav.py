@@ -836,7 +836,10 @@ def test_gelu_epilogue_is_refused_where_it_would_change_the_numbers(model_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's epilogue needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_epilogue_computes_the_mlp(model_dir, dtype):
-    """`GeluEpilogueMLP` on a CUDA device: transformers' `DiTMLP` output (its GEMM and GELU fused)."""
+    """`GeluEpilogueMLP` on a CUDA device: transformers' `DiTMLP` output (its GEMM and GELU fused).
+    In bf16 it is at least as close to the float32 computation (the same weights) as the module is."""
+    import copy
+
     from omni_server.models.qwen2_5_omni.dit import GeluEpilogueMLP
 
     mlp = Token2Wav(model_dir).dit.transformer_blocks[0].ff.to("cuda", dtype)
@@ -846,13 +849,16 @@ def test_gelu_epilogue_computes_the_mlp(model_dir, dtype):
     x = torch.randn(3, 70, mlp.ff[0].in_features, device="cuda", dtype=dtype)
     with torch.inference_mode():
         want, got = mlp(x), GeluEpilogueMLP(mlp)(x)
+        exact = copy.deepcopy(mlp).float()(x.float())
     assert got.shape == want.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    else:  # eager rounds the GEMM's output to bf16 before the GELU, the epilogue after: at most 2 of
-        # bf16's steps of the output apart, a step being at most 2^-7 of it (an absolute 3e-2 was
-        # under one step past |y| = 4: the H200 run of 2026-12-05 saw 0.03125)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 * 2**-7, atol=2**-7)
+    else:  # Eager rounds the first GEMM's output to bf16 before the GELU, the epilogue does not. A
+        # bound relative to the output failed (the second GEMM sums those roundings into outputs near
+        # 0: H100 run of 2026-12-05, 0.0125 where |y| is small), so both are held to the float32 result.
+        err_got, err_want = (got.float() - exact).abs(), (want.float() - exact).abs()
+        assert err_got.mean() <= 1.1 * err_want.mean() and err_got.max() <= 1.5 * err_want.max()
+        assert err_want.max() < 0.1 * exact.abs().max()  # (the reference itself is close)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
