@@ -122,6 +122,16 @@ BROKEN = [
         "stage 1 (talker): engine_args: Input should be a valid dictionary (got a list)",
     ),
     (
+        "union-field-one-line-not-one-per-member",
+        "model: m\nstages:\n  - {id: 0, name: thinker, model: m, output: text, address: 5}\n",
+        "stage 0 (thinker): address: Input should be a valid string or a valid list (got 5)",
+    ),
+    (
+        "union-field-literal-member",
+        "model: m\ncuda_mps: maybe\nstages:\n" + STAGE0,
+        "cuda_mps: Input should be a valid boolean or 'auto' (got 'maybe')",
+    ),
+    (
         "unknown-top-level-field",
         "model: m\nmodle: x\nstages:\n" + STAGE0,
         "modle: Extra inputs are not permitted (did you mean `model`?)",

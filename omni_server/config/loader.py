@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import difflib
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -330,12 +331,37 @@ def _message(err: dict[str, Any]) -> str:
     return msg
 
 
+# A union member's tag pydantic puts in an error's location (`address.str`, `cuda_mps.literal['auto']`):
+# not a key the user wrote.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
+
+
+def _merged(errors: list[dict[str, Any]]) -> list[tuple[tuple, str]]:
+    """(location, message) per place in the config: a value no member of a union took gets one line
+    (`Input should be a valid string or a valid list (got 5)`), not one per member."""
+    groups: dict[tuple, list[str]] = {}
+    for err in errors:
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and _UNION_TAG.match(p)))
+        groups.setdefault(loc, []).append(_message(err))
+    out = []
+    for loc, msgs in groups.items():
+        if len(msgs) > 1:
+            got = re.search(r" \(got [^()]*\)$", msgs[0])
+            tail = got.group(0) if got and all(m.endswith(got.group(0)) for m in msgs) else ""
+            parts = [m[: len(m) - len(tail)].split(", ")[0] for m in msgs]  # (not each member's why)
+            if all(m.startswith("Input should be ") for m in parts):
+                parts = [parts[0]] + [m[len("Input should be "):] for m in parts[1:]]
+                msgs = [" or ".join(parts) + tail]
+            else:
+                msgs = ["; ".join(parts) + tail]
+        out.append((loc, msgs[0]))
+    return out
+
+
 def _format_errors(exc: ValidationError, data: dict[str, Any], name: str) -> list[str]:
     stages = data.get("stages")
     lines: list[str] = []
-    for err in exc.errors(include_url=False):
-        loc = tuple(err["loc"])
-        msg = _message(err)
+    for loc, msg in _merged(exc.errors(include_url=False)):
         if not loc:
             # PipelineConfig's model_validator: the stage graph.
             lines.append(f"{name}: stages: {msg}")
