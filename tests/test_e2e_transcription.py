@@ -86,6 +86,7 @@ def test_translation_refuses_timed_formats(client):
     ({"model": MODEL, "response_format": "srt"}, {"file": ("a.wav", WAV, "audio/wav")}, 400, "timestamps"),
     ({"model": MODEL, "response_format": "xml"}, {"file": ("a.wav", WAV, "audio/wav")}, 400, "response_format"),
     ({"model": MODEL, "temperature": "-1"}, {"file": ("a.wav", WAV, "audio/wav")}, 400, "temperature"),
+    ({"model": MODEL, "temperature": "1.5"}, {"file": ("a.wav", WAV, "audio/wav")}, 400, "temperature"),  # (OpenAI: 0-1)
     ({"model": MODEL, "stream": "true", "response_format": "srt"}, {"file": ("a.wav", WAV, "audio/wav")}, 400,
      "timestamps"),
 ])

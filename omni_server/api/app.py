@@ -298,7 +298,7 @@ def create_app(state: ServerState) -> FastAPI:
                              language: Annotated[str | None, Form(max_length=32)] = None,
                              prompt: Annotated[str | None, Form(max_length=4096)] = None,
                              response_format: Annotated[str, Form()] = "json",
-                             temperature: Annotated[float, Form(ge=0, le=2)] = 0.0,
+                             temperature: Annotated[float, Form(ge=0, le=1)] = 0.0,
                              stream: Annotated[bool, Form()] = False,
                              max_tokens: Annotated[int | None, Form(ge=1)] = None):
         """The uploaded audio transcribed by the text stage: the audio and an instruction as one
@@ -311,7 +311,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def translations(request: Request, file: UploadFile, model: Annotated[str, Form()],
                            prompt: Annotated[str | None, Form(max_length=4096)] = None,
                            response_format: Annotated[str, Form()] = "json",
-                           temperature: Annotated[float, Form(ge=0, le=2)] = 0.0,
+                           temperature: Annotated[float, Form(ge=0, le=1)] = 0.0,
                            max_tokens: Annotated[int | None, Form(ge=1)] = None):
         """The uploaded audio's speech as English text (OpenAI's translations: no streaming)."""
         turn = transcription.messages(state.cfg.server, transcription.translation(state.cfg.server, prompt))
