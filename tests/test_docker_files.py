@@ -34,7 +34,10 @@ def test_compose_runs_every_stage_and_the_api():
     assert api["ports"] == ["${PORT:-8000}:8000"]
     for svc in services.values():
         assert "./pipeline.yaml:/etc/omni/pipeline.yaml:ro" in svc["volumes"]
-        assert any(v.endswith(":/model:ro") for v in svc["volumes"])
+        # The checkpoint: read-only, and a missing MODEL_DIR an error (not an empty directory made for it).
+        (model,) = [v for v in svc["volumes"] if isinstance(v, dict) and v["target"] == "/model"]
+        assert model["read_only"] and model["bind"] == {"create_host_path": False}
+        assert model["source"].startswith("${MODEL_DIR:?")
     assert all(s.model == "/model" for s in cfg.stages)
     assert {s.name for s in cfg.stages} == {"thinker", "talker", "token2wav"}
 
