@@ -68,6 +68,12 @@ def cmd_stage(args) -> int:
     if not 0 <= args.stage < len(cfg.stages):
         print(f"error: {args.config} has no stage {args.stage}", file=sys.stderr)
         return 2
+    from omni_server.config.loader import missing_paths
+
+    found = missing_paths(cfg, args.config, args.stage)  # (its own model / tokenizer)
+    if found:
+        print("error: invalid config\n" + "\n".join(found), file=sys.stderr)
+        return 2
     # vLLM's own log lines name the stage, as ours do: `serve` (and docker-compose's log) mixes
     # every stage's output. (Read when vLLM's logger is first imported, below.)
     os.environ.setdefault("VLLM_LOGGING_PREFIX", f"[{cfg.unit_name((args.stage, args.replica))}] ")

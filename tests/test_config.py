@@ -16,7 +16,7 @@ from omni_server.config import (
     load_config_text,
     parse_override,
 )
-from tests.conftest import REPO
+from tests.conftest import MODELS, REPO
 
 VALID = """\
 model: qwen-omni
@@ -682,6 +682,39 @@ def test_check_and_serve_name_a_local_model_path_that_does_not_exist(tmp_path):
             f"{path}: server: curve_keys_dir: no omni.key_secret in /nowhere/keys (`omni-server keys /nowhere/keys` "
             "makes one)",
             f"{path}: runtime_dir: /tmp/{'r' * 100} is too long for its sockets' paths (117 characters, at most 107)"]
+
+
+def test_a_local_directory_that_is_no_checkpoint_is_named_before_any_stage_starts(tmp_path):
+    """An empty model directory (docker makes one for a bind mount whose source is missing) or one
+    without tokenizer files: `check` / `serve` name it, instead of every stage failing deep in
+    transformers."""
+    from omni_server.config.loader import missing_paths
+
+    empty, weights_only = tmp_path / "empty", tmp_path / "weights"
+    empty.mkdir()
+    weights_only.mkdir()
+    (weights_only / "config.json").write_text("{}")
+    cfg = load_config_text(textwrap.dedent(f"""\
+        model: m
+        stages:
+          - {{id: 0, name: a, model: {empty}, output: text}}
+          - {{id: 1, name: b, model: {weights_only}, tokenizer: {weights_only}, inputs: [0],
+             input_processor: hidden_to_embeds, output: tokens}}
+        """))
+    assert missing_paths(cfg, "x.yaml") == [
+        f"x.yaml: stage 0 (a): model: {empty} holds no config.json / params.json: not a checkpoint directory",
+        f"x.yaml: stage 1 (b): tokenizer: {weights_only} holds no tokenizer_config.json / tokenizer.json / "
+        "tokenizer.model / vocab.json: not a tokenizer directory"]
+    cfg.stages[0].model = str(MODELS / "tiny-qwen2_5-omni")
+    cfg.stages[1].tokenizer = str(MODELS / "tiny-qwen2_5-omni")
+    assert missing_paths(cfg, "x.yaml") == []
+    # A stage process started alone (its own container) checks its own paths before anything else.
+    path = tmp_path / "alone.yaml"
+    path.write_text(f"model: m\nstages:\n  - {{id: 0, name: a, model: {empty}, output: text}}\n")
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "stage", "--config", str(path), "--stage", "0",
+                           "--runtime-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"model: {empty} holds no config.json" in proc.stderr
 
 
 def test_check_rejects_generator_args_the_generator_does_not_take(tmp_path):

@@ -42,6 +42,9 @@ _STAGE_FIELDS = frozenset(StageConfig.model_fields) - {"id", "name"}
 _STR_FIELDS = frozenset({"model", "tokenizer", "devices", "address", "input_processor"})
 # Stage fields that are local paths or hub ids.
 _PATH_FIELDS = ("model", "tokenizer")
+# A local directory given as a stage's model / tokenizer holds at least one of these.
+_CHECKPOINT_FILES = {"model": ("config.json", "params.json"),
+                     "tokenizer": ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")}
 
 
 class ConfigError(ValueError):
@@ -400,21 +403,32 @@ def _resolve_path(value: str | None, base_dir: Path | None) -> str | None:
     return value
 
 
-def missing_paths(cfg: PipelineConfig, name: str) -> list[str]:
+def missing_paths(cfg: PipelineConfig, name: str, stage_id: int | None = None) -> list[str]:
     """Stages' model / tokenizer values that are local paths (absolute, `~`, `./`, `../`, or more
     than one `/`: a hub id is `org/name`) and do not exist; checked by `serve` and `check` before
     any stage starts (the hub client would otherwise take them for a malformed repo id, deep in a
     traceback). Not at load: a config may name paths of another machine (a container's /model).
-    Also the api's own files: server.chat_template, the CURVE key, a runtime_dir its sockets fit in."""
+    Also the api's own files: server.chat_template, the CURVE key, a runtime_dir its sockets fit in.
+    `stage_id`: that stage's paths only (a stage process started alone, e.g. in its own container)."""
     out = []
-    for stage in cfg.stages:
+    for stage in cfg.stages if stage_id is None else [cfg.stage(stage_id)]:
         for field in _PATH_FIELDS:
             value = getattr(stage, field)
+            if value and Path(os.path.expanduser(value)).is_dir():
+                # (an empty or wrong directory, e.g. one docker made for a missing mount, failed
+                # each stage deep in transformers instead)
+                wanted = _CHECKPOINT_FILES[field]
+                if not any((Path(os.path.expanduser(value)) / f).exists() for f in wanted):
+                    out.append(f"{name}: stage {stage.id} ({stage.name}): {field}: {value} holds no "
+                               f"{' / '.join(wanted)}: not a {'checkpoint' if field == 'model' else 'tokenizer'} directory")
+                continue
             if not value or Path(os.path.expanduser(value)).exists():
                 continue
             if value.startswith(("/", "~", "./", "../")) or value.count("/") > 1:
                 hint = " (`make tiny` builds the test models)" if "var/models" in value else ""
                 out.append(f"{name}: stage {stage.id} ({stage.name}): {field}: no such directory: {value}{hint}")
+    if stage_id is not None:
+        return out
     template = cfg.server.chat_template
     if template and not Path(os.path.expanduser(template)).is_file():
         out.append(f"{name}: server: chat_template: no such file: {template}")
