@@ -76,7 +76,14 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
         for unit, before in after.items():
             launcher.start(unit, hold=bool(before))
         launched = time.monotonic()  # (startup_timeout_s counts from here)
-        state = ServerState(cfg, lambda: Orchestrator(cfg, runtime_dir), on_startup=None)
+        try:
+            state = ServerState(cfg, lambda: Orchestrator(cfg, runtime_dir), on_startup=None)
+        except Exception as e:  # (its tokenizer: a hub id offline or gated, files it cannot read)
+            stage0 = cfg.stage(0)
+            why = " ".join(str(e).split())
+            failed.append(f"stage 0 ({stage0.name}): the api cannot load its tokenizer from "
+                          f"{stage0.tokenizer or stage0.model!r}: {type(e).__name__}: {why[:400]}")
+            raise _Stopped("the api's set-up failed") from None
         uv = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.server.host, port=cfg.server.port,
                                            log_level="info",
                                            timeout_graceful_shutdown=cfg.server.shutdown_timeout_s))

@@ -161,12 +161,13 @@ def test_stage_devices_index_the_gpus_serve_sees():
 
 
 def test_server_that_cannot_start_a_stage_says_why(tiny_models, tmp_path):
-    # A real `serve` whose token2wav checkpoint is an empty folder: it exits 1, and its last line
-    # names the stage and the stage's own exception (not only an exit code).
+    # A real `serve` whose token2wav checkpoint is a folder no model loads from: it exits 1, and its
+    # last line names the stage and the stage's own exception (not only an exit code).
     from tests.conftest import Server
 
     empty = tmp_path / "empty"
     empty.mkdir()
+    (empty / "config.json").write_text("{}")  # (without one, serve refuses the folder before any stage starts)
     server = Server(REPO / "configs" / "default.yaml", tmp_path / "serve.log",
                     args=["--stage-arg", f"token2wav.model={empty}"])
     try:
@@ -175,6 +176,23 @@ def test_server_that_cannot_start_a_stage_says_why(tiny_models, tmp_path):
         server.stop()
     last = server.log_tail().splitlines()[-1]
     assert "stage 2 (token2wav) failed to start (exit code 1): ValueError: Unrecognized model in " + str(empty) in last
+
+
+def test_server_whose_api_cannot_load_the_tokenizer_says_why(tiny_models, tmp_path):
+    # Stage 0's tokenizer as a hub id the api cannot fetch (offline here): serve stops its stages and
+    # exits 1 with one line naming the stage and why, not transformers' traceback.
+    from tests.conftest import Server
+
+    server = Server(REPO / "configs" / "default.yaml", tmp_path / "serve.log",
+                    args=["--stage-arg", "thinker.tokenizer=nobody/no-such-tokenizer"], env={"HF_HUB_OFFLINE": "1"})
+    try:
+        assert server.proc.wait(240) == 1
+    finally:
+        server.stop()
+    log = server.log_tail()
+    assert "Traceback" not in log, log
+    last = log.splitlines()[-1]
+    assert "stage 0 (thinker): the api cannot load its tokenizer from 'nobody/no-such-tokenizer': " in last, last
 
 
 def test_failure_note_of_a_stage_process():
