@@ -138,7 +138,20 @@ def cmd_bench(args) -> int:
     if args.request_rate is not None and not args.request_rate > 0:
         print("error: --request-rate must be a positive number of requests per second", file=sys.stderr)
         return 2
-    cfg = BenchConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
+    if args.reference:
+        from pathlib import Path
+
+        ref = Path(os.path.expanduser(args.reference))
+        local = ref.exists() or args.reference.startswith(("/", "~", "./", "../")) or args.reference.count("/") > 1
+        if local and not (ref / "config.json").is_file():
+            # (checked now: the reference runs after every level)
+            print(f"error: --reference {args.reference}: no config.json there (a checkpoint directory, or a hub id)",
+                  file=sys.stderr)
+            return 2
+    base_url = args.base_url.rstrip("/")
+    if base_url.endswith("/v1"):  # (the openai client's base_url; bench adds /v1/... itself)
+        base_url = base_url[:-len("/v1")]
+    cfg = BenchConfig(base_url=base_url, model=args.model, concurrency=args.concurrency,
                       requests_per_level=args.requests, prompt_words=args.prompt_words,
                       max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OMNI_SERVER_API_KEY"),
                       audio=args.audio or args.speech, voice=args.voice, speech=args.speech,
@@ -170,6 +183,9 @@ def cmd_bench(args) -> int:
                   f"first output after {st['first_output_ms']} ms"
                   + (f", {st['underruns']} audio underruns ({st['underrun_s']} s)" if st.get("underruns") else ""))
     ref = result.get("reference")
+    if ref and ref.get("error"):
+        print(f"reference (transformers) failed: {ref['error']}", file=sys.stderr)
+        return 1
     if ref:
         print(f"reference (transformers, {ref['device']}): n={ref['requests']} out tok/s={ref['output_tok_s']}  "
               f"audio s/wall s={ref['audio_s_per_wall_s']}  RTF p50={ref['rtf']['p50']}  "
@@ -230,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_keys)
 
     p = sub.add_parser("bench", help="load a running server over HTTP and report latency/throughput")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server's root URL (a trailing /v1, as the openai client's, is dropped)")
     p.add_argument("--model", required=True)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--requests", type=int, help="requests per level (default: max(8, 4 x concurrency))")

@@ -248,3 +248,42 @@ def test_the_wait_for_a_concurrency_slot_is_reported_apart_from_the_requests_tim
     cfg.request_rate, cfg.concurrency = None, [4]
     (lv,) = asyncio.run(run_bench(cfg, progress=lambda *a: None, transport=httpx.MockTransport(handler)))["levels"]
     assert lv["queue_wait_ms"]["max"] < 100  # a slot for each
+
+
+def test_bench_refuses_a_reference_that_is_no_checkpoint_before_any_level(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "bench", "--model", "m", "--base-url",
+                           "http://127.0.0.1:9", "--reference", str(tmp_path / "nowhere")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "no config.json" in proc.stderr and "c=" not in proc.stdout  # (no level ran)
+
+
+def test_a_failing_reference_keeps_the_levels_measured(tmp_path):
+    import asyncio
+
+    import httpx
+
+    from omni_server.bench.runner import BenchConfig, run_bench
+
+    reply = _chat_chunk("hi", finish="stop") + _chat_chunk(usage=True) + "data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/v1/omni/stages"):
+            return httpx.Response(404)
+        return httpx.Response(200, text=reply, headers={"content-type": "text/event-stream"})
+
+    (tmp_path / "config.json").write_text("{}")  # (no model transformers knows)
+    cfg = BenchConfig(base_url="http://bench.test", model="m", concurrency=[1], requests_per_level=2,
+                      reference=str(tmp_path), reference_device="cpu")
+    result = asyncio.run(run_bench(cfg, progress=lambda *a: None, transport=httpx.MockTransport(handler)))
+    assert result["levels"][0]["requests"] == 2 and result["levels"][0]["errors"] == 0
+    assert result["reference"]["error"]
+
+
+def test_bench_takes_the_openai_clients_base_url_too(text_server, tmp_path):
+    """`--base-url http://host:port/v1` (the openai client's form) reaches the same routes."""
+    out = tmp_path / "bench.json"
+    proc = _bench(text_server.base_url + "/v1/", out, "--concurrency", "1", "--requests", "1", "--max-tokens", "2",
+                  "--prompt-words", "5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(out.read_text())["levels"][0]["errors"] == 0

@@ -380,7 +380,11 @@ async def run_bench(cfg: BenchConfig, progress=_progress, transport: httpx.Async
         offset += levels[-1]["requests"]
     result = {"config": asdict(cfg), "levels": levels}
     if cfg.reference:
-        ref = await asyncio.to_thread(_reference_level, cfg)
+        try:
+            ref = await asyncio.to_thread(_reference_level, cfg)
+        except Exception as e:  # (the levels measured so far still go out)
+            result["reference"] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
+            return result
         result["reference"] = ref
         key = "audio_s_per_wall_s" if cfg.audio else "output_tok_s"
         for lv in levels:  # throughput of this level / the reference's, same prompts, same machine
