@@ -14,11 +14,13 @@ setup:
 tiny: setup
 	@$(PY) -m omni_server.models.tiny_checkpoints
 
+# ARGS: more arguments, e.g. ARGS="--stage-arg thinker.model=/models/Qwen2.5-Omni-7B --api-key KEY".
 serve: tiny
-	$(PY) -m omni_server.cli serve $(CONFIG) --host $(HOST) --port $(PORT)
+	$(PY) -m omni_server.cli serve $(CONFIG) --host $(HOST) --port $(PORT) $(ARGS)
 
-check: setup
-	$(PY) -m omni_server.cli check $(CONFIG)
+# (the default config serves the tiny models: built first for it only)
+check: $(if $(filter configs/default.yaml,$(CONFIG)),tiny,setup)
+	$(PY) -m omni_server.cli check $(CONFIG) $(ARGS)
 
 test: tiny
 	$(PY) -m pytest -q -m "not slow" tests
