@@ -657,6 +657,20 @@ def test_check_names_unknown_processors_generators_and_families(tmp_path):
     assert lines[2].startswith(f"{path}: stage 2 (c): generator: unknown generator 'qwen2_5_omni.tokenwav'; known:")
 
 
+def test_an_unknown_name_lists_every_familys_names():
+    """A name without its family (`talker`): the error lists what every family registered, not only
+    those imported so far (a fresh process: none)."""
+    code = ("from omni_server.stage import generators, model_classes, processors\n"
+            "for get, name in ((model_classes.get, 'talker'), (processors.get, 'thinker_to_talker'), "
+            "(generators.target, 'token2wav')):\n"
+            "    try:\n        get(name)\n    except KeyError as e:\n        print(e.args[0])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    model_class, processor, generator = proc.stdout.strip().splitlines()
+    assert "'qwen2_5_omni.talker'" in model_class and "'qwen3_omni_moe.talker'" in model_class
+    assert "'qwen2_5_omni.thinker_to_talker'" in processor and "'qwen3_omni_moe.thinker_to_talker'" in processor
+    assert "'qwen2_5_omni.token2wav'" in generator and "'qwen3_omni_moe.code2wav'" in generator
+
+
 def test_check_and_serve_name_a_local_model_path_that_does_not_exist(tmp_path):
     """A model path that is not there (absolute, relative, the tiny models before `make tiny`):
     `check` and `serve` say which stage and field before any stage starts (not the hub client's

@@ -19,6 +19,14 @@ def import_family(name: str) -> None:
         importlib.import_module(f"omni_server.models.{name.split('.', 1)[0]}")
 
 
+def all_names(registry: dict) -> list[str]:
+    """A registry's names once every family registered its own (for an unknown name's error: a
+    lookup imports only the family its name starts with)."""
+    for family in FAMILIES:
+        importlib.import_module(f"omni_server.models.{family}")
+    return sorted(registry)
+
+
 def register_vllm_models() -> None:
     """Make every family's vLLM model classes known to vLLM's ModelRegistry in this process."""
     from omni_server.stage import model_classes

@@ -47,7 +47,9 @@ def target(name: str) -> str:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown generator {name!r}; known: {sorted(_REGISTRY)}") from None
+        from omni_server.models import all_names
+
+        raise KeyError(f"unknown generator {name!r}; known: {all_names(_REGISTRY)}") from None
 
 
 def arguments(name: str) -> tuple[set[str], bool] | None:

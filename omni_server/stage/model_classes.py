@@ -44,7 +44,9 @@ def get(name: str) -> ModelClass:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown model class {name!r}; known: {sorted(_REGISTRY)}") from None
+        from omni_server.models import all_names
+
+        raise KeyError(f"unknown model class {name!r}; known: {all_names(_REGISTRY)}") from None
 
 
 def register_with_vllm() -> None:

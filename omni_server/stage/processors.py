@@ -75,7 +75,9 @@ def get(name: str) -> Processor:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown input processor {name!r}; known: {sorted(_REGISTRY)}") from None
+        from omni_server.models import all_names
+
+        raise KeyError(f"unknown input processor {name!r}; known: {all_names(_REGISTRY)}") from None
 
 
 def reads_hidden(name: str | None) -> bool:
