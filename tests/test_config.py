@@ -868,7 +868,8 @@ def test_check_names_engine_args_vllm_does_not_take():
     """A typo or the CLI's dashed spelling in `engine_args` (here through --stage-arg): `check`
     says which, with vLLM's closest names, instead of the stage failing at start."""
     proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "check", "configs/default.yaml",
-                           "--stage-arg", "thinker.max-num-seqs=4", "--stage-arg", "talker.engine_args.max_num_seq=2"],
+                           "--stage-arg", "thinker.max-num-seqs=4", "--stage-arg", "talker.engine_args.max_num_seq=2",
+                           "--stage-arg", "talker.temperature=0.5"],
                           cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("configs/default.yaml")]
@@ -876,7 +877,10 @@ def test_check_names_engine_args_vllm_does_not_take():
         "configs/default.yaml: stage 0 (thinker): engine_args: vLLM takes no 'max-num-seqs' (did you mean "
         "max_num_seqs, max_num_scheduled_tokens?)",
         "configs/default.yaml: stage 1 (talker): engine_args: vLLM takes no 'max_num_seq' (did you mean "
-        "max_num_seqs?)"], proc.stderr
+        "max_num_seqs?)",
+        # (a sampling option where the engine's go: pointed to its place)
+        "configs/default.yaml: stage 1 (talker): engine_args: vLLM takes no 'temperature' (a sampling default: "
+        "talker.default_sampling.temperature)"], proc.stderr
 
 
 def test_stage_args_take_lists_and_check_devices_and_addresses():

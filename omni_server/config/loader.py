@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from .schema import PipelineConfig, StageConfig
+from .schema import PipelineConfig, SamplingDefaults, StageConfig
 
 __all__ = [
     "ConfigError",
@@ -464,6 +464,8 @@ def engine_arg_problems(cfg: PipelineConfig, name: str) -> list[str]:
             if key not in known:
                 close = difflib.get_close_matches(key.replace("-", "_"), sorted(known), n=3)
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                if key in SamplingDefaults.model_fields:  # (a request's sampling, not the engine's)
+                    hint = f" (a sampling default: {stage.name}.default_sampling.{key})"
                 out.append(f"{name}: stage {stage.id} ({stage.name}): engine_args: vLLM takes no {key!r}{hint}")
     return out
 
