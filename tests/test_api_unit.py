@@ -83,6 +83,12 @@ def test_a_body_that_is_not_json_names_no_parameter(client):
     assert r.status_code == 400 and r.json()["error"]["param"] is None
 
 
+def test_a_validators_message_reads_without_pydantics_prefix(client):
+    r = client.post("/v1/chat/completions", json={**CHAT, "stream_options": {"include_usage": True}}, headers=AUTH)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("stream_options: only"), r.json()
+
+
 def test_overload_is_429_with_retry_after(client):
     from omni_server.orchestrator.orchestrator import RequestState
 

@@ -43,7 +43,7 @@ def install(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         # (a body that is not JSON: its location is a character position, no parameter)
         param = None if first.get("type") == "json_invalid" else ".".join(loc) or None
-        msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+        msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {_plain(e.get('msg'))}"
                         for e in errs[:5])
         return JSONResponse(error_body(400, msg, param=param), status_code=400)
 
@@ -55,3 +55,12 @@ def install(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(500, "internal server error"), status_code=500)
+
+
+def _plain(msg) -> str:
+    """A validator's message without pydantic's prefix (our validators' words are the message)."""
+    msg = str(msg)
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
