@@ -1,4 +1,4 @@
-"""`omni-server` command line: serve, stage, check."""
+"""`omni-server` command line: serve, stage, check, bench, keys."""
 
 from __future__ import annotations
 
