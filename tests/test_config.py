@@ -750,6 +750,30 @@ def test_check_rejects_generator_args_the_generator_does_not_take(tmp_path):
     assert "tf32" in line and "vocoder_context_frames" in line
 
 
+def test_check_rejects_generator_arg_values_their_annotation_refuses():
+    """A value of the wrong type or outside a Literal's choices (a typo like `tritonn`): `check`
+    names it, read from the generator's signature (its module is not imported), instead of the stage
+    failing after loading its weights."""
+    from omni_server.stage.generators import argument_problems
+
+    args = {"chunk_frames": "abc", "first_chunk_frames": [24, "x"], "compile_vocoder": "tritonn",
+            "dit_attention": "foo", "tf32": 1, "max_graphs": True,
+            # (values that fit: none of these is reported)
+            "future_frames": 24, "compile": "blocks", "dit_graph": "step", "past_frames": None,
+            "dit_dtype": "bfloat16", "device": "cuda"}
+    assert argument_problems("qwen2_5_omni.token2wav", args) == [
+        "chunk_frames: 'abc' is not int", "first_chunk_frames: [24, 'x'] is not int | list[int] | None",
+        "compile_vocoder: 'tritonn' is not bool | Literal['activations', 'triton']",
+        "dit_attention: 'foo' is not Literal['cudnn', 'efficient', 'flash', 'math'] | None",
+        "tf32: 1 is not bool", "max_graphs: True is not int"]
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "check", "configs/qwen2_5_omni.yaml",
+                           "--stage-arg", "token2wav.generator_args.dit_graph=steps"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert ("configs/qwen2_5_omni.yaml: stage 2 (token2wav): generator_args.dit_graph: 'steps' is not "
+            "Literal['solve', 'step']") in proc.stderr.splitlines()
+
+
 def test_shipped_code2wav_windows_end_where_the_talker_sends():
     """configs/qwen3_omni.yaml: every code2wav window ends on a multiple of `stream_chunk`, so the
     talker sends a window's last frame in the step that made it (else the small first windows,

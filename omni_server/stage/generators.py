@@ -52,9 +52,8 @@ def target(name: str) -> str:
         raise KeyError(f"unknown generator {name!r}; known: {all_names(_REGISTRY)}") from None
 
 
-def arguments(name: str) -> tuple[set[str], bool] | None:
-    """The keyword arguments the generator registered as `name` takes besides `model_dir` and
-    `device`, and whether it takes any (**kwargs), read from its module's source (nothing is
+def _init_args(name: str) -> ast.arguments | None:
+    """The generator's `__init__` arguments as its module's source spells them (nothing is
     imported); None when the source cannot be read."""
     module, cls = target(name).split(":")
     try:
@@ -66,8 +65,53 @@ def arguments(name: str) -> tuple[set[str], bool] | None:
         if isinstance(node, ast.ClassDef) and node.name == cls:
             for item in node.body:
                 if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-                    a = item.args  # (self, model_dir, device, ...)
-                    return {x.arg for x in a.args[3:] + a.kwonlyargs}, a.kwarg is not None
+                    return item.args
+    return None
+
+
+def arguments(name: str) -> tuple[set[str], bool] | None:
+    """The keyword arguments the generator registered as `name` takes besides `model_dir` and
+    `device`, and whether it takes any (**kwargs); None when its source cannot be read."""
+    a = _init_args(name)
+    if a is None:
+        return None
+    return {x.arg for x in a.args[3:] + a.kwonlyargs}, a.kwarg is not None
+
+
+def argument_problems(name: str, args: dict) -> list[str]:
+    """`generator_args` values that do not fit their parameter's annotation (int, float, bool, str,
+    None, list[...], Literal[...] and unions of them; others are not checked), one line each: for
+    `check`, before a stage fails on them (the annotations are read from the source, as above)."""
+    a = _init_args(name)
+    if a is None:
+        return []
+    hints = {x.arg: x.annotation for x in a.args[3:] + a.kwonlyargs if x.annotation is not None}
+    return [f"{key}: {value!r} is not {ast.unparse(hints[key])}" for key, value in args.items()
+            if key in hints and _fits(value, hints[key]) is False]
+
+
+def _fits(value, node: ast.expr) -> bool | None:
+    """Whether `value` fits the annotation `node`; None where this cannot tell (another type)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        sides = (_fits(value, node.left), _fits(value, node.right))
+        return True if True in sides else (None if None in sides else False)
+    if isinstance(node, ast.Constant) and node.value is None:
+        return value is None
+    if isinstance(node, ast.Name):
+        kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
+        if node.id not in kinds:
+            return None
+        return isinstance(value, kinds[node.id]) and (node.id == "bool" or not isinstance(value, bool))
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+        if node.value.id == "Literal":
+            options = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            return any(isinstance(o, ast.Constant) and o.value == value and type(o.value) is type(value)
+                       for o in options)
+        if node.value.id == "list":
+            if not isinstance(value, list):
+                return False
+            each = [_fits(v, node.slice) for v in value]
+            return False if False in each else (None if None in each else True)
     return None
 
 

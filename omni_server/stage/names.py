@@ -31,4 +31,6 @@ def problems(cfg: PipelineConfig, source: str) -> list[str]:
             if unknown:
                 out.append(f"{source}: stage {stage.id} ({stage.name}): generator_args: {', '.join(map(repr, unknown))} "
                            f"not taken by generator {stage.generator!r} (it takes: {', '.join(sorted(takes[0]))})")
+            for problem in generators.argument_problems(stage.generator, stage.generator_args):
+                out.append(f"{source}: stage {stage.id} ({stage.name}): generator_args.{problem}")
     return out

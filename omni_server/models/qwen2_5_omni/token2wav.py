@@ -38,6 +38,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -112,8 +113,11 @@ class Token2Wav:
                  past_frames: int | None = None, future_frames: int = 24, vocoder_context_frames: int = 20,
                  first_chunk_frames: int | list[int] | None = None, cuda_graphs: bool = True, max_graphs: int = 32,
                  max_graph_batch: int = 32, tf32: bool = False, warmup_graphs: bool = False,
-                 dit_dtype: str = "float32", polyphase_upsampling: bool = False, compile: bool | str = False,
-                 compile_vocoder: bool | str = True, dit_attention: str | None = None, dit_graph: str = "solve",
+                 dit_dtype: Literal["float32", "bfloat16", "float16"] = "float32", polyphase_upsampling: bool = False,
+                 compile: bool | Literal["blocks"] = False,
+                 compile_vocoder: bool | Literal["activations", "triton"] = True,
+                 dit_attention: Literal["cudnn", "efficient", "flash", "math"] | None = None,
+                 dit_graph: Literal["solve", "step"] = "solve",
                  dit_fused_qkv: bool = False, dit_past_cache: bool = False, dit_gelu_epilogue: bool = False):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
