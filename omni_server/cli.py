@@ -68,12 +68,6 @@ def cmd_stage(args) -> int:
     if not 0 <= args.stage < len(cfg.stages):
         print(f"error: {args.config} has no stage {args.stage}", file=sys.stderr)
         return 2
-    from omni_server.config.loader import missing_paths
-
-    found = missing_paths(cfg, args.config, args.stage)  # (its own model / tokenizer)
-    if found:
-        print("error: invalid config\n" + "\n".join(found), file=sys.stderr)
-        return 2
     # vLLM's own log lines name the stage, as ours do: `serve` (and docker-compose's log) mixes
     # every stage's output. (Read when vLLM's logger is first imported, below.)
     os.environ.setdefault("VLLM_LOGGING_PREFIX", f"[{cfg.unit_name((args.stage, args.replica))}] ")
@@ -86,6 +80,11 @@ def cmd_stage(args) -> int:
               "`address` and server.output_address is set", file=sys.stderr)
         return 2
     try:
+        from omni_server.config.loader import missing_paths
+
+        found = missing_paths(cfg, args.config, args.stage)  # (its own model / tokenizer, before any import)
+        if found:
+            raise SystemExit("; ".join(line.removeprefix(f"{args.config}: ") for line in found))
         run_stage(cfg, args.stage, runtime_dir or "", parent_pid=args.parent_pid, replica=args.replica,
                   hold=args.hold)
     except BaseException as e:

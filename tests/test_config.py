@@ -727,8 +727,9 @@ def test_a_local_directory_that_is_no_checkpoint_is_named_before_any_stage_start
     path.write_text(f"model: m\nstages:\n  - {{id: 0, name: a, model: {empty}, output: text}}\n")
     proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "stage", "--config", str(path), "--stage", "0",
                            "--runtime-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert f"model: {empty} holds no config.json" in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == (f"stage 0 (a): model: {empty} holds no config.json / params.json: "
+                                   "not a checkpoint directory")
 
 
 def test_check_rejects_generator_args_the_generator_does_not_take(tmp_path):

@@ -203,6 +203,7 @@ def test_serve_runs_its_stages_under_the_daemon_and_quits_it(fake_mps, monkeypat
     monkeypatch.setattr(launcher, "_cuda_host", lambda: True)
     empty = fake_mps / "empty-model"
     empty.mkdir()
+    (empty / "config.json").write_text("{}")  # (a folder no model loads from; without a config.json the stage says so first)
     overrides = [f"token2wav.model={empty}"]
     cfg = load_config(REPO / "configs/default.yaml", overrides)
     cfg.cuda_mps, cfg.server.port, cfg.runtime_dir = True, free_port(), str(fake_mps / "run")
