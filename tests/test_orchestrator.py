@@ -172,6 +172,13 @@ runtime_dir: %(dir)s
 """
 
 
+async def _close(orch, stages, ctx) -> None:
+    for s in stages:
+        s.close()
+    await orch.close()
+    ctx.destroy(linger=0)
+
+
 async def _speech_pipeline(tmp_path, ctx):
     cfg = load_config_text(SPEECH % {"m": MODELS / "tiny-qwen2_5-omni", "dir": tmp_path})
     orch = Orchestrator(cfg, tmp_path)
@@ -197,10 +204,7 @@ def test_a_stage_down_refuses_only_the_requests_whose_route_it_is_on(tmp_path):
             with pytest.raises(orch_mod.StageUnavailable, match="token2wav"):
                 await orch.submit("speech", [1, 2], {i: SamplingSpec() for i in range(3)}, outputs={"text", "audio"})
         finally:
-            for s in stages:
-                s.close()
-            await orch.close()
-            ctx.destroy(linger=0)
+            await _close(orch, stages, ctx)
 
     asyncio.run(main())
 
@@ -242,10 +246,7 @@ def test_a_stage_that_dies_after_its_part_fails_only_what_may_still_need_it(tmp_
             else:
                 assert [e.error_code for e in errors] == [503] and "thinker" in errors[0].error
         finally:
-            for s in (thinker, talker, t2w):
-                s.close()
-            await orch.close()
-            ctx.destroy(linger=0)
+            await _close(orch, (thinker, talker, t2w), ctx)
 
     asyncio.run(main())
 
@@ -269,10 +270,7 @@ def test_a_spoken_reply_that_ended_without_audio_counts_as_an_error(tmp_path, au
             assert [i for i, _ in got] == [0, 2] and state.done
             assert (count("ok"), count("error")) == ((1, 0) if audio else (0, 1))
         finally:
-            for s in (thinker, talker, t2w):
-                s.close()
-            await orch.close()
-            ctx.destroy(linger=0)
+            await _close(orch, (thinker, talker, t2w), ctx)
 
     asyncio.run(main())
 
