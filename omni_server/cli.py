@@ -45,6 +45,7 @@ def cmd_check(args) -> int:
     cfg = _load(args.config, args.stage_arg, check_names=True)
     # (vLLM's import would log its platform lines to stdout, where check prints its verdict.)
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    logging.getLogger("vllm").setLevel(logging.WARNING)  # (its import's platform notes are not check's verdict)
     from omni_server.config.loader import engine_arg_problems
 
     found = engine_arg_problems(cfg, args.config)
