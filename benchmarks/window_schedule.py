@@ -8,7 +8,10 @@ frames plus `future` frames of codes are in (2 frames per code) and the previous
 taking `--window-ms`; it makes playable all settled frames but the `ctx` the vocoder holds back
 (10 ms of audio per frame). Fitted to the 2026-11-30c H200 run (talker first 130 ms, 9.5 ms per
 code, 150 ms per window), it gives 726 ms TTFP for [72] (measured 761) and 498 ms + 302 ms of
-stalls for [24] (measured 495 + 355).
+stalls for [24] (measured 495 + 355). Fitted to the 2026-12-05 H100 run (twenty-fifth; talker
+first 41 ms, 8.5 ms per code: at c=1 the talker's codes come at the thinker's pace, 110 ms per
+window, `--chunk 144`), 448 ms for [48,48,72,96] (measured 452) and 346 ms + 70 ms of pauses for
+[24,24,48,72,96] (measured 350 ms, pauses p90 ~100 ms).
 """
 
 from __future__ import annotations
@@ -45,10 +48,12 @@ def main() -> None:
     p.add_argument("--talker-first-ms", type=float, default=60.0)
     p.add_argument("--code-ms", type=float, default=9.0)
     p.add_argument("--window-ms", type=float, default=100.0)
+    p.add_argument("--chunk", type=int, default=144, help="chunk_frames: the windows after the first ones")
     p.add_argument("--starts", nargs="+", default=["72", "48", "24", "24,48", "48,48", "24,24,48"])
     a = p.parse_args()
     for s in a.starts:
-        first, stall = schedule([int(x) for x in s.split(",")], a.talker_first_ms, a.code_ms, a.window_ms)
+        first, stall = schedule([int(x) for x in s.split(",")], a.talker_first_ms, a.code_ms, a.window_ms,
+                                chunk=a.chunk)
         print(f"first_chunk_frames [{s}]: first audio {first:.0f} ms, pauses {stall:.0f} ms, "
               f"smooth from {first + stall:.0f} ms")
 
