@@ -160,6 +160,10 @@ def test_cuda_mps_setting_and_check_notes(fake_mps, monkeypatch):
     assert f"cuda_mps: {PROGRAM} is not on PATH" in notes[1] and "will not start on a GPU host" in notes[1]
     monkeypatch.setenv("CC", "/opt/cc")
     assert len(_on_gpu_host(_pipeline("auto", ("0", "1")), fake_mps).host_notes()) == 0
+    cpu_host = _on_gpu_host(_pipeline("false", ("0", "1")), fake_mps)
+    cpu_host.cuda = False  # (stages naming GPUs, checked where none is visible)
+    assert cpu_host.host_notes() == ["no CUDA device is visible here: a, b name GPUs (`devices`) and need a GPU "
+                                     "host to run as configured"]
 
 
 def test_check_notes_an_sm_cap_without_serves_mps(fake_mps):

@@ -133,6 +133,10 @@ class Launcher:
     def host_notes(self) -> list[str]:
         """What this host lacks for the pipeline on a GPU (`check` prints them)."""
         notes = []
+        on_gpus = [s.name for s in self.cfg.stages if s.devices is not None or s.replica_devices is not None]
+        if on_gpus and not self.cuda:
+            notes.append(f"no CUDA device is visible here: {', '.join(on_gpus)} name GPUs (`devices`) and need "
+                         "a GPU host to run as configured")
         if not (os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang"))):
             notes.append("no C compiler on PATH (cc, gcc or clang; or CC): on a GPU host Triton, which vLLM and "
                          "token2wav's `compile` run, builds each kernel's launcher with one")
