@@ -158,8 +158,9 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
                 if not announced and orch is not None and orch.all_ready:
                     announced = True
                     bound = [sock.getsockname()[1] for server in uv.servers for sock in server.sockets]
-                    log.info("all %d stages ready in %.1f s; serving on http://%s:%d", len(cfg.stages),
-                             time.monotonic() - t0, cfg.server.host, bound[0] if bound else cfg.server.port)
+                    log.info("all %d stages ready in %.1f s; serving on http://%s:%d%s", len(cfg.stages),
+                             time.monotonic() - t0, cfg.server.host, bound[0] if bound else cfg.server.port,
+                             "" if external_stages else f" (stages launched {launched - t0:.2f} s after the command)")
                 late = [u for u, at in deadline.items() if not announced and time.monotonic() > at
                         and (orch is None or u not in orch.ready)]
                 if late:
