@@ -89,6 +89,38 @@ def test_a_validators_message_reads_without_pydantics_prefix(client):
     assert r.json()["error"]["message"].startswith("stream_options: only"), r.json()
 
 
+def _nested_schema(objects: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(objects):
+        schema = {"type": "object", "properties": {"n": schema}}
+    return schema
+
+
+def test_json_schemas_are_bounded_before_they_reach_the_grammar_compiler(tiny_models, tmp_path):
+    """A schema nested deep (its grammar took the text stage's loop minutes to build) or over 64 KiB
+    is a 400 at the api, in response_format and in tool parameters; one of 30 nested objects passes
+    (here to the 503 of a pipeline not up yet, or the tiny template's refusal of tools)."""
+    cfg = load_config_text((CONFIG % (MODELS / "tiny-qwen2_5-omni", tmp_path)).replace("4096", "1000000"))
+    client = TestClient(create_app(ServerState(cfg, lambda: Orchestrator(cfg, tmp_path))))
+
+    def chat(schema: dict, where: str):
+        body = dict(CHAT)
+        if where == "format":
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        else:
+            body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        return client.post("/v1/chat/completions", json=body, headers=AUTH)
+
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}}
+    for where in ("format", "tools"):
+        r = chat(_nested_schema(40), where)
+        assert r.status_code == 400 and "nests deeper than 64 levels" in r.json()["error"]["message"], r.text
+        r = chat(wide, where)
+        assert r.status_code == 400 and "over 64 KiB" in r.json()["error"]["message"], r.text
+        r = chat(_nested_schema(30), where)  # (past validation: 503, or for tools the tiny template's 400)
+        assert r.status_code == 503 if where == "format" else "chat template" in r.json()["error"]["message"], r.text
+
+
 def test_overload_is_429_with_retry_after(client):
     from omni_server.orchestrator.orchestrator import RequestState
 
