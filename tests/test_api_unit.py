@@ -44,6 +44,18 @@ def test_api_key_guards_v1(client):
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
 
 
+def test_the_key_is_checked_before_the_body_is_read(client):
+    """Without the key a body is not even parsed: malformed JSON or an oversized body is a 401, not
+    a 400 / 413 (with the key those come back); every /v1 path, unknown ones too."""
+    bad = {"content-type": "application/json"}
+    assert client.post("/v1/chat/completions", content=b'{"model": "m",', headers=bad).status_code == 401
+    assert client.post("/v1/chat/completions", content=b"x" * 5000, headers=bad).status_code == 401
+    assert client.post("/v1/nothing-here", json=CHAT).status_code == 401
+    assert client.post("/v1/chat/completions", content=b'{"model": "m",', headers={**bad, **AUTH}).status_code == 400
+    assert client.post("/v1/chat/completions", content=b"x" * 5000, headers={**bad, **AUTH}).status_code == 413
+    assert client.get("/health").status_code == 503 and client.get("/metrics").status_code == 200  # (open)
+
+
 def test_health_is_503_while_stages_are_not_ready(client):
     r = client.get("/health")  # no auth needed
     assert r.status_code == 503
