@@ -289,7 +289,8 @@ def test_a_signal_while_the_stages_start_stops_everything_cleanly(tiny_models, t
 
 def test_a_runtime_dir_serves_one_serve_at_a_time(tmp_path):
     """A second `serve` on the same runtime_dir would bind the first one's ipc sockets (ZMQ lets it)
-    and take them over silently: it is refused, and the directory is free again once released."""
+    and take them over silently: it is refused, and the directory is free again once released. A
+    directory others can write in is refused too."""
     from omni_server.config import load_config_text
     from omni_server.wire import transport
 
@@ -300,6 +301,10 @@ def test_a_runtime_dir_serves_one_serve_at_a_time(tmp_path):
     transport._locks.pop().close()
     assert transport.make_runtime_dir(cfg) == tmp_path / "rt"
     transport._locks.pop().close()
+    # One others may write in is refused (another user could replace its sockets).
+    (tmp_path / "rt").chmod(0o777)
+    with pytest.raises(SystemExit, match="writable by no one else .*mode 0o777"):
+        transport.make_runtime_dir(cfg)
 
 
 def test_each_stage_has_its_own_startup_timeout_and_port_0_logs_the_port_bound(tiny_models, tmp_path):
