@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import shutil
@@ -30,6 +31,17 @@ class _Stopped(BaseException):
     that catches Exception while the api sets up must not swallow it)."""
 
 
+def open_without_key(host: str, key: str | None) -> bool:
+    """Whether the api would listen beyond this machine (not a loopback address or `localhost`)
+    with no API key."""
+    if key:
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # (a host name)
+        return host != "localhost"
+
+
 async def serve(cfg: PipelineConfig, external_stages: bool = False, started: float | None = None) -> int:
     """Run the api; start and supervise the stage processes unless they are external (started
     separately, e.g. by docker-compose or on other hosts, and found at their configured addresses).
@@ -41,6 +53,9 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
         if missing and not cfg.runtime_dir:
             raise SystemExit(f"--external-stages needs `address` on every stage and server.output_address "
                              f"(or a shared runtime_dir); missing: {', '.join(missing)}")
+    if open_without_key(cfg.server.host, cfg.server.api_key or os.environ.get("OMNI_SERVER_API_KEY")):
+        log.warning("serving on %s without an API key: anyone who reaches this port can use the pipeline "
+                    "(--api-key, server.api_key or OMNI_SERVER_API_KEY sets one)", cfg.server.host)
     runtime_dir = make_runtime_dir(cfg)
     launcher = Launcher(cfg, runtime_dir)
     try:

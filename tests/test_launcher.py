@@ -432,3 +432,11 @@ def test_what_a_stage_process_leaves_behind_is_stopped_with_it(how):
         except ProcessLookupError:
             pass
         proc.stdout.close()
+
+
+def test_serve_warns_when_it_listens_beyond_the_machine_without_a_key():
+    from omni_server.server import open_without_key
+
+    assert open_without_key("0.0.0.0", None) and open_without_key("::", "") and open_without_key("api", None)
+    assert not open_without_key("127.0.0.1", None) and not open_without_key("::1", None)
+    assert not open_without_key("localhost", None) and not open_without_key("0.0.0.0", "sekret")
