@@ -133,6 +133,19 @@ def test_json_schemas_are_bounded_before_they_reach_the_grammar_compiler(tiny_mo
         assert r.status_code == 503 if where == "format" else "chat template" in r.json()["error"]["message"], r.text
 
 
+def test_a_chat_of_too_many_messages_or_parts_is_400_before_its_template_renders(tiny_models, tmp_path):
+    cfg = load_config_text((CONFIG % (MODELS / "tiny-qwen2_5-omni", tmp_path)).replace("4096", "16000000"))
+    client = TestClient(create_app(ServerState(cfg, lambda: Orchestrator(cfg, tmp_path))))
+    many = {**CHAT, "messages": [{"role": "user", "content": "hi"}] * 4097}
+    r = client.post("/v1/chat/completions", json=many, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    parts = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}] * 1025}]}
+    r = client.post("/v1/chat/completions", json=parts, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.content"), r.text
+    fits = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}] * 1024}] * 4}
+    assert client.post("/v1/chat/completions", json=fits, headers=AUTH).status_code == 503  # (past validation)
+
+
 def test_overload_is_429_with_retry_after(client):
     from omni_server.orchestrator.orchestrator import RequestState
 

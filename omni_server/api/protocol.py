@@ -115,6 +115,10 @@ class ToolCallDelta(BaseModel):
     function: FunctionCall
 
 
+# Each message and part is validated, then rendered by the chat template on the api's event loop:
+# 255k one-part messages (a 16 MB body) held it ~10 s before the prompt-length check refused them.
+MAX_MESSAGES, MAX_PARTS = 4096, 1024
+
 # A JSON schema becomes a grammar in the text stage's engine loop (xgrammar), where its cost grows
 # steeply with nesting: 350 levels of 40 properties held that loop 106 s (every request stalled,
 # the stage was killed as hung). Real schemas stay far inside these bounds (64 JSON levels are 32
@@ -162,7 +166,7 @@ class NamedToolChoice(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = None
     name: str | None = None
     # OpenAI's reference to an earlier spoken reply ({"id": ...}): refused, not dropped unread.
     audio: Any = None
@@ -248,7 +252,7 @@ def stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInf
 
 class ChatCompletionRequest(_Lenient):
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
