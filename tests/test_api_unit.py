@@ -233,6 +233,9 @@ def test_a_refused_choice_aborts_the_choices_already_submitted(tiny_models, tmp_
         async def abort(self, request_id, outcome="aborted"):
             self.aborted.append(request_id)
 
+        def in_flight(self):
+            return 0
+
     cfg = load_config_text(CONFIG % (MODELS / "tiny-qwen2_5-omni", tmp_path))
     orch = Refuses()
     with pytest.raises(APIError) as err:

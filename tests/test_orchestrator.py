@@ -277,3 +277,37 @@ def test_a_spoken_reply_that_ended_without_audio_counts_as_an_error(tmp_path, au
 
 async def _drain(deltas) -> list:
     return [(i, d) async for i, d in deltas]
+
+
+def test_a_request_whose_client_reads_slowly_holds_no_slot_once_the_pipeline_is_done(tmp_path):
+    """The concurrency limit counts what the pipeline still works on: a stream whose client stopped
+    reading (its last deltas queued here) no longer counts once its last client-facing delta came,
+    nor does one that failed; it still counts while any output stage is running."""
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        orch, (thinker, talker, t2w) = await _speech_pipeline(tmp_path, ctx)
+        try:
+            for rid in ("a", "b"):
+                await orch.submit(rid, [1, 2], {i: SamplingSpec() for i in range(3)}, outputs={"text", "audio"})
+            assert orch.in_flight() == 2
+
+            async def settle(want: int) -> None:
+                deadline = time.monotonic() + 5
+                while orch.in_flight() != want and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert orch.in_flight() == want
+
+            await thinker.send(RequestDelta("a", new_token_ids=[5], finished=True, finish_reason="stop"))
+            await talker.send(RequestDelta("a", finished=True, finish_reason="stop"))
+            await settle(2)  # (its audio still comes)
+            await t2w.send(RequestDelta("a", tensors={"audio": torch.zeros(10)}, sample_rate=24000, finished=True,
+                                        finish_reason="stop"))
+            await settle(1)
+            await talker.send(RequestDelta("b", finished=True, finish_reason="error", error="boom", error_code=500))
+            await settle(0)
+            assert set(orch.requests) == {"a", "b"}  # (nobody read their deltas yet)
+        finally:
+            await _close(orch, (thinker, talker, t2w), ctx)
+
+    asyncio.run(main())

@@ -528,7 +528,7 @@ async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str]
     if n > limit:  # (never admitted, however long the client retries)
         raise APIError(400, f"this request needs {n} pipeline requests (prompts x n); the server's "
                             f"limit is {limit} at a time", param="n")
-    free = limit - len(orch.requests)
+    free = limit - orch.in_flight()  # (a stream whose client reads slowly holds no slot once the pipeline is done)
     if n > free:
         says = (f"is at its limit of {limit} concurrent requests" if n == 1 else
                 f"has {max(free, 0)} of its {limit} concurrent request slots free, this request needs {n}")

@@ -64,6 +64,9 @@ class RequestState:
     replicas: dict[int, int] = field(default_factory=dict)
     # Stages on its route that finished it (their part done: a later death there does not fail it).
     finished: set[int] = field(default_factory=set)
+    # Its last client-facing delta arrived (or a failure): the pipeline's work for it is over, however
+    # slowly its client reads (the concurrency limit counts only requests not `over`).
+    over: bool = False
     released: bool = False  # its replicas' load counts were given back
     # For metrics: when it was submitted, whether text / audio came yet, how it ended (once).
     t0: float = 0.0
@@ -344,7 +347,14 @@ class Orchestrator:
     def _push(self, state: RequestState, stage_id: int, delta: RequestDelta) -> None:
         if delta.finished and delta.error is None and delta.finish_reason not in ("abort", "error"):
             state.finished.add(stage_id)
+        elif delta.error is not None or delta.finished:
+            state.over = True  # (failed or aborted somewhere on its route)
+        state.over = state.over or state.outputs <= state.finished
         state.queue.put_nowait((stage_id, delta))
+
+    def in_flight(self) -> int:
+        """Requests the pipeline still works on (not those whose client has yet to read the end)."""
+        return sum(1 for state in self.requests.values() if not state.over)
 
     async def _recv_loop(self) -> None:
         while True:
