@@ -462,17 +462,22 @@ def test_override_value_is_validated_like_the_file():
     ]
 
 
-def test_quantizing_a_sub_model_stage_is_a_config_error():
-    """vLLM 0.26 reads a quantization only with dict `hf_overrides`; a `model_class` stage's engine
-    would die at start with an unrelated pydantic error (seen on an H200 with talker.quantization=fp8)."""
+def test_a_sub_model_stage_takes_only_fp8_quantized_at_load():
+    """vLLM 0.26 reads a quantization only with dict `hf_overrides`; a `model_class` stage gets
+    `fp8` through its sub-config instead (tests/test_engine_args.py), and any other method or a
+    `quantization_config` would die at engine start with an error naming neither: refused here."""
     path = REPO / "configs" / "qwen2_5_omni.yaml"
     assert load_config(str(path)).stage(1).model_class
-    with pytest.raises(ConfigError) as exc:
-        load_config(str(path), overrides=["talker.quantization=fp8"])
-    (line,) = _problems(exc)
-    assert line.startswith(f"{path}: stage 1 (talker): ") and "`model_class` stage" in line, line
-    # the thinker (a whole checkpoint's model) may be quantized
-    assert load_config(str(path), overrides=["thinker.quantization=fp8"]).stage(0).engine_args["quantization"] == "fp8"
+    assert load_config(str(path), overrides=["talker.quantization=fp8"]).stage(1).engine_args["quantization"] == "fp8"
+    for override, named in (("talker.quantization=awq", "`engine_args.quantization: awq`"),
+                            ("talker.quantization_config={linear: fp8_per_tensor}",
+                             "`engine_args.quantization_config`")):
+        with pytest.raises(ConfigError) as exc:
+            load_config(str(path), overrides=[override])
+        (line,) = _problems(exc)
+        assert line.startswith(f"{path}: stage 1 (talker): {named}") and "`model_class` stage" in line, line
+    # the thinker (a whole checkpoint's model) takes any of vLLM's
+    assert load_config(str(path), overrides=["thinker.quantization=awq"]).stage(0).engine_args["quantization"] == "awq"
 
 
 def test_override_unknown_stage():

@@ -80,3 +80,26 @@ def test_speculative_decoding_is_refused_where_a_consumer_reads_hidden_states():
         build_engine_args(cfg, 0)
     cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml", [f"talker.speculative_config={spec}"])
     assert build_engine_args(cfg, 1).speculative_config["method"] == "ngram"  # (token2wav reads codes)
+
+
+def test_a_sub_model_stage_is_quantized_to_fp8_at_load(tiny_models):
+    """`talker.quantization: fp8` reaches vLLM through the talker's own config (vLLM 0.26 takes an
+    engine-level quantization only with dict `hf_overrides`): the engine's quantization is vLLM's
+    FP8 method with unquantized checkpoint weights (quantized as they load), on the talker's model."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    from omni_server.models import register_vllm_models
+    from omni_server.stage.model_classes import ONLINE_FP8
+
+    register_vllm_models()
+    model = tiny_models["tiny-qwen2_5-omni"]
+    cfg = load_config(REPO / "configs" / "default.yaml", [f"talker.model={model}", "talker.quantization=fp8",
+                                                          "talker.dtype=bfloat16"])
+    vc = build_engine_args(cfg, 1).create_engine_config()
+    assert vc.model_config.quantization == ONLINE_FP8
+    assert isinstance(vc.quant_config, Fp8Config) and not vc.quant_config.is_checkpoint_fp8_serialized
+    assert vc.quant_config.activation_scheme == "dynamic"
+    assert vc.model_config.hf_config.architectures == ["OmniServerQwen2_5OmniTalker"]
+    # without it, no quantization
+    vc = build_engine_args(load_config(REPO / "configs" / "default.yaml", [f"talker.model={model}"]), 1)
+    assert vc.create_engine_config().quant_config is None

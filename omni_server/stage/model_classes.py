@@ -56,20 +56,52 @@ def register_with_vllm() -> None:
     for mc in _REGISTRY.values():
         if mc.architecture not in known:
             ModelRegistry.register_model(mc.architecture, mc.target)
+    _register_online_fp8()
 
 
-def _select(config: Any, sub_config: str | None, architecture: str, adapt: Callable[[Any], None] | None) -> Any:
+# `engine_args.quantization` on a sub-model stage. vLLM 0.26 quantizes weights at load only when
+# `hf_overrides` is a dict (get_quant_config refuses the callable form a sub-model needs), but it
+# reads a checkpoint's own `quantization_config` before that check. So the selected sub-config
+# names this method there, as a quantized checkpoint would, and the method is vLLM's FP8 config
+# with unquantized (bf16) weights: quantized at load, activations scaled per step (dynamic).
+ONLINE_FP8 = "omni_server_online_fp8"
+SUB_MODEL_QUANTIZATION = {"fp8": ONLINE_FP8}
+
+
+def _register_online_fp8() -> None:
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    if ONLINE_FP8 in QUANTIZATION_METHODS:
+        return
+
+    class SubModelOnlineFp8(Fp8Config):
+        @classmethod
+        def get_name(cls):
+            return ONLINE_FP8
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]) -> "SubModelOnlineFp8":
+            return cls(is_checkpoint_fp8_serialized=False, activation_scheme="dynamic")
+
+    register_quantization_config(ONLINE_FP8)(SubModelOnlineFp8)
+
+
+def _select(config: Any, sub_config: str | None, architecture: str, adapt: Callable[[Any], None] | None,
+            quantization: str | None = None) -> Any:
     if sub_config and not hasattr(config, sub_config):
         return config  # vLLM probes the callable with a dummy config (to learn the model_type)
     chosen = getattr(config, sub_config) if sub_config else config
     chosen.architectures = [architecture]
     if adapt is not None:
         adapt(chosen)
+    if quantization:
+        chosen.quantization_config = {"quant_method": SUB_MODEL_QUANTIZATION[quantization]}
     return chosen
 
 
-def hf_overrides(mc: ModelClass):
+def hf_overrides(mc: ModelClass, quantization: str | None = None):
     """The `hf_overrides` callable for EngineArgs (a partial of a module function: it must pickle
-    into vLLM's worker processes)."""
+    into vLLM's worker processes); `quantization` a SUB_MODEL_QUANTIZATION key."""
     return functools.partial(_select, sub_config=mc.sub_config, architecture=mc.architecture,
-                             adapt=mc.adapt_config)
+                             adapt=mc.adapt_config, quantization=quantization)
