@@ -9,7 +9,7 @@ from omni_server.stage.generation import GenerationStage
 
 def _failures(inputs: list[int], error: ValueError | None = None) -> list[tuple[str, str, int]]:
     calls: list[tuple[str, str, int]] = []
-    fake = SimpleNamespace(streams={"r": object()}, stage=SimpleNamespace(name="vocoder", inputs=inputs),
+    fake = SimpleNamespace(streams={"r": object()}, stage=SimpleNamespace(name="vocoder", inputs=inputs), stage_id=2,
                            fail=lambda rid, msg, code=500: calls.append((rid, msg, code)),
                            sockets=SimpleNamespace(send_api=lambda msg: calls.append(("sent", "", 0))))
     error = error or ValueError("codec ids must lie in [0, 8193]")
@@ -18,9 +18,14 @@ def _failures(inputs: list[int], error: ValueError | None = None) -> list[tuple[
     return calls
 
 
-def test_input_from_an_upstream_stage_that_the_generator_rejects_is_a_server_error():
-    assert _failures([1]) == [("r", "stage vocoder: rejected its input from upstream: codec ids must lie in [0, 8193]",
-                               500)]
+def test_input_from_an_upstream_stage_that_the_generator_rejects_is_a_server_error(caplog):
+    """The server's fault: a 500 whose message names the stage and the exception's type, not its
+    text (internals); the text goes to the server log."""
+    with caplog.at_level("WARNING"):
+        calls = _failures([1])
+    assert calls == [("r", "stage vocoder: rejected its input from upstream (ValueError; the server log has the "
+                           "details)", 500)]
+    assert "codec ids must lie in [0, 8193]" in caplog.text
 
 
 def test_input_straight_from_the_request_that_the_generator_rejects_is_a_client_error():
@@ -102,4 +107,4 @@ def test_an_input_processor_error_is_the_clients_only_when_it_is_the_requests_ow
     else:
         raise AssertionError("the talker's processor took an unknown voice")
     msg, code = failure(ValueError("thinker payload has hidden states (3, 8) for 2 prompt + 2 output tokens"))
-    assert code == 500 and "input processing failed" in msg
+    assert (msg, code) == ("stage talker: input processing failed (ValueError; the server log has the details)", 500)

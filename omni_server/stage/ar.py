@@ -16,6 +16,7 @@ import torch
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import model_classes, processors
 from omni_server.stage.base import Stage
+from omni_server.stage.errors import server_fault
 from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS
 from omni_server.stage.prefix_rows import PREFIX_ROWS
 from omni_server.stage.processors import StageInput
@@ -412,7 +413,7 @@ class ARStage(Stage):
             return
         except Exception as e:  # anything else is the server's: fail it, keep serving
             log.exception("stage %d: could not add %s", self.stage_id, request_id)
-            self.fail(request_id, f"stage {self.stage.name}: could not start the request: {e}")
+            self.fail(request_id, server_fault(f"stage {self.stage.name}: could not start the request", e))
             return
         self.in_engine.add(request_id)
         if forward_to:

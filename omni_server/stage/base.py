@@ -19,7 +19,7 @@ import torch
 
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import processors
-from omni_server.stage.errors import RequestError
+from omni_server.stage.errors import RequestError, server_fault
 from omni_server.stage.processors import StageInput
 from omni_server.stage.profiling import StepLog, StepProfiler
 from omni_server.wire.messages import (
@@ -410,7 +410,7 @@ class Stage:
             return None
         except Exception as e:  # a bad payload (the server's fault) fails this request only
             log.exception("stage %d: input processor failed for %s", self.stage_id, request_id)
-            self.fail(request_id, f"stage {self.stage.name}: input processing failed: {e}")
+            self.fail(request_id, server_fault(f"stage {self.stage.name}: input processing failed", e))
             return None
         if stage_input is None:  # a streamed input that cannot start the request yet
             if not w.started:

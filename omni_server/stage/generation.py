@@ -21,7 +21,7 @@ import torch
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import generators, stream_order
 from omni_server.stage.base import Stage
-from omni_server.stage.errors import RequestError
+from omni_server.stage.errors import RequestError, server_fault
 from omni_server.stage.processors import StageInput
 from omni_server.wire.messages import SPEED_OPTION, VOICE_OPTION, ExpectRequest, RequestDelta
 from omni_server.wire.transport import StageSockets
@@ -161,7 +161,7 @@ class GenerationStage(Stage):
     def _fail_pass(self, rids: list[str], e: Exception) -> None:
         log.exception("stage %d: generator failed on %d requests", self.stage_id, len(rids))
         for rid in rids:
-            self.fail(rid, f"stage {self.stage.name}: generation failed: {e}")
+            self.fail(rid, server_fault(f"stage {self.stage.name}: generation failed", e))
 
     def _send(self, rids: list[str], waves: list, finished: list[bool], inputs: list[int]) -> None:
         deltas = []
@@ -170,9 +170,11 @@ class GenerationStage(Stage):
                 self.streams.pop(rid, None)
                 # Input that came from an upstream stage is the server's fault, not the client's;
                 # the request's own options (RequestError) are the client's.
-                upstream = self.stage.inputs and not isinstance(wave, RequestError)
-                code, what = (500, "rejected its input from upstream: ") if upstream else (400, "")
-                self.fail(rid, f"stage {self.stage.name}: {what}{wave}", code=code)
+                if self.stage.inputs and not isinstance(wave, RequestError):
+                    log.warning("stage %d: %s: input from upstream rejected: %s", self.stage_id, rid, wave)
+                    self.fail(rid, server_fault(f"stage {self.stage.name}: rejected its input from upstream", wave))
+                else:
+                    self.fail(rid, f"stage {self.stage.name}: {wave}", code=400)
                 continue
             wave = wave.detach().to("cpu", torch.float32).reshape(-1).contiguous()
             if not done and wave.numel() == 0:
