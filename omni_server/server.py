@@ -17,13 +17,10 @@ from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.launcher import Launcher, Unit
 from omni_server.orchestrator.mps import MPSError
 from omni_server.orchestrator.orchestrator import HUNG, Orchestrator
+from omni_server.orchestrator.restarts import LOOPING, RestartPolicy
 from omni_server.wire.transport import make_runtime_dir, stage_address
 
 log = logging.getLogger(__name__)
-
-# A stage that dies is restarted after 1, 2, 4, ... s, at most MAX_RESTARTS times per window.
-MAX_RESTARTS = 5
-RESTART_WINDOW_S = 600.0
 
 
 class _Stopped(BaseException):
@@ -112,8 +109,7 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
             # Each stage's own startup_timeout_s, from its launch (a held one's: from its release).
             deadline = {u: launched + cfg.stage(u[0]).startup_timeout_s for u in units if u not in waiting}
             restart_at: dict[Unit, float] = {}
-            crashes: dict[Unit, list[float]] = {}
-            gave_up: set[Unit] = set()
+            restarts = RestartPolicy()
             if external_stages:  # (nothing to start or hold: `after` is empty)
                 log.info("waiting for external stages at %s",
                          ", ".join(f"{cfg.unit_name(u)}={stage_address(cfg, u[0], runtime_dir, u[1])}" for u in units))
@@ -132,7 +128,7 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
                 await asyncio.sleep(0.2)
                 now = time.monotonic()
                 for unit, code in launcher.exited().items():
-                    if unit in restart_at or unit in gave_up:
+                    if unit in restart_at:
                         continue
                     name = cfg.unit_name(unit)
                     launcher.kill(unit)  # (its children, if it left any)
@@ -148,17 +144,12 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
                                       + (f": {why}" if why else ""))
                         uv.should_exit = True
                         return
-                    recent = [t for t in crashes.get(unit, []) if now - t < RESTART_WINDOW_S]
-                    crashes[unit] = recent + [now]
-                    if len(recent) >= MAX_RESTARTS:
-                        log.error("stage %d (%s) crashed %d times in %.0f s; not restarting it", unit[0], name,
-                                  len(recent) + 1, RESTART_WINDOW_S)
-                        gave_up.add(unit)
-                        continue
-                    delay = min(2.0 ** len(recent), 30.0)
+                    delay, streak = restarts.crashed(unit, now)
                     restart_at[unit] = now + delay
-                    log.warning("restarting stage %d (%s) in %.0f s (restart %d of at most %d per %.0f s)",
-                                unit[0], name, delay, len(recent) + 1, MAX_RESTARTS, RESTART_WINDOW_S)
+                    log.log(logging.ERROR if streak >= LOOPING else logging.WARNING,
+                            "restarting stage %d (%s) in %.0f s (crash %d in a row; the delay doubles up to %.0f s "
+                            "and starts again from 1 s once it runs %.0f s)", unit[0], name, delay, streak,
+                            restarts.max_delay_s, restarts.healthy_s)
                 if orch is not None and announced:
                     for unit, reason in list(orch.down.items()):
                         proc = launcher.procs.get(unit)
