@@ -23,7 +23,7 @@ check: $(if $(filter configs/default.yaml,$(CONFIG)),tiny,setup)
 	$(PY) -m omni_server.cli check $(CONFIG) $(ARGS)
 
 test: tiny
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" --durations=25 tests
 
 soak: tiny
 	$(PY) -m pytest -q -m slow tests/test_soak.py
