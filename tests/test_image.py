@@ -53,3 +53,33 @@ def test_the_pixel_limit_is_checked_before_decoding():
         decode_image(data, max_pixels=64 * 48 - 1)
     with pytest.raises(ImageError, match="could not be decoded"):
         decode_image(data[:40], max_pixels=BIG)
+
+
+def test_a_requests_media_are_held_to_a_decoded_byte_budget():
+    """A small file can decode large (one colour: a few hundred bytes of PNG, 3 bytes a pixel), and
+    without limit_mm_per_prompt nothing else bounds the parts: past server.max_media_bytes in all,
+    400 naming the part, before any later part is decoded."""
+    import asyncio
+    import base64
+
+    from omni_server.api.errors import APIError
+    from omni_server.api.media import decode_media
+    from omni_server.api.protocol import ChatCompletionRequest
+    from omni_server.config.loader import load_config_text
+
+    buf = io.BytesIO()
+    Image.new("RGB", (100, 100), (200, 10, 10)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    assert len(url) < 1000  # (30,000 bytes decoded)
+    cfg = load_config_text("model: m\nserver: {max_media_bytes: 70000}\n"
+                           "stages: [{id: 0, name: lm, model: x, output: text}]\n")
+    parts = [{"type": "image_url", "image_url": {"url": url}}] * 3
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": parts}])
+    with pytest.raises(APIError) as exc:
+        asyncio.run(decode_media(cfg, body))
+    assert exc.value.status == 400 and exc.value.param == "messages"
+    assert exc.value.message == ("the request's media decode to more than 70000 bytes (server.max_media_bytes), "
+                                 "at image_url 2")
+    two = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": parts[:2]}])
+    media = asyncio.run(decode_media(cfg, two))
+    assert sorted(media) == ["image.0", "image.1"] and media["image.1"].shape == (100, 100, 3)

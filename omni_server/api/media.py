@@ -76,6 +76,7 @@ async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest) -> dict
 
     out: dict[str, Any] = {}
     counts = {"audio": 0, "image": 0, "video": 0}
+    held = 0
     for part in (p for m in body.messages for p in m.media_parts()):
         kind = KIND[part.type]
         i = counts[kind]
@@ -85,9 +86,14 @@ async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest) -> dict
             raise APIError(400, f"this pipeline takes at most {limit} {kind} input(s) per request "
                                 f"(stage 0's limit_mm_per_prompt)", param="messages")
         try:
-            out[f"{kind}.{i}"] = torch.from_numpy(await decode_part(cfg.server, part))
+            array = await decode_part(cfg.server, part)
         except (audio.AudioError, image.ImageError, video.VideoError, fetch.FetchError) as e:
             raise APIError(400, f"{part.type} {i}: {e}", param="messages") from None
+        held += array.nbytes
+        if held > cfg.server.max_media_bytes:
+            raise APIError(400, f"the request's media decode to more than {cfg.server.max_media_bytes} bytes "
+                                f"(server.max_media_bytes), at {part.type} {i}", param="messages")
+        out[f"{kind}.{i}"] = torch.from_numpy(array)
     return out
 
 

@@ -216,6 +216,10 @@ class ServerConfig(_Strict):
     # the default is 128 frames of 1280 x 720, ~350 MB).
     max_video_frames: int = Field(128, ge=1)
     max_video_pixels: int = Field(128 * 1280 * 720, ge=1)
+    # All of a request's media as decoded (the api holds them until the first stage has them):
+    # beyond it 400. Small files decode large (a 50 KB PNG of one colour: 50 MB of pixels), and
+    # without stage 0's limit_mm_per_prompt nothing else bounds how many parts a request has.
+    max_media_bytes: int = Field(512 << 20, ge=1)
     # http(s) media URLs (image_url, video_url, audio_url parts): the hosts the api fetches from
     # (a domain covers its subdomains; "*": any host). None: only data: URLs are taken. Hosts that
     # resolve to non-public addresses (loopback, private, link-local) are refused unless
