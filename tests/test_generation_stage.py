@@ -108,3 +108,19 @@ def test_an_input_processor_error_is_the_clients_only_when_it_is_the_requests_ow
         raise AssertionError("the talker's processor took an unknown voice")
     msg, code = failure(ValueError("thinker payload has hidden states (3, 8) for 2 prompt + 2 output tokens"))
     assert (msg, code) == ("stage talker: input processing failed (ValueError; the server log has the details)", 500)
+
+
+def test_a_native_librarys_source_path_stays_out_of_a_400():
+    """xgrammar's C++ errors start with a time and its build's source path; the client reads the rest."""
+    import xgrammar
+
+    from omni_server.stage.errors import client_text
+
+    try:
+        xgrammar.Grammar.from_json_schema('{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}')
+    except RuntimeError as e:
+        assert ".cc:" in str(e)
+        assert client_text(e) == "Cannot find field 'nope' in #/nope"
+    else:
+        raise AssertionError("xgrammar took a reference to nothing")
+    assert client_text(ValueError("prompt of 9000 tokens\n exceeds 8192")) == "prompt of 9000 tokens exceeds 8192"

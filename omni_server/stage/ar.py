@@ -16,7 +16,7 @@ import torch
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import model_classes, processors
 from omni_server.stage.base import Stage
-from omni_server.stage.errors import server_fault
+from omni_server.stage.errors import client_text, server_fault
 from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS
 from omni_server.stage.prefix_rows import PREFIX_ROWS
 from omni_server.stage.processors import StageInput
@@ -409,7 +409,7 @@ class ARStage(Stage):
             self.core.add_request(req, wave)
         except ValueError as e:  # vLLM's check of the request (too long, bad params): the client's
             log.warning("stage %d: rejected %s: %s", self.stage_id, request_id, e)
-            self.fail(request_id, f"stage {self.stage.name}: {e}", code=400)
+            self.fail(request_id, f"stage {self.stage.name}: {client_text(e)}", code=400)
             return
         except Exception as e:  # anything else is the server's: fail it, keep serving
             log.exception("stage %d: could not add %s", self.stage_id, request_id)

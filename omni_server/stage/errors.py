@@ -1,5 +1,17 @@
 """Errors a stage reports in a request's place."""
 
+import re
+
+# A C++ library's log prefix inside an exception's text (xgrammar's: "[16:36:37] /project/cpp/
+# json_schema_converter.cc:5088: "): the build's source path, not the client's business.
+_NATIVE_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] \S+\.(?:cc|cpp|cxx|c|h|hpp|cu):\d+: ")
+
+
+def client_text(e: BaseException) -> str:
+    """An exception's text for a 400 (the client's own input is at fault): one line, without
+    native libraries' source locations."""
+    return " ".join(_NATIVE_PREFIX.sub("", str(e)).split())
+
 
 def server_fault(what: str, e: BaseException) -> str:
     """A server-side failure as the client reads it: what failed and the exception's type only (its
