@@ -19,6 +19,7 @@ from omni_server.stage.base import Stage
 from omni_server.stage.errors import client_text, server_fault
 from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS
 from omni_server.stage.prefix_rows import PREFIX_ROWS
+from omni_server.stage.preparing import Preparer
 from omni_server.stage.processors import StageInput
 from omni_server.stage.scheduler import scheduler_cls_for
 from omni_server.wire.transport import StageSockets
@@ -34,6 +35,22 @@ from omni_server.wire.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class _BadMedia(ValueError):
+    """Media that are not what the api sends (the client's request: a 400)."""
+
+
+@dataclass
+class _Made:
+    """A request vLLM's input processing made, ready to enter the engine."""
+
+    request: Any  # vllm.v1.request.Request
+    wave: int
+    prompt_token_ids: list[int]
+    prompt_len: int
+    with_hidden: bool
+    forward_to: list[int]
 
 
 @dataclass
@@ -240,6 +257,7 @@ def _logit_bias(spec: SamplingSpec) -> dict[int, float]:
 class ARStage(Stage):
     def __init__(self, cfg: PipelineConfig, stage_id: int, sockets: StageSockets):
         from vllm.v1.engine.core import EngineCore
+        from vllm.renderers import renderer_from_config
         from vllm.v1.engine.input_processor import InputProcessor
         from vllm.v1.executor import Executor
 
@@ -252,11 +270,14 @@ class ARStage(Stage):
         sched.scheduler_cls = scheduler_cls_for(sched.async_scheduling)
         self.dtype = self.vllm_config.model_config.dtype
         self.core = EngineCore(self.vllm_config, Executor.get_class(self.vllm_config), log_stats=False)
-        self.inputs = InputProcessor(self.vllm_config)
+        # One renderer for the processor and its preprocessor (given none, each makes its own: two
+        # multimodal processors and caches, and the one clear_mm_cache reaches is not the one used).
+        self.inputs = InputProcessor(self.vllm_config, renderer_from_config(self.vllm_config))
         self.tasks = self.core.get_supported_tasks()
         self.send_tokens = self.stage.output is not None
         self.tracked: dict[str, _Tracked] = {}
         self.in_engine: set[str] = set()
+        self.preparing = Preparer()  # prompts in vLLM's input processing, off the loop
         # The last step's hidden-state captures (their device -> host copies may be in flight),
         # and the requests to compact once they are done.
         self._in_flight: list = []
@@ -316,10 +337,11 @@ class ARStage(Stage):
                 tracked.starved.add(msg.stage_id)
 
     def close(self) -> None:
+        self.preparing.close()
         self.core.shutdown()
 
     def known_requests(self) -> set[str]:
-        return self.in_engine | set(self.waiting) | set(self.tracked)
+        return self.in_engine | set(self.waiting) | set(self.tracked) | self.preparing.ids()
 
     def info(self) -> dict[str, str]:
         # The context length the engine settled on (the config may say -1, "auto", or nothing).
@@ -327,15 +349,40 @@ class ARStage(Stage):
 
     def counts(self) -> tuple[int, int]:
         sched = self.core.scheduler
-        return len(sched.running), len(sched.waiting)
+        return len(sched.running), len(sched.waiting) + len(self.preparing)
 
     def add_prompt(self, msg: AddRequest) -> None:
+        # Media go through vLLM's multimodal processor on the worker (preparing.py says why), and so
+        # does any prompt arriving while it has work: requests enter the engine in arrival order.
+        if msg.tensors or len(self.preparing):
+            self.preparing.submit(msg.request_id, lambda: self._make_prompt(msg))
+            return
+        try:
+            made = self._make_prompt(msg)
+        except Exception as e:
+            self._reject(msg.request_id, e)
+            return
+        self._enter(msg.request_id, made)
+
+    def _make_prompt(self, msg: AddRequest) -> _Made:
         try:
             prompt = self._prompt(msg)
         except Exception as e:  # media that are not what the api sends
-            self.fail(msg.request_id, f"stage {self.stage.name}: bad media: {e}", code=400)
-            return
-        self._add(msg.request_id, prompt, msg.sampling, msg.forward_to, cache_salt=msg.options.get(CACHE_SALT_OPTION))
+            raise _BadMedia(f"bad media: {e}") from e
+        return self._make(msg.request_id, prompt, msg.sampling, msg.forward_to,
+                          cache_salt=msg.options.get(CACHE_SALT_OPTION))
+
+    def admit_prepared(self) -> None:
+        for request_id, job in self.preparing.done():
+            try:
+                made = job.result()
+            except Exception as e:
+                self._reject(request_id, e)
+                continue
+            self._enter(request_id, made)
+
+    def has_background(self) -> bool:
+        return len(self.preparing) > 0
 
     def _prompt(self, msg: AddRequest) -> dict[str, Any]:
         # A typed dict is input vLLM takes as already processed; a prompt with media must go through
@@ -393,35 +440,63 @@ class ARStage(Stage):
     def _add(self, request_id: str, prompt: dict, spec: SamplingSpec, forward_to: list[int],
              step_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None,
              cache_salt: str | None = None) -> None:
+        try:
+            made = self._make(request_id, prompt, spec, forward_to, step_embeds, positions, cache_salt)
+        except Exception as e:
+            self._reject(request_id, e)
+            return
+        self._enter(request_id, made)
+
+    def _make(self, request_id: str, prompt: dict, spec: SamplingSpec, forward_to: list[int],
+              step_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              cache_salt: str | None = None) -> _Made:
+        """The engine's request for a prompt (vLLM's input processing: the part that may run off the
+        loop, see preparing.py)."""
         if cache_salt:  # (vLLM hashes it into the first block, so every later block's hash differs too)
             own = prompt.get("cache_salt")  # (a processor's own, e.g. for positions the rows do not show)
             prompt = {**prompt, "cache_salt": f"{cache_salt}|{own}" if own else cache_salt}
+        with_hidden = any(processors.reads_hidden(self.cfg.stage(c).input_processor) for c in forward_to)
+        params = self._sampling_params(spec, emit_hidden=with_hidden, step_embeds=step_embeds, positions=positions)
         try:
-            with_hidden = any(processors.reads_hidden(self.cfg.stage(c).input_processor) for c in forward_to)
-            params = self._sampling_params(spec, emit_hidden=with_hidden, step_embeds=step_embeds,
-                                           positions=positions)
             request = self.inputs.process_inputs(request_id, prompt, params, supported_tasks=self.tasks)
-            # The engine's prompt: multimodal placeholders expanded to one token per embedding row.
-            prompt_token_ids = list(request.prompt_token_ids or [])
-            # (an embeddings prompt has no ids: its rows are its positions)
-            prompt_len = len(request.prompt_embeds) if request.prompt_token_ids is None else len(prompt_token_ids)
             req, wave = self.core.preprocess_add_request(request)
-            self.core.add_request(req, wave)
-        except ValueError as e:  # vLLM's check of the request (too long, bad params): the client's
+        except Exception:
+            if "multi_modal_data" in prompt:
+                # vLLM's processor cache takes a request's media as sent to the engine's cache before
+                # its last checks (the prompt's length with them): after a rejection a later request
+                # with the same media would reach the engine without them (vLLM issue 46354). With
+                # that cache forgotten, the next requests send theirs whole.
+                self.inputs.renderer.clear_mm_cache()
+            raise
+        # The engine's prompt: multimodal placeholders expanded to one token per embedding row.
+        prompt_token_ids = list(request.prompt_token_ids or [])
+        # (an embeddings prompt has no ids: its rows are its positions)
+        prompt_len = len(request.prompt_embeds) if request.prompt_token_ids is None else len(prompt_token_ids)
+        return _Made(req, wave, prompt_token_ids, prompt_len, with_hidden, list(forward_to))
+
+    def _reject(self, request_id: str, e: Exception) -> None:
+        if isinstance(e, ValueError):  # vLLM's check of the request (too long, bad params), bad media: the client's
             log.warning("stage %d: rejected %s: %s", self.stage_id, request_id, e)
             self.fail(request_id, f"stage {self.stage.name}: {client_text(e)}", code=400)
-            return
-        except Exception as e:  # anything else is the server's: fail it, keep serving
-            log.exception("stage %d: could not add %s", self.stage_id, request_id)
+        else:  # anything else is the server's: fail it, keep serving
+            log.error("stage %d: could not add %s", self.stage_id, request_id, exc_info=e)
             self.fail(request_id, server_fault(f"stage {self.stage.name}: could not start the request", e))
+
+    def _enter(self, request_id: str, made: _Made) -> None:
+        try:
+            self.core.add_request(made.request, made.wave)
+        except Exception as e:
+            self._reject(request_id, e)
             return
         self.in_engine.add(request_id)
+        forward_to = made.forward_to
         if forward_to:
             stream_to = [c for c in forward_to if self.cfg.stage(c).input_mode == "stream"]
             chunk = min((self.cfg.stage(c).stream_chunk for c in stream_to), default=8)
             window = min((self.cfg.stage(c).stream_window for c in stream_to), default=0)
-            self.tracked[request_id] = _Tracked(prompt_token_ids, list(forward_to), stream_to, chunk,
-                                                with_hidden=with_hidden, window=window, prompt_len=prompt_len)
+            self.tracked[request_id] = _Tracked(made.prompt_token_ids, list(forward_to), stream_to, chunk,
+                                                with_hidden=made.with_hidden, window=window,
+                                                prompt_len=made.prompt_len)
 
     def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool, step_embeds: torch.Tensor | None = None,
                          positions: torch.Tensor | None = None):
@@ -491,6 +566,7 @@ class ARStage(Stage):
         if in_engine:
             self.core.abort_requests(in_engine)
         for rid in request_ids:
+            self.preparing.cancel(rid)
             self.in_engine.discard(rid)
             self.tracked.pop(rid, None)
             self._end_stream(rid)

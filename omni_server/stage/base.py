@@ -53,6 +53,8 @@ MAX_TOMBSTONES = 16384
 MAX_ROUTES = 65536
 # How long the loop waits on its socket once two steps in a row advanced nothing (see run).
 IDLE_POLL_MS = 5
+# ... and at most this long while a request is prepared off the loop (it enters the engine when done).
+BACKGROUND_POLL_MS = 2
 
 
 @dataclass
@@ -263,6 +265,13 @@ class Stage:
     def close(self) -> None:
         pass
 
+    def admit_prepared(self) -> None:
+        """Take in the requests whose preparation off the loop finished (see has_background)."""
+
+    def has_background(self) -> bool:
+        """Whether work off the loop (a request's preparation) will need the loop when it is done."""
+        return False
+
     # ---- loop ---------------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -280,12 +289,15 @@ class Stage:
                 # consumer's credit, a slot while every running request is held): wait for it on the
                 # socket, not spin a core (on a CPU host, maybe the one the stage it waits on needs).
                 wait_ms = 50 if not busy else IDLE_POLL_MS if idle >= 2 else 0
+                if wait_ms and self.has_background():  # (its result is looked for between waits)
+                    wait_ms = min(wait_ms, BACKGROUND_POLL_MS)
                 t0, n = time.perf_counter(), 0
                 for msg in self.sockets.recv_inputs(timeout_ms=wait_ms):
                     self._handle(msg)
                     n += 1
                 t1 = time.perf_counter()
                 self._start_dirty()
+                self.admit_prepared()
                 t2 = time.perf_counter()
                 if t2 - t0 > self.slow_loop_s:  # (the time a request's input waits for a step)
                     log.warning("stage %d (%s): %.2f s between engine steps: %d messages in %.2f s, inputs "

@@ -1,0 +1,54 @@
+"""Media prompts are prepared off the AR stage's loop (omni_server/stage/preparing.py)."""
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from omni_server.stage.preparing import Preparer
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "default.yaml"
+
+
+def test_jobs_come_back_in_arrival_order_and_a_cancelled_one_never():
+    p = Preparer()
+    first_may_end = threading.Event()
+    p.submit("a", lambda: first_may_end.wait(10) and "a")
+    p.submit("b", lambda: "b")
+    p.submit("c", lambda: "c")
+    p.cancel("b")
+    assert "b" not in p and "a" in p and p.ids() == {"a", "c"}
+    assert p.done() == []  # (c may be done: it waits behind a)
+    first_may_end.set()
+    got = []
+    while len(p):
+        got += [(rid, job.result()) for rid, job in p.done()]
+    assert got == [("a", "a"), ("c", "c")]
+    p.close()
+
+
+def test_stage_keeps_stepping_while_an_image_is_prepared():
+    out = subprocess.run([sys.executable, "-m", "tests.prepare_probe", str(CONFIG)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    r = json.loads(lines[-1][len("REPORT "):])
+    assert "script_error" not in r, (r, out.stderr[-3000:])
+    # A running text request went on to its end while the image request's processing was held; a
+    # text request sent after the image one waited for it. Both were known (the api's probe must not
+    # take them for lost) and counted as waiting.
+    assert r["txt"]["reason"] == "length" and r["txt"]["error"] is None and r["txt"]["tokens"] == 48
+    assert r["done_while_held"] == []
+    assert r["known_while_held"] == ["after", "img"] and r["waiting_while_held"] == 2
+    assert r["img"]["reason"] == "length" and r["img"]["tokens"] == 4
+    assert r["after"]["reason"] == "length" and r["after"]["tokens"] == 4
+    assert r["media_threads"] == ["prepare_0"]
+    # Aborted while held: forgotten at once, never answered; its image in a later request runs.
+    assert r["gone_known_after_abort"] is False and r["gone"] is None
+    assert r["again"]["reason"] == "length" and r["again"]["tokens"] == 4, r["again"]
+    # Too long with its image's tokens: a 400 after the image was processed; the same image in a
+    # later request runs.
+    assert r["long"]["code"] == 400 and "longer than the maximum model length of 2048" in r["long"]["error"], r["long"]
+    assert r["short"]["reason"] == "length" and r["short"]["tokens"] == 4, r["short"]
