@@ -882,6 +882,8 @@ def test_env_values_are_the_text_written():
     cfg = load_config_text(text, overrides=["a.env.G=1.10", "b.env.H=007"])
     written = {"A": "1.10", "B": "010", "C": "yes", "D": "0x1F", "E": "q", "F": "4"}
     assert cfg.stage(0).env == {**written, "G": "1.10"} and cfg.stage(1).env == {**written, "H": "007"}
+    cfg = load_config_text(text, overrides=["b.env={X: 1.10, Y: 010, Z: on}"])
+    assert cfg.stage(1).env == {"X": "1.10", "Y": "010", "Z": "on"} and cfg.stage(0).env == written
 
 
 def test_a_tcp_port_past_65535_is_refused():

@@ -122,14 +122,18 @@ def _env_as_written(root: yaml.Node, data: dict[str, Any]) -> None:
     if not isinstance(stages, yaml.SequenceNode) or not isinstance(data.get("stages"), list):
         return
     for node, stage in zip(stages.value, data["stages"]):
-        env, values = _child(node, "env"), stage.get("env") if isinstance(stage, dict) else None
-        if not isinstance(env, yaml.MappingNode) or not isinstance(values, dict):
-            continue
-        for key_node, value_node in env.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            written = values.get(key)
-            if isinstance(value_node, yaml.ScalarNode) and isinstance(written, (bool, int, float)):
-                values[key] = value_node.value
+        _scalars_as_written(_child(node, "env"), stage.get("env") if isinstance(stage, dict) else None)
+
+
+def _scalars_as_written(node: yaml.Node | None, values: Any) -> None:
+    """A mapping's numbers and booleans as their YAML node spells them."""
+    if not isinstance(node, yaml.MappingNode) or not isinstance(values, dict):
+        return
+    for key_node, value_node in node.value:
+        key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+        written = values.get(key)
+        if isinstance(value_node, yaml.ScalarNode) and isinstance(written, (bool, int, float)):
+            values[key] = value_node.value
 
 
 def _child(node: yaml.Node | None, key: str) -> yaml.Node | None:
@@ -192,6 +196,8 @@ def parse_override(text: str) -> StageOverride:
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ConfigError(bad + f"VALUE is not a valid YAML value: {problem}") from None
+        if path == ("env",):  # (a whole mapping, e.g. env={VER: 1.10}: its values as written too)
+            _scalars_as_written(yaml.compose(raw, Loader=yaml.SafeLoader), value)
     return StageOverride(text=text, stage=stage.strip(), path=path, value=value, implicit=implicit)
 
 
