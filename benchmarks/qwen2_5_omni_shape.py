@@ -18,11 +18,11 @@ in this directory.  ``spk_dict.pt`` holds random "Chelsie" and "Ethan" voices in
 
 Tokenizer, chat template, processor and generation config are copied from the tiny checkpoint
 (``var/models/tiny-qwen2_5-omni``, built on demand by ``omni_server.models.tiny_checkpoints``).  Its
-vocabulary has 1280 ids, a prefix of the real 152k-id table, so text prompts tokenize to valid ids;
-ids the random thinker samples past 1280 detokenize to nothing.  Its special and multimodal
-placeholder ids (``<|AUDIO|>`` = 1027, ...) do NOT match the real ids in config.json (151646, ...),
-so only TEXT prompts are meaningful with this checkpoint: do not benchmark image/audio/video inputs
-with it.
+vocabulary's 1024 plain ids are a prefix of the real 152k-id table, so text prompts tokenize to valid
+ids; its special tokens (``<|im_start|>``, the media placeholders ``<|AUDIO|>``, ``<|IMAGE|>``, ...)
+move to their real ids (``move_specials``: 151643 on, as config.json names them), so image, audio
+and video prompts reach the thinker's (dummy-weight) encoders at their real shapes; every other id
+below the vocabulary size gets a filler token (``fill_vocab``).
 
 Weights are seeded (``--seed``); the same seed on the same device type writes the same tensors.
 Output: 2.95 GB for 7B (1.09 GB thinker embeddings + 0.06 GB talker tables + 1.80 GB float32
@@ -314,6 +314,41 @@ def copy_tiny_files(tiny: Path, out: Path) -> list[str]:
     return copied
 
 
+# Special tokens whose ids config.json names (the thinker's): placeholder and bracket tokens.
+_CONFIG_SPECIALS = {"audio_token_index": "<|AUDIO|>", "image_token_index": "<|IMAGE|>",
+                    "video_token_index": "<|VIDEO|>", "audio_start_token_id": "<|audio_bos|>",
+                    "audio_end_token_id": "<|audio_eos|>", "vision_start_token_id": "<|vision_bos|>",
+                    "vision_end_token_id": "<|vision_eos|>"}
+
+
+def move_specials(out: Path, thinker_config) -> int:
+    """Give the tiny tokenizer's special tokens the real ids (config.json's: `<|AUDIO|>` 151646, ...),
+    so that media prompts reach the thinker's placeholders: the tiny table lists the same specials in
+    the same order from 1024, the real one from 151643. Rewrites tokenizer.json and
+    generation_config.json; returns the shift."""
+    path = out / "tokenizer.json"
+    data = json.loads(path.read_text())
+    added = {t["content"]: t["id"] for t in data["added_tokens"]}
+    shift = thinker_config.audio_token_index - added["<|AUDIO|>"]
+    for key, token in _CONFIG_SPECIALS.items():
+        if added.get(token, -1) + shift != getattr(thinker_config, key):
+            raise SystemExit(f"{token}: the tiny tokenizer's order differs from the real one ({key})")
+    vocab = data["model"]["vocab"]
+    for t in data["added_tokens"]:
+        if vocab.get(t["content"]) == t["id"]:
+            vocab[t["content"]] = t["id"] + shift
+        t["id"] += shift
+    path.write_text(json.dumps(data, ensure_ascii=False))
+    gen = out / "generation_config.json"
+    if gen.is_file():
+        g = json.loads(gen.read_text())
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if isinstance(g.get(key), int) and g[key] in added.values():
+                g[key] += shift
+        gen.write_text(json.dumps(g, indent=2) + "\n")
+    return shift
+
+
 def fill_vocab(tokenizer_json: Path, vocab_size: int) -> int:
     """Give every id below `vocab_size` that the tiny tokenizer lacks a token of its own ("Ġw<id>",
     never produced by encoding: no merge leads to it), so that whatever a dummy-weight thinker
@@ -368,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     config = build_config(args.size)
     config.save_pretrained(out)
     copied = copy_tiny_files(args.tiny, out)
+    move_specials(out, config.thinker_config)
     fill_vocab(out / "tokenizer.json", config.thinker_config.text_config.vocab_size)
     torch.save(speaker_dict(config, args.seed), out / "spk_dict.pt")
 

@@ -135,6 +135,24 @@ def cmd_bench(args) -> int:
         if value is not None and value < 1:
             print(f"error: {flag} must be at least 1", file=sys.stderr)
             return 2
+    image = None
+    if args.image:
+        w, x, h = args.image.lower().partition("x")
+        if not (x and w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
+            print(f"error: --image takes WIDTHxHEIGHT in pixels, e.g. 1280x720 (got {args.image!r})", file=sys.stderr)
+            return 2
+        image = (int(w), int(h))
+    if args.speech and (image or args.input_audio):
+        print("error: --image and --input-audio go into chats; /v1/audio/speech takes text only",
+              file=sys.stderr)
+        return 2
+    if args.reference and (image or args.input_audio):
+        print("error: --reference runs text prompts only; leave out --image / --input-audio to compare",
+              file=sys.stderr)
+        return 2
+    if args.input_audio < 0:
+        print("error: --input-audio must be a number of seconds (0: none)", file=sys.stderr)
+        return 2
     if args.request_rate is not None and not args.request_rate > 0:
         print("error: --request-rate must be a positive number of requests per second", file=sys.stderr)
         return 2
@@ -158,7 +176,7 @@ def cmd_bench(args) -> int:
                       reference=args.reference,
                       reference_talker_max_tokens=args.reference_talker_max_tokens,
                       reference_requests=args.reference_requests, request_rate=args.request_rate,
-                      shared_prefix_words=args.shared_prefix_words)
+                      shared_prefix_words=args.shared_prefix_words, image=image, input_audio_s=args.input_audio)
     result = asyncio.run(run_bench(cfg))
     text = json.dumps(result, indent=2)
     if args.output:
@@ -270,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-prefix-words", type=int, default=0, metavar="N",
                    help="open every chat with the same system message of about N words (prefix caching: "
                         "each level reports prompt and cached tokens)")
+    p.add_argument("--image", metavar="WxH",
+                   help="every chat also carries a generated PNG of this size, e.g. 1280x720 (different per request)")
+    p.add_argument("--input-audio", type=float, default=0.0, metavar="SECONDS",
+                   help="every chat also carries a generated WAV clip this long (different per request)")
     p.set_defaults(fn=cmd_bench)
 
     args = parser.parse_args(argv)

@@ -287,3 +287,39 @@ def test_bench_takes_the_openai_clients_base_url_too(text_server, tmp_path):
                   "--prompt-words", "5")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(out.read_text())["levels"][0]["errors"] == 0
+
+
+def test_bench_sends_an_image_and_audio_in_every_chat(text_server, tmp_path):
+    """--image / --input-audio: each chat carries a generated PNG and WAV clip, which the thinker
+    expands to their placeholder tokens (the usage's prompt tokens grow by them)."""
+    plain, media = tmp_path / "plain.json", tmp_path / "media.json"
+    common = ["--concurrency", "2", "--requests", "2", "--max-tokens", "4", "--prompt-words", "10"]
+    assert _bench(text_server.base_url, plain, *common).returncode == 0
+    proc = _bench(text_server.base_url, media, *common, "--image", "112x84", "--input-audio", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (lp,), (lm,) = json.loads(plain.read_text())["levels"], json.loads(media.read_text())["levels"]
+    assert lm["errors"] == 0 and lm["output_tokens"] == 2 * 4
+    # 112x84 pixels: 12 merged patch tokens; 1 s of audio: 25 tokens (two requests)
+    assert lm["prompt_tokens"] - lp["prompt_tokens"] >= 2 * (12 + 25 - 4), (lm["prompt_tokens"], lp["prompt_tokens"])
+    assert json.loads(media.read_text())["config"]["image"] == [112, 84]
+
+
+def test_bench_media_parts_differ_per_request_and_bad_sizes_are_refused():
+    import base64
+    import io
+
+    from PIL import Image
+
+    from omni_server.bench.runner import BenchConfig, media_parts
+
+    cfg = BenchConfig(base_url="http://x", model="m", image=(64, 32), input_audio_s=0.5)
+    a, b = media_parts(0, cfg), media_parts(1, cfg)
+    assert [p["type"] for p in a] == ["image_url", "input_audio"] and a != b and a == media_parts(0, cfg)
+    png = base64.b64decode(a[0]["image_url"]["url"].split(",", 1)[1])
+    assert Image.open(io.BytesIO(png)).size == (64, 32)
+    assert len(base64.b64decode(a[1]["input_audio"]["data"])) == 44 + 2 * 8000  # 0.5 s of 16 kHz pcm16
+    for args in (["--image", "64"], ["--image", "0x5"], ["--speech", "--image", "8x8"],
+                 ["--input-audio", "-1"], ["--reference", "/nowhere", "--input-audio", "1"]):
+        proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "bench", "--model", "m", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and "error:" in proc.stderr, args

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 
@@ -89,3 +90,35 @@ def _check_qwen3_shape(out):
     assert Code2Wav(str(out), **stage.generator_args).stream_lead <= stage.stream_window
     wave = vocoder(torch.randint(0, 2048, (16, 4)))
     assert wave.ndim == 1 and 0 < wave.numel() <= 4 * 1920 and bool(torch.isfinite(wave).all())
+
+
+def test_shape_tokenizer_speaks_the_real_special_ids(tiny_models, tmp_path):
+    """Media prompts on the 7B shape checkpoint reach the thinker's placeholders: the tokenizer's
+    special tokens carry the ids config.json names (151643 on), and plain text encodes as before."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from qwen2_5_omni_shape import build_config, copy_tiny_files, fill_vocab, move_specials
+    from transformers import AutoProcessor
+
+    tiny = MODELS / "tiny-qwen2_5-omni"
+    config = build_config("7b")
+    config.save_pretrained(tmp_path)
+    copy_tiny_files(tiny, tmp_path)
+    assert move_specials(tmp_path, config.thinker_config) == 151643 - 1024
+    fill_vocab(tmp_path / "tokenizer.json", config.thinker_config.text_config.vocab_size)
+    thinker = config.thinker_config
+    proc = AutoProcessor.from_pretrained(tmp_path)
+    tok = proc.tokenizer
+    for token, want in (("<|IMAGE|>", thinker.image_token_index), ("<|AUDIO|>", thinker.audio_token_index),
+                        ("<|VIDEO|>", thinker.video_token_index), ("<|vision_bos|>", thinker.vision_start_token_id),
+                        ("<|audio_eos|>", thinker.audio_end_token_id), ("<|im_start|>", 151644),
+                        ("<|im_end|>", 151645)):
+        assert tok.convert_tokens_to_ids(token) == want, token
+    before = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    text = "Hello, who are you? The sea is wide."
+    assert tok(text)["input_ids"] == before.encode(text).ids
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    ids = tok(proc.apply_chat_template(messages, add_generation_prompt=True))["input_ids"]
+    assert ids[0] == 151644 and thinker.image_token_index in ids and thinker.vision_start_token_id in ids
+    assert max(ids) < thinker.text_config.vocab_size
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (151643, 151645)

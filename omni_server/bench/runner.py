@@ -16,6 +16,8 @@ With `speech`, the requests go to /v1/audio/speech instead (each prompt is the t
 streamed as SSE events): the same audio numbers, no TTFT.
 With `reference`, transformers' own pipeline runs the same prompts in this process afterwards, and
 each level reports its throughput relative to it (`vs_reference`).
+With `image` / `input_audio_s`, every chat's user turn also carries a generated image / WAV clip,
+different in each request: the thinker's media processing and encoders are part of what is timed.
 """
 
 from __future__ import annotations
@@ -90,6 +92,50 @@ class BenchConfig:
     request_rate: float | None = None
     arrival_seed: int = 0
     shared_prefix_words: int = 0  # > 0: every chat opens with the same system message this long
+    # Media in every chat's user turn, different in each request (no processor-cache hits): a PNG
+    # image of this (width, height), and/or a WAV clip of this many seconds (16 kHz tones).
+    image: tuple[int, int] | None = None
+    input_audio_s: float = 0.0
+
+
+def media_parts(i: int, cfg: BenchConfig) -> list[dict]:
+    """Request i's media content parts (deterministic; built before its level's clock starts)."""
+    parts = []
+    if cfg.image:
+        parts.append({"type": "image_url", "image_url": {"url": _image_data_url(i, *cfg.image)}})
+    if cfg.input_audio_s > 0:
+        parts.append({"type": "input_audio", "input_audio": {"data": _tone_wav_b64(i, cfg.input_audio_s),
+                                                             "format": "wav"}})
+    return parts
+
+
+def _image_data_url(i: int, width: int, height: int) -> str:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    # Smooth colour ramps shifted by i: small PNGs, a different image (and hash) per request.
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([(x + 7 * i) % 256, (y + 13 * i) % 256, (x + y + 29 * i) % 256], axis=-1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _tone_wav_b64(i: int, seconds: float, rate: int = 16000) -> str:
+    import io
+    import wave
+
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (0.3 * np.sin(2 * np.pi * (220 + 10 * i) * t) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
@@ -139,10 +185,12 @@ async def _events(client: httpx.AsyncClient, path: str, body: dict, done_marker:
         raise _Cut("the stream ended without data: [DONE]")
 
 
-async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> dict:
+async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int, media: list[dict] = ()) -> dict:
     if cfg.speech:
         return await _one_speech(client, cfg, i)
-    messages = [{"role": "user", "content": prompt(i, cfg.prompt_words)}]
+    text = prompt(i, cfg.prompt_words)
+    content = [*media, {"type": "text", "text": text}] if media else text
+    messages = [{"role": "user", "content": content}]
     if cfg.shared_prefix_words:
         messages.insert(0, {"role": "system", "content": shared_prefix(cfg.shared_prefix_words)})
     body = {"model": cfg.model, "messages": messages,
@@ -253,6 +301,7 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress, tran
     done = 0
     limits = httpx.Limits(max_connections=concurrency + 4)
     start = arrivals(n, cfg.request_rate, cfg.arrival_seed)
+    media = [media_parts(offset + i, cfg) for i in range(n)]
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=cfg.timeout_s,
                                  limits=limits, transport=transport) as client:
         async def task(i: int) -> dict:
@@ -261,7 +310,7 @@ async def _level(cfg: BenchConfig, concurrency: int, offset: int, progress, tran
             async with sem:
                 waited = max(0.0, time.perf_counter() - t0 - start[i])
                 try:
-                    res = await _one(client, cfg, offset + i)
+                    res = await _one(client, cfg, offset + i, media[i])
                 except Exception as e:  # a malformed answer fails its request, not the run
                     res = {"error": f"{type(e).__name__}: {e}"}
             res["queue_wait_s"] = waited
