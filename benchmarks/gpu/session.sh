@@ -42,8 +42,9 @@ TALKER_MAX=${TALKER_MAX:-500}
 export MODEL=${MODEL:-qwen2.5-omni}
 B="python3 -m omni_server.cli bench --model $MODEL --max-tokens 100 --audio"
 
-# The shape checkpoint's tokenizer (the tiny one's) lacks the real media token ids, so the thinker
-# serves text only (vLLM then skips its multimodal start-up profiling).
+# Text-only prompts in every step but `media`: the thinker serves text only (vLLM then skips its
+# multimodal start-up profiling; the numbers compare with the runs before the shape checkpoint had
+# the real media ids).
 [ -n "${TEXT_ONLY+set}" ] || TEXT_ONLY='--stage-arg thinker.limit_mm_per_prompt={"image":0,"audio":0,"video":0}'
 # serve NAME PORT CONFIG [--stage-arg ...]: start in the background, wait for /health ok (or 600 s).
 # VOCODER / CKPT: the last stage's name and the checkpoint (the Qwen3 step sets them).
@@ -126,6 +127,27 @@ step_warm() {
   export VLLM_CACHE_ROOT=/tmp/vc
   served bench7b_warm 8031
   say "warm start: $(grep -a 'graphs captured\|stages ready' $R/serve_bench7b_warm.log | cut -c1-220 | tr '\n' ' ')"
+}
+
+step_media() {
+  # Media in: the 7B config with its thinker's media encoders on (the shape checkpoint's special
+  # tokens carry the real ids), every chat carrying a MEDIA_AUDIO-second clip (default 5: voice
+  # chat), then a MEDIA_IMAGE picture (default 1280x720), then text alone, on one server (warm cache
+  # when `main` ran first): warm-up, c=1 x3, c=16 x16 each.
+  free_gpus
+  export VLLM_CACHE_ROOT=/tmp/vc
+  TEXT_ONLY="" serve media7b 8041 $CFG
+  wait_ready media7b 8041 || return
+  local B="python3 -m omni_server.cli bench --model $MODEL --max-tokens 100 --audio --base-url http://127.0.0.1:8041"
+  local kind n a
+  for kind in "audio:--input-audio ${MEDIA_AUDIO:-5}" "image:--image ${MEDIA_IMAGE:-1280x720}" "text:"; do
+    n=${kind%%:*}; a=${kind#*:}
+    $B $a --concurrency 1 --requests 1 --output $R/warm_media_$n.json >> $R/bench_media7b.log 2>&1
+    $B $a --concurrency 1 --requests 3 --output $R/media_${n}_c1.json >> $R/bench_media7b.log 2>&1
+    $B $a --concurrency 16 --requests 16 --output $R/media_${n}_c16.json >> $R/bench_media7b.log 2>&1
+    say "media7b, $n in: $(python3 benchmarks/gpu/brief.py $R/media_${n}_c1.json $R/media_${n}_c16.json)"
+  done
+  stop media7b
 }
 
 step_full() {
