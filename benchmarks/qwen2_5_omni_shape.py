@@ -322,10 +322,11 @@ _CONFIG_SPECIALS = {"audio_token_index": "<|AUDIO|>", "image_token_index": "<|IM
 
 
 def move_specials(out: Path, thinker_config) -> int:
-    """Give the tiny tokenizer's special tokens the real ids (config.json's: `<|AUDIO|>` 151646, ...),
-    so that media prompts reach the thinker's placeholders: the tiny table lists the same specials in
-    the same order from 1024, the real one from 151643. Rewrites tokenizer.json and
-    generation_config.json; returns the shift."""
+    """Move the tiny tokenizer's special tokens by one shift, so that those config.json names take its
+    ids (`<|AUDIO|>` 151646, ...: checked) and media prompts reach the thinker's placeholders. The
+    tiny table lists the chat and media specials in the real order, from 1024 instead of 151643; the
+    tts ones land elsewhere than config.json's tts ids, which no prompt tokenizes. Rewrites
+    tokenizer.json and generation_config.json; returns the shift."""
     path = out / "tokenizer.json"
     data = json.loads(path.read_text())
     added = {t["content"]: t["id"] for t in data["added_tokens"]}

@@ -138,8 +138,9 @@ def cmd_bench(args) -> int:
     image = None
     if args.image:
         w, x, h = args.image.lower().partition("x")
-        if not (x and w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
-            print(f"error: --image takes WIDTHxHEIGHT in pixels, e.g. 1280x720 (got {args.image!r})", file=sys.stderr)
+        if not (x and w.isdigit() and h.isdigit() and 0 < int(w) <= 16384 and 0 < int(h) <= 16384):
+            print(f"error: --image takes WIDTHxHEIGHT in pixels, each 1 to 16384, e.g. 1280x720 (got {args.image!r})",
+                  file=sys.stderr)
             return 2
         image = (int(w), int(h))
     if args.speech and (image or args.input_audio):
@@ -150,8 +151,8 @@ def cmd_bench(args) -> int:
         print("error: --reference runs text prompts only; leave out --image / --input-audio to compare",
               file=sys.stderr)
         return 2
-    if args.input_audio < 0:
-        print("error: --input-audio must be a number of seconds (0: none)", file=sys.stderr)
+    if not 0 <= args.input_audio <= 3600:  # (nan fails too)
+        print("error: --input-audio must be a number of seconds, 0 (none) to 3600", file=sys.stderr)
         return 2
     if args.request_rate is not None and not args.request_rate > 0:
         print("error: --request-rate must be a positive number of requests per second", file=sys.stderr)

@@ -301,7 +301,8 @@ def test_bench_sends_an_image_and_audio_in_every_chat(text_server, tmp_path):
     assert lm["errors"] == 0 and lm["output_tokens"] == 2 * 4
     # 112x84 pixels: 12 merged patch tokens; 1 s of audio: 25 tokens (two requests)
     assert lm["prompt_tokens"] - lp["prompt_tokens"] >= 2 * (12 + 25 - 4), (lm["prompt_tokens"], lp["prompt_tokens"])
-    assert json.loads(media.read_text())["config"]["image"] == [112, 84]
+    config = json.loads(media.read_text())["config"]
+    assert config["image"] == [112, 84] and isinstance(config["media_seed"], int)  # (drawn: in the JSON)
 
 
 def test_bench_media_parts_differ_per_request_and_bad_sizes_are_refused():
@@ -312,14 +313,20 @@ def test_bench_media_parts_differ_per_request_and_bad_sizes_are_refused():
 
     from omni_server.bench.runner import BenchConfig, media_parts
 
-    cfg = BenchConfig(base_url="http://x", model="m", image=(64, 32), input_audio_s=0.5)
+    cfg = BenchConfig(base_url="http://x", model="m", image=(64, 32), input_audio_s=0.5, media_seed=1)
     a, b = media_parts(0, cfg), media_parts(1, cfg)
-    assert [p["type"] for p in a] == ["image_url", "input_audio"] and a != b and a == media_parts(0, cfg)
+    assert [p["type"] for p in a] == ["image_url", "input_audio"] and a == media_parts(0, cfg)
+    other_run = media_parts(0, BenchConfig(base_url="http://x", model="m", image=(64, 32), input_audio_s=0.5,
+                                           media_seed=2))
+    for k in range(2):  # every part differs between requests and between runs (the server's caches)
+        assert len({str(a[k]), str(b[k]), str(other_run[k])}) == 3
+    assert len({str(media_parts(i, cfg)[0]) for i in range(0, 600, 7)}) == len(range(0, 600, 7))
     png = base64.b64decode(a[0]["image_url"]["url"].split(",", 1)[1])
     assert Image.open(io.BytesIO(png)).size == (64, 32)
     assert len(base64.b64decode(a[1]["input_audio"]["data"])) == 44 + 2 * 8000  # 0.5 s of 16 kHz pcm16
     for args in (["--image", "64"], ["--image", "0x5"], ["--speech", "--image", "8x8"],
-                 ["--input-audio", "-1"], ["--reference", "/nowhere", "--input-audio", "1"]):
+                 ["--input-audio", "-1"], ["--input-audio", "nan"], ["--input-audio", "inf"],
+                 ["--reference", "/nowhere", "--input-audio", "1"]):
         proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "bench", "--model", "m", *args], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and "error:" in proc.stderr, args

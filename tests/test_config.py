@@ -884,6 +884,10 @@ def test_env_values_are_the_text_written():
     assert cfg.stage(0).env == {**written, "G": "1.10"} and cfg.stage(1).env == {**written, "H": "007"}
     cfg = load_config_text(text, overrides=["b.env={X: 1.10, Y: 010, Z: on}"])
     assert cfg.stage(1).env == {"X": "1.10", "Y": "010", "Z": "on"} and cfg.stage(0).env == written
+    from omni_server.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match="duplicate"):  # (as in the file: not the first or last silently)
+        load_config_text(text, overrides=["b.env={X: 1, X: 2}"])
 
 
 def test_a_tcp_port_past_65535_is_refused():

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from omni_server.stage.preparing import Preparer
@@ -26,6 +27,22 @@ def test_jobs_come_back_in_arrival_order_and_a_cancelled_one_never():
     while len(p):
         got += [(rid, job.result()) for rid, job in p.done()]
     assert got == [("a", "a"), ("c", "c")]
+    p.close()
+
+
+def test_a_job_dropped_while_running_keeps_the_worker_busy_until_it_ends():
+    """(The loop thread must not run vLLM's input processing beside the worker.)"""
+    p = Preparer()
+    started, may_end = threading.Event(), threading.Event()
+    p.submit("a", lambda: started.set() or may_end.wait(10))
+    assert p.idle() is False and started.wait(10)
+    p.cancel("a")
+    assert len(p) == 0 and "a" not in p and p.idle() is False
+    may_end.set()
+    deadline = time.monotonic() + 10
+    while not p.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.idle() and p.done() == []
     p.close()
 
 

@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
@@ -96,41 +96,51 @@ class BenchConfig:
     # image of this (width, height), and/or a WAV clip of this many seconds (16 kHz tones).
     image: tuple[int, int] | None = None
     input_audio_s: float = 0.0
+    # Written into every image and clip with the request's number, so no two are alike, in a run or
+    # across runs against one server (its caches are keyed by the media's bytes). None: drawn at random.
+    media_seed: int | None = None
 
 
 def media_parts(i: int, cfg: BenchConfig) -> list[dict]:
-    """Request i's media content parts (deterministic; built before its level's clock starts)."""
-    parts = []
+    """Request i's media content parts (built before its level's clock starts; the same for the same
+    `media_seed`)."""
+    parts, seed = [], cfg.media_seed or 0
     if cfg.image:
-        parts.append({"type": "image_url", "image_url": {"url": _image_data_url(i, *cfg.image)}})
+        parts.append({"type": "image_url", "image_url": {"url": _image_data_url(seed, i, *cfg.image)}})
     if cfg.input_audio_s > 0:
-        parts.append({"type": "input_audio", "input_audio": {"data": _tone_wav_b64(i, cfg.input_audio_s),
+        parts.append({"type": "input_audio", "input_audio": {"data": _tone_wav_b64(seed, i, cfg.input_audio_s),
                                                              "format": "wav"}})
     return parts
 
 
-def _image_data_url(i: int, width: int, height: int) -> str:
+def _image_data_url(seed: int, i: int, width: int, height: int) -> str:
     import io
 
     import numpy as np
     from PIL import Image
 
-    # Smooth colour ramps shifted by i: small PNGs, a different image (and hash) per request.
+    # Smooth colour ramps (small PNGs) with the seed and request number in the first pixels' bytes.
     y, x = np.mgrid[0:height, 0:width]
     rgb = np.stack([(x + 7 * i) % 256, (y + 13 * i) % 256, (x + y + 29 * i) % 256], axis=-1).astype(np.uint8)
+    mark = np.frombuffer(seed.to_bytes(8, "little") + i.to_bytes(8, "little"), dtype=np.uint8)
+    flat = rgb.reshape(-1)
+    flat[:min(len(mark), flat.size)] = mark[:flat.size]
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _tone_wav_b64(i: int, seconds: float, rate: int = 16000) -> str:
+def _tone_wav_b64(seed: int, i: int, seconds: float, rate: int = 16000) -> str:
     import io
     import wave
 
     import numpy as np
 
-    t = np.arange(int(seconds * rate)) / rate
-    pcm = (0.3 * np.sin(2 * np.pi * (220 + 10 * i) * t) * 32767).astype("<i2")
+    # A tone of 200-1000 Hz under quiet noise, both drawn from (seed, i).
+    rng = np.random.default_rng([seed, i])
+    t = np.arange(max(1, int(seconds * rate))) / rate
+    wav = 0.3 * np.sin(2 * np.pi * rng.uniform(200, 1000) * t) + 0.01 * rng.standard_normal(t.size)
+    pcm = (wav * 32767).astype("<i2")
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
         w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
@@ -423,6 +433,8 @@ def _progress(concurrency: int, done: int, total: int) -> None:
 
 async def run_bench(cfg: BenchConfig, progress=_progress, transport: httpx.AsyncBaseTransport | None = None) -> dict:
     """`transport`: httpx's (default: the network)."""
+    if (cfg.image or cfg.input_audio_s) and cfg.media_seed is None:
+        cfg = replace(cfg, media_seed=random.SystemRandom().getrandbits(63))
     levels, offset = [], 0
     for c in cfg.concurrency:
         levels.append(await _level(cfg, c, offset, progress, transport))

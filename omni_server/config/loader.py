@@ -192,12 +192,12 @@ def parse_override(text: str) -> StageOverride:
         value: Any = raw[1:-1] if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"" else raw
     else:
         try:
-            value = yaml.safe_load(raw) if raw else None
+            value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw else None  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ConfigError(bad + f"VALUE is not a valid YAML value: {problem}") from None
         if path == ("env",):  # (a whole mapping, e.g. env={VER: 1.10}: its values as written too)
-            _scalars_as_written(yaml.compose(raw, Loader=yaml.SafeLoader), value)
+            _scalars_as_written(yaml.compose(raw, Loader=_UniqueKeyLoader), value)  # noqa: S506
     return StageOverride(text=text, stage=stage.strip(), path=path, value=value, implicit=implicit)
 
 

@@ -354,7 +354,7 @@ class ARStage(Stage):
     def add_prompt(self, msg: AddRequest) -> None:
         # Media go through vLLM's multimodal processor on the worker (preparing.py says why), and so
         # does any prompt arriving while it has work: requests enter the engine in arrival order.
-        if msg.tensors or len(self.preparing):
+        if msg.tensors or not self.preparing.idle():
             self.preparing.submit(msg.request_id, lambda: self._make_prompt(msg))
             return
         try:
@@ -376,7 +376,7 @@ class ARStage(Stage):
         for request_id, job in self.preparing.done():
             try:
                 made = job.result()
-            except Exception as e:
+            except BaseException as e:  # (raised on the worker: whatever it is, it is this request's)
                 self._reject(request_id, e)
                 continue
             self._enter(request_id, made)
@@ -465,7 +465,8 @@ class ARStage(Stage):
                 # vLLM's processor cache takes a request's media as sent to the engine's cache before
                 # its last checks (the prompt's length with them): after a rejection a later request
                 # with the same media would reach the engine without them (vLLM issue 46354). With
-                # that cache forgotten, the next requests send theirs whole.
+                # that cache forgotten, the next requests send theirs whole (and processed again once:
+                # a rejected request costs the others' cache hits, never their correctness).
                 self.inputs.renderer.clear_mm_cache()
             raise
         # The engine's prompt: multimodal placeholders expanded to one token per embedding row.
@@ -474,7 +475,7 @@ class ARStage(Stage):
         prompt_len = len(request.prompt_embeds) if request.prompt_token_ids is None else len(prompt_token_ids)
         return _Made(req, wave, prompt_token_ids, prompt_len, with_hidden, list(forward_to))
 
-    def _reject(self, request_id: str, e: Exception) -> None:
+    def _reject(self, request_id: str, e: BaseException) -> None:
         if isinstance(e, ValueError):  # vLLM's check of the request (too long, bad params), bad media: the client's
             log.warning("stage %d: rejected %s: %s", self.stage_id, request_id, e)
             self.fail(request_id, f"stage {self.stage.name}: {client_text(e)}", code=400)

@@ -20,6 +20,7 @@ class Preparer:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None  # (started with the first job)
         self._jobs: OrderedDict[str, Future] = OrderedDict()
+        self._dropped: list[Future] = []  # jobs forgotten while they ran (still touching vLLM's state)
 
     def submit(self, request_id: str, job: Callable[[], Any]) -> None:
         if self._pool is None:
@@ -35,6 +36,12 @@ class Preparer:
     def ids(self) -> set[str]:
         return set(self._jobs)
 
+    def idle(self) -> bool:
+        """No job queued or running (one dropped while running included): the loop thread may use
+        vLLM's input processing itself."""
+        self._dropped = [job for job in self._dropped if not job.done()]
+        return not self._jobs and not self._dropped
+
     def done(self) -> list[tuple[str, Future]]:
         """The finished jobs at the head of the queue, in arrival order (their futures are done)."""
         out = []
@@ -49,10 +56,11 @@ class Preparer:
     def cancel(self, request_id: str) -> None:
         """Forget the request's job: one not started never runs; a running one's result is dropped."""
         job = self._jobs.pop(request_id, None)
-        if job is not None:
-            job.cancel()
+        if job is not None and not job.cancel():
+            self._dropped.append(job)
 
     def close(self) -> None:
+        """Cancel what has not started and wait for a running job (before the engine it uses goes)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
         self._jobs.clear()
