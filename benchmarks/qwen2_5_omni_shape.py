@@ -22,7 +22,8 @@ vocabulary's 1024 plain ids are a prefix of the real 152k-id table, so text prom
 ids; its special tokens (``<|im_start|>``, the media placeholders ``<|AUDIO|>``, ``<|IMAGE|>``, ...)
 move to their real ids (``move_specials``: 151643 on, as config.json names them), so image, audio
 and video prompts reach the thinker's (dummy-weight) encoders at their real shapes; every other id
-below the vocabulary size gets a filler token (``fill_vocab``).
+below the vocabulary size gets a filler token (``fill_vocab``). The image processor takes the
+published pixel bounds (``real_image_size``: up to 12.8 MP) instead of the tiny one's 0.1 MP.
 
 Weights are seeded (``--seed``); the same seed on the same device type writes the same tensors.
 Output: 2.95 GB for 7B (1.09 GB thinker embeddings + 0.06 GB talker tables + 1.80 GB float32
@@ -350,6 +351,19 @@ def move_specials(out: Path, thinker_config) -> int:
     return shift
 
 
+# The published image processor's pixel bounds (Qwen2-VL's preprocessor_config.json values, which
+# Qwen2.5-Omni's repeats): the tiny checkpoint caps images at 100,352 pixels (128 tokens) to stay fast.
+IMAGE_PIXELS = {"shortest_edge": 3136, "longest_edge": 12845056}
+
+
+def real_image_size(out: Path) -> None:
+    """Images as big as the real processor lets them (a 1280x720 picture: 1,196 thinker tokens)."""
+    path = out / "processor_config.json"
+    data = json.loads(path.read_text())
+    data["image_processor"]["size"] = dict(IMAGE_PIXELS)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def fill_vocab(tokenizer_json: Path, vocab_size: int) -> int:
     """Give every id below `vocab_size` that the tiny tokenizer lacks a token of its own ("Ġw<id>",
     never produced by encoding: no merge leads to it), so that whatever a dummy-weight thinker
@@ -405,6 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     config.save_pretrained(out)
     copied = copy_tiny_files(args.tiny, out)
     move_specials(out, config.thinker_config)
+    real_image_size(out)
     fill_vocab(out / "tokenizer.json", config.thinker_config.text_config.vocab_size)
     torch.save(speaker_dict(config, args.seed), out / "spk_dict.pt")
 

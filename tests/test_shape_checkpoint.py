@@ -96,7 +96,7 @@ def test_shape_tokenizer_speaks_the_real_special_ids(tiny_models, tmp_path):
     """Media prompts on the 7B shape checkpoint reach the thinker's placeholders: the tokenizer's
     special tokens carry the ids config.json names (151643 on), and plain text encodes as before."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from qwen2_5_omni_shape import build_config, copy_tiny_files, fill_vocab, move_specials
+    from qwen2_5_omni_shape import build_config, copy_tiny_files, fill_vocab, move_specials, real_image_size
     from transformers import AutoProcessor
 
     tiny = MODELS / "tiny-qwen2_5-omni"
@@ -105,8 +105,13 @@ def test_shape_tokenizer_speaks_the_real_special_ids(tiny_models, tmp_path):
     copy_tiny_files(tiny, tmp_path)
     assert move_specials(tmp_path, config.thinker_config) == 151643 - 1024
     fill_vocab(tmp_path / "tokenizer.json", config.thinker_config.text_config.vocab_size)
+    real_image_size(tmp_path)
     thinker = config.thinker_config
     proc = AutoProcessor.from_pretrained(tmp_path)
+    import numpy as np
+
+    grid = proc.image_processor(images=[np.zeros((720, 1280, 3), np.uint8)], return_tensors="pt")["image_grid_thw"]
+    assert grid.tolist() == [[1, 52, 92]]  # 1,196 tokens once merged 2x2 (the tiny checkpoint's cap: 128)
     tok = proc.tokenizer
     for token, want in (("<|IMAGE|>", thinker.image_token_index), ("<|AUDIO|>", thinker.audio_token_index),
                         ("<|VIDEO|>", thinker.video_token_index), ("<|vision_bos|>", thinker.vision_start_token_id),
