@@ -257,6 +257,9 @@ def collect(out: Path) -> dict:
         "p6_ready_s_warm_fixed_kv": _ready_s(out / "serve_sized.log"),
         # /v1/audio/speech on the same server (omni-server bench --speech)
         **_served(out, "speech7b", "speech"),
+        # step `media`: chats carrying an audio clip / an image / text alone, one server
+        **_served(out, "media_audio", "media_audio"), **_served(out, "media_image", "media_image"),
+        **_served(out, "media_text", "media_text"),
         # Qwen3-Omni-30B-A3B shapes, configs/qwen3_omni.yaml (session step `qwen3`)
         **_served(out, "qwen3", "qwen3"),
         "qwen3_ready_s": _ready_s(out / "serve_qwen3.log"),
