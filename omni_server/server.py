@@ -127,6 +127,14 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
                         deadline[unit] = time.monotonic() + cfg.stage(unit[0]).startup_timeout_s
                 await asyncio.sleep(0.2)
                 now = time.monotonic()
+                # (Before the exits: once /health has said ready, a stage that dies is a crash to
+                # restart, not a failed start that stops the server.)
+                if not announced and orch is not None and orch.all_ready:
+                    announced = True
+                    bound = [sock.getsockname()[1] for server in uv.servers for sock in server.sockets]
+                    log.info("all %d stages ready in %.1f s; serving on http://%s:%d%s", len(cfg.stages),
+                             time.monotonic() - t0, cfg.server.host, bound[0] if bound else cfg.server.port,
+                             "" if external_stages else f" (stages launched {launched - t0:.2f} s after the command)")
                 for unit, code in launcher.exited().items():
                     if unit in restart_at:
                         continue
@@ -161,12 +169,6 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
                     if now >= at:
                         del restart_at[unit]
                         launcher.start(unit)
-                if not announced and orch is not None and orch.all_ready:
-                    announced = True
-                    bound = [sock.getsockname()[1] for server in uv.servers for sock in server.sockets]
-                    log.info("all %d stages ready in %.1f s; serving on http://%s:%d%s", len(cfg.stages),
-                             time.monotonic() - t0, cfg.server.host, bound[0] if bound else cfg.server.port,
-                             "" if external_stages else f" (stages launched {launched - t0:.2f} s after the command)")
                 late = [u for u, at in deadline.items() if not announced and time.monotonic() > at
                         and (orch is None or u not in orch.ready)]
                 if late:

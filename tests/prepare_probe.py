@@ -34,6 +34,7 @@ class _Script:
         self.finished: dict[str, dict] = {}  # request id -> its finishing delta's facts
         self.tokens: dict[str, int] = {}
         self.stats: list = []
+        self.payloads: list = []  # StagePayloads sent downstream
 
     def recv_inputs(self, timeout_ms):
         try:
@@ -58,7 +59,10 @@ class _Script:
             self.cond.notify_all()
 
     def send_stage(self, stage_id, msg, replica: int = 0) -> None:
-        pass
+        with self.cond:
+            if hasattr(msg, "output_token_ids"):
+                self.payloads.append(msg)
+            self.cond.notify_all()
 
     def wait(self, what, timeout=TIMEOUT_S):
         with self.cond:

@@ -586,6 +586,7 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None,
                     name = body.max_tokens_param()
                     raise APIError(400, f"{name} {max_tokens} exceeds the limit of {cap}", param=name)
                 spec.max_tokens = max_tokens
+            spec.hold_output = bool(body.stop)  # (runs.Run releases it: the same condition)
             if body.temperature is not None:
                 spec.temperature = body.temperature
             if body.top_p is not None:

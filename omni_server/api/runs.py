@@ -219,6 +219,9 @@ class Run(_Pipelined):
                 if delta.finished:
                     self.finish_reason = _FINISH.get(delta.finish_reason or "", "stop")
                     piece += self.detok.flush()
+                    if self.body.stop and self.req.pending - {text_stage}:
+                        # No stop string in it: the stage may send its output downstream (hold_output).
+                        await self.orch.finish(self.req.request_id, text_stage, keep=-1)
                 if piece:
                     yield "text", piece
             elif stage_id in self.tokens:

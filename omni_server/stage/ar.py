@@ -51,6 +51,7 @@ class _Made:
     prompt_len: int
     with_hidden: bool
     forward_to: list[int]
+    hold: bool = False
 
 
 @dataclass
@@ -75,6 +76,7 @@ class _Tracked:
     starved: set[int] = field(default_factory=set)
     window: int = 0
     paused: bool = False  # held for backpressure right now
+    hold: bool = False  # ended by itself, it goes downstream on the api's word (SamplingSpec.hold_output)
     output_token_ids: list[int] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
     hidden_len: int = 0
@@ -278,6 +280,8 @@ class ARStage(Stage):
         self.tracked: dict[str, _Tracked] = {}
         self.in_engine: set[str] = set()
         self.preparing = Preparer()  # prompts in vLLM's input processing, off the loop
+        # Requests that ended by themselves, their output held for the api's word (_Tracked.hold).
+        self.holding: dict[str, _Tracked] = {}
         # The last step's hidden-state captures (their device -> host copies may be in flight),
         # and the requests to compact once they are done.
         self._in_flight: list = []
@@ -341,7 +345,7 @@ class ARStage(Stage):
         self.core.shutdown()
 
     def known_requests(self) -> set[str]:
-        return self.in_engine | set(self.waiting) | set(self.tracked) | self.preparing.ids()
+        return self.in_engine | set(self.waiting) | set(self.tracked) | self.preparing.ids() | set(self.holding)
 
     def info(self) -> dict[str, str]:
         # The context length the engine settled on (the config may say -1, "auto", or nothing).
@@ -473,7 +477,7 @@ class ARStage(Stage):
         prompt_token_ids = list(request.prompt_token_ids or [])
         # (an embeddings prompt has no ids: its rows are its positions)
         prompt_len = len(request.prompt_embeds) if request.prompt_token_ids is None else len(prompt_token_ids)
-        return _Made(req, wave, prompt_token_ids, prompt_len, with_hidden, list(forward_to))
+        return _Made(req, wave, prompt_token_ids, prompt_len, with_hidden, list(forward_to), spec.hold_output)
 
     def _reject(self, request_id: str, e: BaseException) -> None:
         if isinstance(e, ValueError):  # vLLM's check of the request (too long, bad params), bad media: the client's
@@ -497,7 +501,7 @@ class ARStage(Stage):
             window = min((self.cfg.stage(c).stream_window for c in stream_to), default=0)
             self.tracked[request_id] = _Tracked(made.prompt_token_ids, list(forward_to), stream_to, chunk,
                                                 with_hidden=made.with_hidden, window=window,
-                                                prompt_len=made.prompt_len)
+                                                prompt_len=made.prompt_len, hold=made.hold)
 
     def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool, step_embeds: torch.Tensor | None = None,
                          positions: torch.Tensor | None = None):
@@ -532,23 +536,25 @@ class ARStage(Stage):
         )
 
     def finish_early(self, request_id: str, keep: int = -1) -> None:
+        held = self.holding.pop(request_id, None)
+        if held is not None:  # ended by itself before the api's word: cut and sent now
+            if keep >= 0:
+                _keep_tokens(held, keep)
+            self._forward(request_id, held)
+            return
         if request_id not in self.in_engine:
             return  # finished by itself meanwhile: its payload already went downstream
         self.core.abort_requests([request_id])
         self.core.scheduler.step_embeds_out.pop(request_id, None)
         tracked = self.tracked.get(request_id)
         if tracked is not None and keep >= 0:
-            # Downstream gets the tokens before the stop string, not those made until the stop
-            # reached this stage; at least one (a consumer starts on the first), and never fewer
-            # than a streaming consumer had already.
-            sent = max(tracked.sent_tokens, tracked.sent_rows - tracked.prompt_len + 1)
-            del tracked.output_token_ids[max(keep, sent, 1):]
-        self._finished(request_id)
+            _keep_tokens(tracked, keep)
+        self._finished(request_id, cut=True)
         self.send_outputs([RequestDelta(request_id=request_id, finished=True, finish_reason="stop")])
 
-    def _finished(self, rid: str) -> None:
-        """The request ended in the engine (by itself or cut short): forget its streamed input,
-        then send its output downstream."""
+    def _finished(self, rid: str, cut: bool = False) -> None:
+        """The request ended in the engine (by itself, or `cut` short): forget its streamed input,
+        then send its output downstream (one that ended by itself and holds it: on the api's word)."""
         self.in_engine.discard(rid)
         streamed = self._end_stream(rid)
         if streamed is not None or rid in self.waiting:
@@ -559,7 +565,12 @@ class ARStage(Stage):
             sources = streamed or (w.expect.sources if w and w.expect else [])
             self.send_credit(rid, sources, -1)
         tracked = self.tracked.pop(rid, None)
-        if tracked is not None:
+        if tracked is not None and tracked.hold and not cut:
+            for capture in self._in_flight:  # (its last rows may be in this step's copies)
+                capture.wait()
+            tracked.compact()
+            self.holding[rid] = tracked
+        elif tracked is not None:
             self._forward(rid, tracked)
 
     def drop(self, request_ids: list[str]) -> None:
@@ -568,6 +579,7 @@ class ARStage(Stage):
             self.core.abort_requests(in_engine)
         for rid in request_ids:
             self.preparing.cancel(rid)
+            self.holding.pop(rid, None)
             self.in_engine.discard(rid)
             self.tracked.pop(rid, None)
             self._end_stream(rid)
@@ -764,6 +776,14 @@ class ARStage(Stage):
         )
         for dst in full_to:
             self.send_stage(dst, request_id, payload)
+
+
+def _keep_tokens(tracked: _Tracked, keep: int) -> None:
+    """Downstream gets the tokens before the stop string, not those made until the stop reached
+    this stage; at least one (a consumer starts on the first), and never fewer than a streaming
+    consumer had already."""
+    sent = max(tracked.sent_tokens, tracked.sent_rows - tracked.prompt_len + 1)
+    del tracked.output_token_ids[max(keep, sent, 1):]
 
 
 def _prompt_tensors(tracked: _Tracked) -> dict[str, torch.Tensor]:

@@ -53,6 +53,10 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     # Structured output: any JSON object, or JSON matching this JSON Schema (its JSON text).
     json_object: bool = False
     json_schema: str | None = None
+    # The api reads this stage's text for stop strings: a request that ends by itself goes downstream
+    # only on the api's FinishRequest (keep: the tokens before a stop; -1: all), so a stop found after
+    # the stage ended still cuts what the next stage reads.
+    hold_output: bool = False
 
 
 # ---- api -> stage ------------------------------------------------------------------------------
