@@ -219,7 +219,7 @@ class Run(_Pipelined):
                 if delta.finished:
                     self.finish_reason = _FINISH.get(delta.finish_reason or "", "stop")
                     piece += self.detok.flush()
-                    if self.body.stop and self.req.pending - {text_stage}:
+                    if self.body.stop:  # (whatever is pending: a held output must not stay behind)
                         # No stop string in it: the stage may send its output downstream (hold_output).
                         await self.orch.finish(self.req.request_id, text_stage, keep=-1)
                 if piece:
