@@ -7,13 +7,11 @@ its output downstream only on the api's FinishRequest; prints a JSON report.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import threading
 import time
 
-from tests.prepare_probe import _Script
+from tests.loop_script import ScriptedSockets, drive
 
 
 def main() -> None:
@@ -29,10 +27,10 @@ def main() -> None:
     cfg = PipelineConfig(**data)
     from omni_server.models import register_vllm_models
     from omni_server.stage.ar import ARStage
-    from omni_server.wire.messages import AbortRequest, AddRequest, FinishRequest, SamplingSpec, Shutdown, StatsQuery
+    from omni_server.wire.messages import AbortRequest, AddRequest, FinishRequest, SamplingSpec, StatsQuery
 
     register_vllm_models()
-    io = _Script()
+    io = ScriptedSockets()
     stage = ARStage(cfg, 0, io)
     report: dict = {}
 
@@ -44,42 +42,35 @@ def main() -> None:
         return [len(p.output_token_ids) for p in io.payloads if p.request_id == rid]
 
     def script():
-        try:
-            add("held", True)
-            io.wait(lambda: "held" in io.finished)
-            time.sleep(0.5)  # (the loop runs on: nothing may go out meanwhile)
-            io.inbox.put(StatsQuery(nonce=1))
-            io.wait(lambda: io.stats)
-            report["held_before_word"] = sent("held")
-            report["held_known"] = "held" in io.stats[0].request_ids
-            io.inbox.put(FinishRequest(request_id="held", keep=2))
-            io.wait(lambda: sent("held"))
-            report["held_after_word"] = sent("held")
-            add("free", False)
-            io.wait(lambda: sent("free"))
-            report["free"] = sent("free")
-            add("whole", True)
-            io.wait(lambda: "whole" in io.finished)
-            io.inbox.put(FinishRequest(request_id="whole", keep=-1))
-            io.wait(lambda: sent("whole"))
-            report["whole"] = sent("whole")
-            add("gone", True)
-            io.wait(lambda: "gone" in io.finished)
-            io.inbox.put(AbortRequest(request_ids=["gone"]))
-            io.inbox.put(FinishRequest(request_id="gone", keep=-1))
-            io.inbox.put(StatsQuery(nonce=2))
-            io.wait(lambda: len(io.stats) == 2)
-            time.sleep(0.3)
-            report["gone"] = sent("gone")
-            report["gone_known"] = "gone" in io.stats[1].request_ids
-        except Exception as e:  # (reported, then the loop is stopped all the same)
-            report["script_error"] = repr(e)
-        finally:
-            io.inbox.put(Shutdown())
+        add("held", True)
+        io.wait(lambda: "held" in io.finished)
+        time.sleep(0.5)  # (the loop runs on: nothing may go out meanwhile)
+        io.inbox.put(StatsQuery(nonce=1))
+        io.wait(lambda: io.stats)
+        report["held_before_word"] = sent("held")
+        report["held_known"] = "held" in io.stats[0].request_ids
+        io.inbox.put(FinishRequest(request_id="held", keep=2))
+        io.wait(lambda: sent("held"))
+        report["held_after_word"] = sent("held")
+        add("free", False)
+        io.wait(lambda: sent("free"))
+        report["free"] = sent("free")
+        add("whole", True)
+        io.wait(lambda: "whole" in io.finished)
+        io.inbox.put(FinishRequest(request_id="whole", keep=-1))
+        io.wait(lambda: sent("whole"))
+        report["whole"] = sent("whole")
+        add("gone", True)
+        io.wait(lambda: "gone" in io.finished)
+        io.inbox.put(AbortRequest(request_ids=["gone"]))
+        io.inbox.put(FinishRequest(request_id="gone", keep=-1))
+        io.inbox.put(StatsQuery(nonce=2))
+        io.wait(lambda: len(io.stats) == 2)
+        time.sleep(0.3)
+        report["gone"] = sent("gone")
+        report["gone_known"] = "gone" in io.stats[1].request_ids
 
-    threading.Thread(target=script, daemon=True).start()
-    stage.run()
-    print("REPORT " + json.dumps(report))
+    drive(stage, io, script, report)
 
 
 if __name__ == "__main__":

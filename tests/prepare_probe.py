@@ -12,63 +12,13 @@ image must still run).
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import sys
 import threading
 
 import numpy as np
 
-TIMEOUT_S = 120
-
-
-class _Script:
-    """Stands in for StageSockets: messages from a queue, the stage's outputs recorded."""
-
-    replica = 0
-
-    def __init__(self):
-        self.inbox: queue.Queue = queue.Queue()
-        self.cond = threading.Condition()
-        self.finished: dict[str, dict] = {}  # request id -> its finishing delta's facts
-        self.tokens: dict[str, int] = {}
-        self.stats: list = []
-        self.payloads: list = []  # StagePayloads sent downstream
-
-    def recv_inputs(self, timeout_ms):
-        try:
-            yield self.inbox.get(timeout=timeout_ms / 1000)
-        except queue.Empty:
-            return
-        while True:
-            try:
-                yield self.inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def send_api(self, msg) -> None:
-        with self.cond:
-            for d in getattr(msg, "deltas", ()):
-                self.tokens[d.request_id] = self.tokens.get(d.request_id, 0) + len(d.new_token_ids)
-                if d.finished:
-                    self.finished[d.request_id] = {"reason": d.finish_reason, "error": d.error,
-                                                   "code": d.error_code, "tokens": self.tokens[d.request_id]}
-            if hasattr(msg, "nonce"):
-                self.stats.append(msg)
-            self.cond.notify_all()
-
-    def send_stage(self, stage_id, msg, replica: int = 0) -> None:
-        with self.cond:
-            if hasattr(msg, "output_token_ids"):
-                self.payloads.append(msg)
-            self.cond.notify_all()
-
-    def wait(self, what, timeout=TIMEOUT_S):
-        with self.cond:
-            if not self.cond.wait_for(what, timeout):
-                raise TimeoutError(what)
-
+from tests.loop_script import TIMEOUT_S, ScriptedSockets, drive
 
 def main() -> None:
     config = sys.argv[1]
@@ -79,10 +29,10 @@ def main() -> None:
         os.environ.setdefault(k, v)
     from omni_server.models import register_vllm_models
     from omni_server.stage.ar import ARStage
-    from omni_server.wire.messages import AbortRequest, AddRequest, SamplingSpec, Shutdown, StatsQuery
+    from omni_server.wire.messages import AbortRequest, AddRequest, SamplingSpec, StatsQuery
 
     register_vllm_models()
-    io = _Script()
+    io = ScriptedSockets()
     stage = ARStage(cfg, 0, io)
     hf = stage.vllm_config.model_config.hf_config
     hf = getattr(hf, "thinker_config", hf)
@@ -160,15 +110,10 @@ def main() -> None:
             io.wait(lambda: "short" in io.finished)
             report["short"] = io.finished["short"]
             report["media_threads"] = sorted(set(media_threads))
-        except Exception as e:  # (reported, then the loop is stopped all the same)
-            report["script_error"] = repr(e)
         finally:
             gate.set()
-            io.inbox.put(Shutdown())
 
-    threading.Thread(target=script, daemon=True).start()
-    stage.run()
-    print("REPORT " + json.dumps(report))
+    drive(stage, io, script, report)
 
 
 if __name__ == "__main__":

@@ -2,21 +2,11 @@
 itself goes downstream only on the api's word: a stop string found after the stage ended still cuts
 what the next stage reads (without it, the speech of a fast reply ran past its transcript)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.loop_script import ROOT, probe_report
 
 
 def test_an_ended_request_waits_for_the_apis_word():
-    out = subprocess.run([sys.executable, "-m", "tests.hold_probe", str(ROOT / "configs" / "default.yaml")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    r = json.loads(lines[-1][len("REPORT "):])
-    assert "script_error" not in r, (r, out.stderr[-3000:])
+    r = probe_report("tests.hold_probe", str(ROOT / "configs" / "default.yaml"))
     assert r["held_before_word"] == [] and r["held_known"] is True  # ended, held, known to the api's probe
     assert r["held_after_word"] == [2]  # FinishRequest(keep=2): the tokens before the stop, sent then
     assert r["free"] == [6] and r["whole"] == [6]  # no hold: at its end; keep=-1: all

@@ -1,15 +1,11 @@
 """Media prompts are prepared off the AR stage's loop (omni_server/stage/preparing.py)."""
 
-import json
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 from omni_server.stage.preparing import Preparer
+from tests.loop_script import ROOT, probe_report
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "default.yaml"
 
 
@@ -47,12 +43,7 @@ def test_a_job_dropped_while_running_keeps_the_worker_busy_until_it_ends():
 
 
 def test_stage_keeps_stepping_while_an_image_is_prepared():
-    out = subprocess.run([sys.executable, "-m", "tests.prepare_probe", str(CONFIG)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    r = json.loads(lines[-1][len("REPORT "):])
-    assert "script_error" not in r, (r, out.stderr[-3000:])
+    r = probe_report("tests.prepare_probe", str(CONFIG))
     # A running text request went on to its end while the image request's processing was held; a
     # text request sent after the image one waited for it. Both were known (the api's probe must not
     # take them for lost) and counted as waiting.

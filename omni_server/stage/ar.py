@@ -566,10 +566,7 @@ class ARStage(Stage):
             self.send_credit(rid, sources, -1)
         tracked = self.tracked.pop(rid, None)
         if tracked is not None and tracked.hold and not cut:
-            for capture in self._in_flight:  # (its last rows may be in this step's copies)
-                capture.wait()
-            tracked.compact()
-            self.holding[rid] = tracked
+            self.holding[rid] = tracked  # (_forward waits for its rows' copies when it goes)
         elif tracked is not None:
             self._forward(rid, tracked)
 
