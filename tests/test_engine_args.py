@@ -39,11 +39,12 @@ def test_a_stage_feeding_hidden_states_keeps_them_beside_its_prefix_cache():
     """The thinker (its talker reads hidden rows) keeps vLLM's prefix caching and asks its runner
     for the rows store; `enable_prefix_caching: false` still turns caching off. The talker feeds
     token2wav codes only: no store, and vLLM's caching as it is (blocks keyed by their embeddings)."""
+    from omni_server.stage.ar import DISABLED_MODALITIES
     from omni_server.stage.prefix_rows import PREFIX_ROWS
 
     cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml", ["thinker.additional_config={a: 1}"])
     thinker, talker = build_engine_args(cfg, 0), build_engine_args(cfg, 1)
-    assert thinker.additional_config == {"a": 1, PREFIX_ROWS: True}
+    assert thinker.additional_config == {"a": 1, PREFIX_ROWS: True, DISABLED_MODALITIES: ["video"]}
     assert thinker.enable_prefix_caching is not False
     assert PREFIX_ROWS not in (talker.additional_config or {}) and talker.enable_prefix_caching is not False
     cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml", ["thinker.enable_prefix_caching=false"])
@@ -103,3 +104,28 @@ def test_a_sub_model_stage_is_quantized_to_fp8_at_load(tiny_models):
     # without it, no quantization
     vc = build_engine_args(load_config(REPO / "configs" / "default.yaml", [f"talker.model={model}"]), 1)
     assert vc.create_engine_config().quant_config is None
+
+
+def test_a_text_only_stage_compiles_apart_from_a_media_one(tiny_models):
+    """vLLM 0.26's compile-cache key leaves out the multimodal limits (vLLM issue 50891), but with
+    every modality off the thinker's forward takes token ids, not embeddings: on a GPU, a text-only
+    start after a media one from the same cache loaded the media graph and died in it
+    ("'NoneType' object has no attribute 'size'"). The stage adds what it turns off to the key; a
+    stage with every modality on keeps vLLM's key as it was (users' warm caches stay valid)."""
+    from omni_server.stage.ar import DISABLED_MODALITIES, disabled_modalities
+
+    model = tiny_models["tiny-qwen2_5-omni"]
+
+    def config(*overrides):
+        cfg = load_config(REPO / "configs" / "default.yaml", [f"thinker.model={model}", *overrides])
+        return build_engine_args(cfg, 0)
+
+    media = config()
+    assert DISABLED_MODALITIES not in (media.additional_config or {})
+    text = config('thinker.limit_mm_per_prompt={"image": 0, "audio": 0, "video": {"count": 0}}')
+    assert text.additional_config[DISABLED_MODALITIES] == ["audio", "image", "video"]
+    hashes = {media.create_engine_config().compute_hash(), text.create_engine_config().compute_hash()}
+    assert len(hashes) == 2
+    assert disabled_modalities({"limit_mm_per_prompt": {"image": 0, "audio": 2}}) == ["image"]
+    assert disabled_modalities({"language_model_only": True}) == ["*"]
+    assert disabled_modalities({"limit_mm_per_prompt": {"video": {"count": 1}}}) == []

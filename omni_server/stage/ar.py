@@ -185,6 +185,19 @@ def preload(cfg: PipelineConfig, stage_id: int) -> None:
 FIXED_KV_UTILIZATION = 0.01
 
 
+# vLLM `additional_config` key: the modalities the stage turns off (a compile-cache factor only).
+DISABLED_MODALITIES = "omni_disabled_modalities"
+
+
+def disabled_modalities(args: dict[str, Any]) -> list[str]:
+    """The modalities engine args turn off (limit 0; "*" for `language_model_only`), sorted."""
+    if args.get("language_model_only"):
+        return ["*"]
+    limits = args.get("limit_mm_per_prompt") or {}
+    count = lambda v: v.get("count", 999) if isinstance(v, dict) else v  # noqa: E731 (vLLM's two forms)
+    return sorted(m for m, v in limits.items() if count(v) == 0)
+
+
 def build_engine_args(cfg: PipelineConfig, stage_id: int):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
@@ -230,6 +243,12 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
         # Consumers need a hidden row for every prompt position, cached prefixes included: the
         # runner keeps them beside the KV cache (stage/prefix_rows.py) while prefix caching is on.
         args["additional_config"] = {**(args.get("additional_config") or {}), PREFIX_ROWS: True}
+    off = disabled_modalities(args)
+    if off:
+        # vLLM 0.26 keys its compile caches without the multimodal limits (vLLM issue 50891), yet a
+        # model with every modality off traces its forward from token ids, not embeddings: a text-only
+        # start after a media one (same cache dir) loaded the other's graph and died in it.
+        args["additional_config"] = {**(args.get("additional_config") or {}), DISABLED_MODALITIES: off}
     if stage.omni_sampler:
         from omni_server.stage.sampling import LOGITS_PROCESSOR
 
