@@ -311,3 +311,43 @@ def test_a_request_whose_client_reads_slowly_holds_no_slot_once_the_pipeline_is_
             await _close(orch, (thinker, talker, t2w), ctx)
 
     asyncio.run(main())
+
+
+def test_a_request_ends_here_with_its_last_delta_even_if_nobody_reads_on(tmp_path):
+    """The api's stream stops reading after the last delta when its client left (the generator is
+    never resumed, and the api's run and its stream form a cycle only the garbage collector frees):
+    the request is forgotten, its load given back and its outcome counted when that delta comes,
+    not when the generator is collected (it stayed in /metrics' in-flight gauge for minutes)."""
+
+    async def main():
+        cfg = _config(tmp_path)
+        orch = Orchestrator(cfg, tmp_path)
+        orch.start()
+        ctx = zmq.asyncio.Context()
+        stage = FakeStage(ctx, cfg, tmp_path, pid=7, boot=1)
+        count = lambda outcome: orch.metrics.requests.labels(model="m", outcome=outcome)._value.get()  # noqa: E731
+        try:
+            await stage.ready()
+            await orch.wait_ready(5)
+            state = await orch.submit("r1", [1, 2, 3], {0: SamplingSpec()})
+            assert orch.load[(0, 0)] == 1
+            await stage.send(RequestDelta("r1", new_token_ids=[5], finished=True, finish_reason="stop"))
+            reader = orch.deltas(state)
+            _, delta = await asyncio.wait_for(anext(reader), 5)
+            assert delta.finished
+            # (`reader` is kept, suspended at its last yield)
+            assert "r1" not in orch.requests and orch.load[(0, 0)] == 0 and count("ok") == 1
+            await reader.aclose()
+            assert count("ok") == 1 and count("aborted") == 0  # (counted once)
+            state = await orch.submit("r2", [1, 2, 3], {0: SamplingSpec()})
+            await stage.send(RequestDelta("r2", finished=True, finish_reason="error", error="boom", error_code=500))
+            reader = orch.deltas(state)
+            _, delta = await asyncio.wait_for(anext(reader), 5)
+            assert delta.error == "boom"
+            assert "r2" not in orch.requests and orch.load[(0, 0)] == 0 and count("error") == 1
+        finally:
+            stage.close()
+            await orch.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())

@@ -264,6 +264,7 @@ class Orchestrator:
                     state.done, state.outcome = True, "error"
                     # The other stages may still hold it (running, or expecting its input): drop it there.
                     await self.abort(state.request_id)
+                    self._close(state)
                     yield stage_id, delta
                     return
                 if stage_id in state.outputs:
@@ -271,14 +272,23 @@ class Orchestrator:
                         state.pending.discard(stage_id)
                         state.done = not state.pending
                     self._observe(state, stage_id, delta)
+                    if state.done:
+                        # Closed before the last delta goes out: a consumer that never resumes this
+                        # generator (its client gone) would run the `finally` only when the garbage
+                        # collector finds it (the api's stream and its run form a cycle).
+                        self._close(state)
                     yield stage_id, delta
         finally:
-            self.requests.pop(state.request_id, None)
-            self._release(state)
-            outcome = state.outcome or ("ok" if state.done else "aborted")
-            if outcome == "ok" and not state.got_audio and any(self.cfg.stage(i).output == "audio" for i in state.outputs):
-                outcome = "error"  # (the api answers "the pipeline returned no audio": a 500)
-            self._end(state, outcome)
+            self._close(state)
+
+    def _close(self, state: RequestState) -> None:
+        """Forget a request that ended or was left: its load, its metrics outcome (once)."""
+        self.requests.pop(state.request_id, None)
+        self._release(state)
+        outcome = state.outcome or ("ok" if state.done else "aborted")
+        if outcome == "ok" and not state.got_audio and any(self.cfg.stage(i).output == "audio" for i in state.outputs):
+            outcome = "error"  # (the api answers "the pipeline returned no audio": a 500)
+        self._end(state, outcome)
 
     def _observe(self, state: RequestState, stage_id: int, delta: RequestDelta) -> None:
         kind = self.cfg.stage(stage_id).output
