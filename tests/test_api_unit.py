@@ -101,6 +101,35 @@ def test_a_validators_message_reads_without_pydantics_prefix(client):
     assert r.json()["error"]["message"].startswith("stream_options: only"), r.json()
 
 
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "hi \\ud83d"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", '
+                             '"text": "\\udc00 hi"}]}]}', "messages.0.content.0.text"),
+    ("/v1/chat/completions", '{"model": "m\\ud800", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+    ("/v1/completions", '{"model": "m", "prompt": ["ok", "x\\ud83d"]}', "prompt.1"),
+    ("/v1/audio/speech", '{"model": "m\\udfff", "input": "hi"}', "model"),
+    ("/v1/responses", '{"model": "m", "input": "hi", "metadata": {"k": "\\ud83d"}}', "metadata.k"),
+    ("/v1/responses", '{"model": "m", "input": "hi", "metadata": {"\\ud83d": "v"}}', "metadata (a key)"),
+    ("/v1/responses", '{"model": "m", "input": "hi", "instructions": "\\ud83d"}', "instructions"),
+])
+def test_text_that_is_not_unicode_is_400_naming_where(client, path, body, where):
+    """JSON's `\\ud83d` alone decodes to a lone UTF-16 surrogate, which is no Unicode text: the
+    tokenizer raised on it and any reply echoing it (an unknown model's 404, the Responses API's
+    metadata) could not be encoded: 500s. A 400 names where it is."""
+    r = client.post(path, content=body.encode(), headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(f"{where}: holds a lone UTF-16 surrogate"), r.json()
+    assert r.json()["error"]["param"] == where
+
+
+def test_a_surrogate_pair_is_text(client):
+    """An escaped pair (JSON's way to write U+1F600) is one character: no 400 (503 here: no stages)."""
+    body = '{"model": "m", "messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}'
+    r = client.post("/v1/chat/completions", content=body.encode(), headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 503, r.text
+
+
 def _nested_schema(objects: int) -> dict:
     schema = {"type": "string"}
     for _ in range(objects):

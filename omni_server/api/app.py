@@ -28,6 +28,8 @@ from omni_server.api.protocol import (
     ModelList,
     SpeechRequest,
     VoiceList,
+    lone_surrogate,
+    not_unicode,
 )
 from omni_server.api.runs import Completion, Run, SpeechStream, TextCompletionRun, typed_events
 from omni_server.api.text import TextCodec
@@ -206,6 +208,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def create_response(raw: Annotated[dict[str, Any], Body()], request: Request):
         """OpenAI's Responses API, text out: the request as a chat turn (responses.to_chat) on the
         chat path, answered as a Response object or its typed event stream."""
+        where = lone_surrogate(raw)  # (before `metadata` and the rest are echoed or read)
+        if where is not None:
+            raise APIError(400, not_unicode(where), param=where)
         try:
             body = ChatCompletionRequest.model_validate(responses.to_chat(raw))
         except ValidationError as e:

@@ -41,10 +41,10 @@ def install(app: FastAPI) -> None:
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        # (a body that is not JSON: its location is a character position, no parameter)
-        param = None if first.get("type") == "json_invalid" else ".".join(loc) or None
-        msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {_plain(e.get('msg'))}"
-                        for e in errs[:5])
+        # (a body that is not JSON: its location is a character position, no parameter; an error of
+        # the whole body may name its parameter in its context)
+        param = None if first.get("type") == "json_invalid" else ".".join(loc) or (first.get("ctx") or {}).get("param")
+        msg = "; ".join(_located(e) for e in errs[:5])
         return JSONResponse(error_body(400, msg, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -55,6 +55,13 @@ def install(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(500, "internal server error"), status_code=500)
+
+
+def _located(e: dict) -> str:
+    where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+    if not where and (e.get("ctx") or {}).get("param"):
+        return _plain(e.get("msg"))  # (the message says where)
+    return f"{where or 'body'}: {_plain(e.get('msg'))}"
 
 
 def _plain(msg) -> str:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 import types
 import typing
 from typing import Annotated, Any, Literal, Union
 
+from pydantic_core import PydanticCustomError
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
@@ -26,6 +28,49 @@ class _Lenient(BaseModel):
             fields = _defaulted_not_null(cls)
             data = {k: v for k, v in data.items() if not (v is None and k in fields)}
         return data
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(data: Any) -> str | None:
+    """Where decoded JSON holds a lone UTF-16 surrogate (JSON's `"\\ud83d"` decodes to one; it is no
+    Unicode text, so the tokenizer and the UTF-8 encoder of any reply echoing it raise): the dotted
+    path of the first such string or key, None when there is none. One walk, mostly `isascii`."""
+    bad = lambda s: not s.isascii() and _SURROGATE.search(s) is not None  # noqa: E731
+    stack: list[tuple[tuple, Any]] = [((), data)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if bad(v):
+                return ".".join(map(str, path)) or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if isinstance(k, str) and bad(k):
+                    return f"{'.'.join(map(str, path)) or 'body'} (a key)"
+                if isinstance(x, (str, dict, list)):
+                    stack.append(((*path, k), x))
+        elif isinstance(v, list):
+            stack.extend(((*path, i), x) for i, x in enumerate(v) if isinstance(x, (str, dict, list)))
+    return None
+
+
+class _Body(_Lenient):
+    """A request body: text in it must be Unicode (a 400 naming where, not a 500 further on)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        where = lone_surrogate(data)
+        if where is not None:
+            # (ctx `param`: the parameter the api's error names, for an error of the whole body)
+            raise PydanticCustomError("not_unicode", not_unicode(where).replace("{", "{{").replace("}", "}}"),
+                                      {"param": where})
+        return data
+
+
+def not_unicode(where: str) -> str:
+    return f"{where}: holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), which is not Unicode text"
 
 
 @functools.cache
@@ -250,7 +295,7 @@ def stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInf
     return v
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionRequest(_Body):
     model: str
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: bool = False
@@ -466,7 +511,7 @@ class ChatCompletionChunk(BaseModel):
     prompt_token_ids: list[int] | None = None  # (`return_token_ids`: on the first choice's role chunk)
 
 
-class CompletionRequest(_Lenient):
+class CompletionRequest(_Body):
     """`POST /v1/completions` (OpenAI's legacy text completion): raw prompts, no chat template."""
 
     model: str
@@ -543,7 +588,7 @@ class TextCompletion(BaseModel):
     usage: Usage | None = None
 
 
-class SpeechRequest(_Lenient):
+class SpeechRequest(_Body):
     model: str
     input: str = Field(min_length=1, max_length=4096)
     voice: str | None = None
