@@ -63,6 +63,21 @@ def test_a_named_function_or_required_calls_are_the_whole_reply():
     content, calls = Calls.split("required", '[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]')
     assert content is None and [c["function"]["name"] for c in calls] == ["f", "g"]
     assert Calls.split("required", '[{"name": "f", "argu') == ('[{"name": "f", "argu', [])  # (cut by max_tokens)
+    # A named call cut short (max_tokens, a stop string) is no call either: its text, and the
+    # finish reason stays the stage's ("length" / "stop"), not "tool_calls".
+    assert Calls.split("named", '{"c', name="f") == ('{"c', [])
+    calls = Calls("named", "f")
+    assert calls.feed('{"') == [] and calls.close() == [("content", '{"')] and calls.count == 0
+
+
+def test_json_nested_past_the_recursion_limit_is_no_call_and_no_500():
+    deep = "[" * 5000 + "]" * 5000
+    from omni_server.api.media import _json_or_text
+
+    assert _json_or_text(deep) == deep  # (an earlier turn's tool-call arguments: read as text)
+    assert Calls.split("auto", f"<tool_call>{{\"name\": \"f\", \"arguments\": {deep}}}</tool_call>")[1] == []
+    assert Calls.split("required", deep) == (deep, [])
+    assert Calls.split("named", deep, name="f") == (deep, [])
 
 
 def test_tool_choice_asks_for_the_calls_json():

@@ -64,7 +64,7 @@ def template_message(m) -> dict[str, Any]:
 def _json_or_text(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (JSON nested past Python's recursion limit: as text)
         return text
 
 

@@ -39,7 +39,7 @@ def _hermes(body: str) -> dict[str, Any] | None:
     """One `<tool_call>` body as a call, or None if it is not a JSON object with a string name."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (JSON nested past Python's recursion limit)
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -87,12 +87,18 @@ class Calls:
     def close(self) -> list[tuple[str, Any]]:
         held, self.held = self.held, ""
         if self.mode == "named":
+            try:
+                whole = isinstance(json.loads(held), dict)
+            except (ValueError, RecursionError):
+                whole = False
+            if not whole:  # (cut short by max_tokens or a stop string: no call, as with "required")
+                return [("content", held)] if held else []
             self.count += 1
             return [("call", _call(self.name, held))]
         if self.mode == "required":
             try:
                 calls = [_call(c["name"], c.get("arguments", {})) for c in json.loads(held)]
-            except (ValueError, TypeError, KeyError):
+            except (ValueError, RecursionError, TypeError, KeyError):
                 return [("content", held)] if held else []  # (cut short by max_tokens: not JSON yet)
             self.count += len(calls)
             return [("call", c) for c in calls]
