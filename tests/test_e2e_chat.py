@@ -69,8 +69,9 @@ def test_stop_string_truncates(client):
     assert cut.finish_reason == "stop"
 
 
-def test_seeded_sampling_is_reproducible(client):
-    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, top_p=0.9, seed=1234,
+@pytest.mark.parametrize("seed", [1234, -1])  # (vLLM reads -1 as no seed: the stage passes it on as 2**64 - 1)
+def test_seeded_sampling_is_reproducible(client, seed):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, top_p=0.9, seed=seed,
                   extra_body={"return_token_ids": True, "top_k": 50})
     a = client.chat.completions.create(**kwargs).choices[0].model_extra["token_ids"]
     b = client.chat.completions.create(**kwargs).choices[0].model_extra["token_ids"]

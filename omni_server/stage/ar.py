@@ -535,8 +535,11 @@ class ARStage(Stage):
             extra[STEP_EMBEDS] = step_embeds
         if positions is not None:
             extra[MROPE_POSITIONS] = positions
+        # (vLLM reads seed -1 as none; torch's generators take a seed modulo 2**64, so seed % 2**64
+        # draws as the seed itself would)
+        seed = None if spec.seed is None else spec.seed % 2**64
         drawn = {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
-                 "repetition_penalty": spec.repetition_penalty, "seed": spec.seed}
+                 "repetition_penalty": spec.repetition_penalty, "seed": seed}
         structured = None
         if spec.json_object or spec.json_schema is not None:
             from vllm.sampling_params import StructuredOutputsParams
