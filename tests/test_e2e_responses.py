@@ -106,6 +106,7 @@ def test_json_schema_text_format(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "files by id"),
     ({"input": []}, "input"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, r"- text\.format\.name: Field required"),
     ({"max_output_tokens": 0}, "max_output_tokens: Input should be greater than or equal to 1"),
     ({"instructions": "x", "input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      r"input\.0\.content"),  # (located in `input`, past the instructions' system message)

@@ -610,6 +610,9 @@ def test_bad_audio_requests_are_400(client, speech_server):
         client.audio.speech.create(model=MODEL, input="x", voice="Ethan", extra_body={"seed": 2**64})
     with pytest.raises(openai.NotFoundError):
         client.audio.speech.create(model="nope", input="x", voice="Ethan")
+    with pytest.raises(openai.BadRequestError, match="tokens, the limit") as e:  # (past the tiny context)
+        client.audio.speech.create(model=MODEL, input="hello " * 682, voice="Ethan")
+    assert e.value.body["param"] == "input"
     r = httpx.get(f"{speech_server.base_url}/v1/audio/voices")
     assert r.json() == {"voices": ["Chelsie", "Ethan"], "default": "Chelsie"}
 

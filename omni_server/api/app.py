@@ -270,7 +270,7 @@ def create_app(state: ServerState) -> FastAPI:
         if not reply:
             raise APIError(400, "input has no speakable text", param="input")
         prompt_ids = prefix + reply
-        _check_prompt(state, prompt_ids)
+        _check_prompt(state, prompt_ids, param="input")
         sampling = _sampling(state, None, seed=body.seed)
         first = state.cfg.stage(0).id
         sampling[first].max_tokens, sampling[first].ignore_eos = 1, True

@@ -90,6 +90,8 @@ def request_errors(errors: list[dict[str, Any]], body: dict[str, Any]) -> list[d
     def located(loc: tuple) -> tuple:
         if len(loc) > 1 and loc[0] == "messages" and isinstance(loc[1], int):
             return ("input", loc[1] - shift, *loc[2:]) if loc[1] >= shift else ("instructions",)
+        if loc[:2] == ("response_format", "json_schema"):  # (the Responses format is flat: text.format.name)
+            return ("text.format", *loc[2:])
         return tuple(_FIELDS.get(p, p) if i == 0 else p for i, p in enumerate(loc))
     return [{**e, "loc": located(tuple(e.get("loc", ())))} for e in errors]
 
