@@ -7,10 +7,21 @@ import re
 _NATIVE_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] \S+\.(?:cc|cpp|cxx|c|h|hpp|cu):\d+: ")
 
 
+# vLLM's wrapper of a multimodal processor's exception: its text holds the whole input (the prompt,
+# every pixel array), its cause says what was wrong.
+_PROCESSOR_FAILED = re.compile(r"Failed to apply (\w+) on data=")
+# A 400's text at most (what an exception's text can hold is unbounded).
+MAX_CLIENT_TEXT = 1000
+
+
 def client_text(e: BaseException) -> str:
     """An exception's text for a 400 (the client's own input is at fault): one line, without
-    native libraries' source locations."""
-    return " ".join(_NATIVE_PREFIX.sub("", str(e)).split())
+    native libraries' source locations or the input it echoes, at most MAX_CLIENT_TEXT characters."""
+    m = _PROCESSOR_FAILED.match(str(e))
+    if m and e.__cause__ is not None:
+        return f"{m.group(1)} could not process the media: {client_text(e.__cause__)}"
+    text = " ".join(_NATIVE_PREFIX.sub("", str(e)).split())
+    return text if len(text) <= MAX_CLIENT_TEXT else text[:MAX_CLIENT_TEXT - 3] + "..."
 
 
 def server_fault(what: str, e: BaseException) -> str:
