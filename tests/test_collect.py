@@ -122,6 +122,16 @@ def test_p6_warm_comes_from_the_full_payload_server_without_the_warm_step(tmp_pa
     assert r["p6_ready_s_warm"] == 70.0 and r["p6_ready_s_cold"] is None and r["warm_ttfp_ms_c1"] is None
 
 
+def test_a_main_server_started_from_warm_caches_is_not_p6_cold(tmp_path):
+    """session.sh marks `main` started after another step's server (its compile caches filled):
+    that start is filed apart, not as p6 cold (the twenty-eighth run's 38 s read as cold)."""
+    (tmp_path / "serve_bench7b.log").write_text("... all 3 stages ready in 38.1 s; serving on http://x\n")
+    assert _collect(tmp_path)["p6_ready_s_cold"] == 38.1
+    (tmp_path / "main_caches_warm.txt").write_text("/tmp/vc/torch_compile_cache\n")
+    r = _collect(tmp_path)
+    assert r["p6_ready_s_cold"] is None and r["main_ready_s_warm_caches"] == 38.1
+
+
 def test_rate_step_keys_from_the_step_log_of_the_rate_level(tmp_path):
     # The rate step: stages' OMNI_STEP_LOG lines, step_log.py windowed to the bench level, collect's keys.
     _bench(tmp_path / "rate_c16.json", ttfp_ms={"p50": 1340.0}, rtf={"p50": 0.66}, started_at=1000.0, wall_s=10.0)

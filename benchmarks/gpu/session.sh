@@ -106,8 +106,12 @@ if [ ! -f $M/config.json ] && [ -n "$NEED7B" ]; then
 fi
 
 step_main() {
-  # The streaming server on a cold compile cache (p6 cold), benched; it stays up for `ref`.
+  # The streaming server on a cold compile cache (p6 cold), benched; it stays up for `ref`. After
+  # another step's server the caches are warm: marked, so collect.py files its start apart.
   export VLLM_CACHE_ROOT=/tmp/vc
+  if [ -n "$(ls -A /tmp/vc /tmp/torchinductor_$(id -un) 2>/dev/null)" ]; then
+    ls -d /tmp/vc/* /tmp/torchinductor_$(id -un)/* 2>/dev/null | head -20 > $R/main_caches_warm.txt
+  fi
   serve bench7b 8010 $CFG
   wait_ready bench7b 8010 || return
   nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv >> $R/progress.log
