@@ -296,8 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_bench)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("OMNI_LOG_LEVEL", "INFO").strip().upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise SystemExit(f"OMNI_LOG_LEVEL={os.environ['OMNI_LOG_LEVEL']!r}: expected debug, info, warning, error "
+                         f"or critical")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.fn(args)
 
 

@@ -959,3 +959,17 @@ def test_an_ipc_address_past_zmqs_path_limit_is_refused_at_load(tmp_path):
     assert load_config_text(text % ok).stage(0).address == ok
     with pytest.raises(ConfigError, match=f"ipc path of {zmq.IPC_PATH_MAX_LEN + 1} characters, at most"):
         load_config_text(text % (ok + "a"))
+
+
+@pytest.mark.parametrize("level, ok", [("debug", True), ("Warning", True), ("bogus", False)])
+def test_omni_log_level_takes_any_case_and_a_bad_one_is_one_line(tmp_path, level, ok):
+    """OMNI_LOG_LEVEL=debug failed every command with a traceback (logging takes upper case only)."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "keys", str(tmp_path / "k")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMNI_LOG_LEVEL": level})
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+    else:
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith("OMNI_LOG_LEVEL='bogus': expected debug")

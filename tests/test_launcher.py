@@ -303,8 +303,10 @@ def test_a_runtime_dir_serves_one_serve_at_a_time(tmp_path):
     transport._locks.pop().close()
     # One others may write in is refused (another user could replace its sockets).
     (tmp_path / "rt").chmod(0o777)
+    (tmp_path / "rt" / "serve.lock").unlink()
     with pytest.raises(SystemExit, match="writable by no one else .*mode 0o777"):
         transport.make_runtime_dir(cfg)
+    assert not (tmp_path / "rt" / "serve.lock").exists()  # (refused before writing anything there)
 
 
 def test_each_stage_has_its_own_startup_timeout_and_port_0_logs_the_port_bound(tiny_models, tmp_path):

@@ -39,15 +39,18 @@ def make_runtime_dir(cfg: PipelineConfig) -> Path:
         path = Path(cfg.runtime_dir)
         try:
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
-            lock = open(path / "serve.lock", "a")
         except OSError as e:
             raise SystemExit(f"runtime_dir {path}: cannot create it: {e.strerror or e}") from None
         st = path.stat()
         if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            # (another user could then replace the sockets: ZMQ binds over an existing ipc path)
-            lock.close()
+            # (another user could then replace the sockets: ZMQ binds over an existing ipc path;
+            # checked before anything is written there)
             raise SystemExit(f"runtime_dir {path} must be owned by this user and writable by no one else "
                              f"(owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}): e.g. chmod 700 {path}")
+        try:
+            lock = open(path / "serve.lock", "a")
+        except OSError as e:
+            raise SystemExit(f"runtime_dir {path}: cannot write in it: {e.strerror or e}") from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
