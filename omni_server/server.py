@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import time
 
 import uvicorn
@@ -39,6 +40,32 @@ def open_without_key(host: str, key: str | None) -> bool:
         return host != "localhost"
 
 
+def listen(host: str, port: int) -> list[socket.socket]:
+    """The api's listening sockets, bound before any stage starts: a port in use or a host that does
+    not resolve is a one-line error at once, not one from uvicorn after every stage launched. One per
+    address the host resolves to (as asyncio's create_server binds them)."""
+    where = f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise SystemExit(f"cannot listen on {where}: {e.strerror}") from None
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((addr[0], port, *addr[2:]))
+            port = sock.getsockname()[1]  # (port 0: the others on the one the first got)
+    except OSError as e:
+        for sock in socks:
+            sock.close()
+        raise SystemExit(f"cannot listen on {where}: {e.strerror or e}") from None
+    return socks
+
+
 async def serve(cfg: PipelineConfig, external_stages: bool = False, started: float | None = None) -> int:
     """Run the api; start and supervise the stage processes unless they are external (started
     separately, e.g. by docker-compose or on other hosts, and found at their configured addresses).
@@ -53,7 +80,13 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
     if open_without_key(cfg.server.host, cfg.server.api_key or os.environ.get("OMNI_SERVER_API_KEY")):
         log.warning("serving on %s without an API key: anyone who reaches this port can use the pipeline "
                     "(--api-key, server.api_key or OMNI_SERVER_API_KEY sets one)", cfg.server.host)
-    runtime_dir = make_runtime_dir(cfg)
+    listening = listen(cfg.server.host, cfg.server.port)
+    try:
+        runtime_dir = make_runtime_dir(cfg)
+    except SystemExit:
+        for sock in listening:
+            sock.close()
+        raise
     launcher = Launcher(cfg, runtime_dir)
     try:
         mps = None if external_stages else launcher.start_mps()
@@ -185,13 +218,15 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
             signal.signal(sig, noted)
         if signals:
             raise _Stopped(signals[0])
-        await uv.serve()
+        await uv.serve(sockets=listening)
     except _Stopped as e:
         log.info("%s while starting: stopping the stages", e)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (a second one must not cut the clean-up short)
             signal.signal(sig, lambda signum, frame: None)
         launcher.stop_all()
+        for sock in listening:
+            sock.close()
         if mps is not None:
             mps.stop()
         if cfg.runtime_dir is None:

@@ -179,6 +179,36 @@ def test_server_that_cannot_start_a_stage_says_why(tiny_models, tmp_path):
     assert "stage 2 (token2wav) failed to start (exit code 1): ValueError: Unrecognized model in " + str(empty) in last
 
 
+def test_a_port_in_use_or_a_host_that_does_not_resolve_stops_serve_before_any_stage_starts(tiny_models, tmp_path):
+    """The api's port is bound before the stages launch: a port in use (or a bad host) was uvicorn's
+    error after every stage had started (~20 s), not its last line, with exit code 3."""
+    import socket
+
+    from tests.conftest import Server
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    try:
+        server = Server(REPO / "configs" / "default.yaml", tmp_path / "serve.log",
+                        args=["--port", str(held.getsockname()[1])])  # (the later --port wins)
+        try:
+            assert server.proc.wait(60) == 1
+        finally:
+            server.stop()
+        log = server.log_tail()
+        assert log.splitlines()[-1] == f"cannot listen on 127.0.0.1:{held.getsockname()[1]}: Address already in use"
+        assert "starting, pid" not in log  # (no stage launched)
+        server = Server(REPO / "configs" / "default.yaml", tmp_path / "host.log", args=["--host", "no-such-host.invalid"])
+        try:
+            assert server.proc.wait(60) == 1
+        finally:
+            server.stop()
+        assert server.log_tail().splitlines()[-1].startswith("cannot listen on no-such-host.invalid:")
+    finally:
+        held.close()
+
+
 def test_failure_note_of_a_stage_process():
     from omni_server.orchestrator.launcher import failure_note
 
