@@ -123,6 +123,16 @@ def test_text_that_is_not_unicode_is_400_naming_where(client, path, body, where)
     assert r.json()["error"]["param"] == where
 
 
+def test_an_input_audio_format_not_taken_and_a_speed_not_finite_are_400(client):
+    part = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "zzz"}}
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": [part]}]},
+                    headers=AUTH)
+    assert r.status_code == 400 and "input_audio.format: Input should be 'wav', 'mp3'" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/audio/speech", content=b'{"model": "m", "input": "hi", "speed": NaN}',
+                    headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400 and "finite number" in r.json()["error"]["message"], r.text
+
+
 def test_a_surrogate_pair_is_text(client):
     """An escaped pair (JSON's way to write U+1F600) is one character: no 400 (503 here: no stages)."""
     body = '{"model": "m", "messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}'

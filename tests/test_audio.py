@@ -182,6 +182,15 @@ def test_zero_length_audio():
         decode_audio(data, **LIMITS)
 
 
+@pytest.mark.parametrize("rate", [16000, 44100])
+def test_audio_under_25_ms_is_refused(rate):
+    """A 1-sample clip failed in the stage's feature extraction, its 400 the padding's internals."""
+    with pytest.raises(AudioError, match=r"audio is 0\.\d ms long; the shortest taken is 25 ms"):
+        decode_audio(encode_audio(np.zeros(1, dtype=np.float32), rate, "wav"), **LIMITS)
+    n = int(np.ceil(0.025 * rate))
+    assert len(decode_audio(encode_audio(np.zeros(n, dtype=np.float32), rate, "wav"), **LIMITS)) >= 400  # (16 kHz)
+
+
 def test_unsupported_container():
     buf = io.BytesIO()
     sf.write(buf, sine(16000, 0.1), 16000, format="AIFF", subtype="PCM_16")

@@ -39,6 +39,9 @@ _CODEC_RATES = {"mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 4
 _INPUT_CONTAINERS = {"WAV", "WAVEX", "RF64", "FLAC", "MP3", "OGG"}
 # Bounds memory (rate x max_seconds) and the resampler's filter size.
 _MIN_INPUT_RATE, _MAX_INPUT_RATE = 4000, 192000
+# Shortest audio taken: speech encoders frame it in 25 ms windows (Whisper's features pad 200 samples
+# each side by reflection, which needs more than that many; a 1-sample clip failed in the stage).
+MIN_AUDIO_SECONDS = 0.025
 _MAX_RESAMPLE_FACTOR = 1000  # largest up/down factor handed to the polyphase resampler
 
 
@@ -283,6 +286,9 @@ def decode_audio(data: bytes, *, target_rate: int = 16000, max_bytes: int, max_s
     # Float WAV may carry NaN, inf or values far past full scale (3e38 made the feature extractor's
     # spectrum NaN): clipped to full scale, as a player would.
     wave = np.clip(np.nan_to_num(wave, nan=0.0, posinf=1.0, neginf=-1.0), -1.0, 1.0)
+    if wave.size < MIN_AUDIO_SECONDS * rate:
+        raise AudioError(f"audio is {wave.size / rate * 1000:.1f} ms long; the shortest taken is "
+                         f"{MIN_AUDIO_SECONDS * 1000:g} ms")
     return np.ascontiguousarray(_resample(wave, rate, target_rate), dtype=np.float32)
 
 

@@ -95,7 +95,8 @@ class TextPart(_Lenient):
 
 class InputAudio(_Lenient):
     data: str  # base64
-    format: str | None = None  # wav / mp3 / flac / ogg; the bytes are sniffed either way
+    # OpenAI's wav / mp3, and flac / ogg; the bytes are sniffed either way (a mislabeled file decodes)
+    format: Literal["wav", "mp3", "flac", "ogg"] | None = None
 
 
 class InputAudioPart(_Lenient):
@@ -593,7 +594,7 @@ class SpeechRequest(_Body):
     input: str = Field(min_length=1, max_length=4096)
     voice: str | None = None
     response_format: str = "mp3"  # OpenAI's default
-    speed: float = Field(1.0, ge=0.25, le=4.0)
+    speed: float = Field(1.0, ge=0.25, le=4.0, allow_inf_nan=False)
     instructions: str | None = None
     # "audio": the body is the audio file, streamed as it is made; "sse": OpenAI's
     # speech.audio.delta / speech.audio.done events.
