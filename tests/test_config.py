@@ -157,7 +157,12 @@ BROKEN = [
     (
         "input-from-itself",
         "model: m\nstages:\n" + STAGE0 + "  - {id: 1, name: talker, model: m, inputs: [1], input_processor: p}\n",
-        "stage 1 (talker): a stage cannot take its own output as input",
+        "stages: stage 1 (talker): a stage cannot take its own output as input",
+    ),
+    (
+        "duplicate-id-feeding-itself",  # (the ids are the mistake, not the input: checked first)
+        "model: m\nstages:\n" + STAGE0 + "  - {id: 0, name: talker, model: m, inputs: [0], input_processor: p}\n",
+        "stages: stage ids must be 0..1 in order, got [0, 0]",
     ),
     (
         "negative-input",

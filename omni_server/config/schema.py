@@ -150,8 +150,6 @@ class StageConfig(_Strict):
             raise ValueError("`input_processor` is set but the stage has no `inputs`")
         if self.input_mode == "stream" and not self.inputs:
             raise ValueError("`input_mode: stream` needs `inputs`")
-        if self.id in self.inputs:
-            raise ValueError("a stage cannot take its own output as input")
         if self.kind == "generation":
             if not self.generator:
                 raise ValueError("a `generation` stage needs a `generator`")
@@ -310,6 +308,8 @@ class PipelineConfig(_Strict):
             raise ValueError(f"duplicate stage names: {sorted(dup)}")
         for s in self.stages:
             for src in s.inputs:
+                if src == s.id:
+                    raise ValueError(f"stage {s.id} ({s.name}): a stage cannot take its own output as input")
                 if src >= s.id:
                     raise ValueError(
                         f"stage {s.id} ({s.name}): input {src} must be an earlier stage (the pipeline is a DAG in id order)"
