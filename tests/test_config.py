@@ -924,6 +924,23 @@ def test_check_names_engine_args_vllm_does_not_take():
         "talker.default_sampling.temperature)"], proc.stderr
 
 
+def test_check_names_engine_args_values_of_the_wrong_type():
+    """EngineArgs takes values as they are: `max_num_seqs: abc` passed `check` and failed the stage's
+    start with a TypeError naming no field; a number written as a string the same."""
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "check", "configs/default.yaml",
+                           "--stage-arg", "thinker.max_num_seqs=abc", "--stage-arg", "talker.max_model_len='512'",
+                           "--stage-arg", "thinker.compilation_config=fast"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = sorted(line for line in proc.stderr.splitlines() if line.startswith("configs/default.yaml"))
+    assert lines[0].startswith("configs/default.yaml: stage 0 (thinker): engine_args.compilation_config: 'fast': ")
+    assert lines[1:] == [
+        "configs/default.yaml: stage 0 (thinker): engine_args.max_num_seqs: 'abc': Input should be a valid integer, "
+        "unable to parse string as an integer",
+        "configs/default.yaml: stage 1 (talker): engine_args.max_model_len: '512' is a string; write it as int (512)"], \
+        proc.stderr
+
+
 def test_stage_args_take_lists_and_check_devices_and_addresses():
     """--stage-arg reads a flow list as the file does (devices=[0,1] is "0,1", one address per
     replica); devices must be what CUDA_VISIBLE_DEVICES takes, addresses ZMQ endpoints."""

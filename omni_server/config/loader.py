@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import os
 import re
 from collections.abc import Sequence
@@ -466,13 +467,53 @@ def engine_arg_problems(cfg: PipelineConfig, name: str) -> list[str]:
     for stage in cfg.stages:
         if stage.kind != "ar":
             continue
-        for key in stage.engine_args:
+        for key, value in stage.engine_args.items():
+            where = f"{name}: stage {stage.id} ({stage.name}): engine_args"
             if key not in known:
                 close = difflib.get_close_matches(key.replace("-", "_"), sorted(known), n=3)
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 if key in SamplingDefaults.model_fields:  # (a request's sampling, not the engine's)
                     hint = f" (a sampling default: {stage.name}.default_sampling.{key})"
-                out.append(f"{name}: stage {stage.id} ({stage.name}): engine_args: vLLM takes no {key!r}{hint}")
+                out.append(f"{where}: vLLM takes no {key!r}{hint}")
+            elif (why := _engine_arg_type_error(key, value)) is not None:
+                out.append(f"{where}.{key}: {why}")
+    return out
+
+
+def _engine_arg_type_error(key: str, value: Any) -> str | None:
+    """Why `value` does not fit EngineArgs' annotation of `key` (None: it fits, or the annotation
+    cannot be read). EngineArgs takes values as they are: `max_num_seqs: abc` failed deep in the
+    engine's start with a TypeError that named no field."""
+    adapter = _engine_arg_adapters().get(key)
+    if adapter is None:
+        return None
+    import pydantic
+
+    try:
+        fitted = adapter.validate_python(value)
+    except pydantic.ValidationError as e:
+        return f"{value!r}: {e.errors()[0]['msg']}"
+    except Exception:  # noqa: BLE001 (a validator of vLLM's own that raises otherwise: the engine says)
+        return None
+    if isinstance(value, str) and not isinstance(fitted, str):  # ("5", "yes": taken as they are, not converted)
+        return f"{value!r} is a string; write it as {type(fitted).__name__} ({fitted!r})"
+    return None
+
+
+@functools.cache
+def _engine_arg_adapters() -> dict[str, Any]:
+    """pydantic validators of EngineArgs' annotated field types, those that can be read."""
+    import dataclasses
+
+    import pydantic
+    from vllm.engine import arg_utils
+
+    out = {}
+    for f in dataclasses.fields(arg_utils.EngineArgs):
+        try:
+            out[f.name] = pydantic.TypeAdapter(eval(f.type, vars(arg_utils)) if isinstance(f.type, str) else f.type)
+        except Exception:  # noqa: BLE001 (an annotation naming what the module does not import)
+            continue
     return out
 
 
