@@ -995,3 +995,24 @@ def test_omni_log_level_takes_any_case_and_a_bad_one_is_one_line(tmp_path, level
     else:
         assert proc.returncode != 0 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith("OMNI_LOG_LEVEL='bogus': expected debug")
+
+
+def test_check_and_serve_name_a_runtime_dir_serve_would_refuse(tmp_path):
+    """`check` said ok to a runtime_dir that `serve` then refused (others may write in it, or it is a
+    file); a private one, or one still to be made, is fine."""
+    import os
+
+    from omni_server.config.loader import missing_paths
+
+    def problems(runtime_dir) -> list[str]:
+        cfg = load_config_text(f"model: m\nruntime_dir: {runtime_dir}\nstages:\n  - {{id: 0, name: a, model: x, output: text}}\n")
+        return missing_paths(cfg, "c.yaml")
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    assert problems(shared) == [] and problems(tmp_path / "new" / "rt") == []
+    shared.chmod(0o777)
+    assert problems(shared) == [f"c.yaml: runtime_dir: {shared} must be owned by this user and writable by no one "
+                                f"else (owner uid {os.getuid()}, mode 0o777)"]
+    (tmp_path / "f").write_text("")
+    assert problems(tmp_path / "f") == [f"c.yaml: runtime_dir: {tmp_path / 'f'} is not a directory"]

@@ -450,7 +450,25 @@ def missing_paths(cfg: PipelineConfig, name: str, stage_id: int | None = None) -
         if len(str(longest)) > zmq.IPC_PATH_MAX_LEN:
             out.append(f"{name}: runtime_dir: {cfg.runtime_dir} is too long for its sockets' paths "
                        f"({len(str(longest))} characters, at most {zmq.IPC_PATH_MAX_LEN})")
+        if stage_id is None:  # (serve's directory: wire/transport.py make_runtime_dir refuses the same)
+            why = _runtime_dir_problem(Path(cfg.runtime_dir))
+            if why:
+                out.append(f"{name}: runtime_dir: {cfg.runtime_dir} {why}")
     return out
+
+
+def _runtime_dir_problem(path: Path) -> str | None:
+    """Why `serve` could not use `path` as its socket directory (None: it could)."""
+    if path.exists():
+        st = path.stat()
+        if not path.is_dir():
+            return "is not a directory"
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return (f"must be owned by this user and writable by no one else (owner uid {st.st_uid}, mode "
+                    f"{oct(st.st_mode & 0o777)})")
+        return None
+    parent = next(p for p in path.parents if p.exists())  # (serve makes the missing ones)
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: {parent} is not writable"
 
 
 def engine_arg_problems(cfg: PipelineConfig, name: str) -> list[str]:
