@@ -71,20 +71,32 @@ class FakeStage:
         self.out.close(linger=0)
 
 
+async def _one_stage(tmp_path, ctx):
+    """An orchestrator of a one-stage config and that stage, ready."""
+    cfg = _config(tmp_path)
+    orch = Orchestrator(cfg, tmp_path)
+    orch.start()
+    stage = FakeStage(ctx, cfg, tmp_path, pid=7, boot=1)
+    await stage.ready()
+    await orch.wait_ready(5)
+    return orch, stage
+
+
+def _ended(orch: Orchestrator, outcome: str) -> float:
+    """Requests /metrics counts as ended with `outcome`."""
+    return orch.metrics.requests.labels(model="m", outcome=outcome)._value.get()
+
+
 def test_a_stage_restarted_at_its_address_fails_the_requests_it_held(tmp_path):
     """An external stage that comes back (docker's restart policy, the same pid in its container)
     within stage_timeout_s: the requests the old process held fail with a 503 at once instead of
     waiting forever, and the new process serves."""
 
     async def main():
-        cfg = _config(tmp_path)
-        orch = Orchestrator(cfg, tmp_path)
-        orch.start()
         ctx = zmq.asyncio.Context()
-        old = FakeStage(ctx, cfg, tmp_path, pid=7, boot=1)
+        orch, old = await _one_stage(tmp_path, ctx)
+        cfg = orch.cfg
         try:
-            await old.ready()
-            await orch.wait_ready(5)
             state = await orch.submit("r1", [1, 2, 3], {0: SamplingSpec()})
             assert [type(m).__name__ for m in await old.serve(0.3)] == ["AddRequest"]
             old.close()
@@ -259,7 +271,7 @@ def test_a_spoken_reply_that_ended_without_audio_counts_as_an_error(tmp_path, au
     async def main():
         ctx = zmq.asyncio.Context()
         orch, (thinker, talker, t2w) = await _speech_pipeline(tmp_path, ctx)
-        count = lambda outcome: orch.metrics.requests.labels(model="m", outcome=outcome)._value.get()  # noqa: E731
+        count = lambda outcome: _ended(orch, outcome)  # noqa: E731
         try:
             state = await orch.submit("r", [1, 2], {i: SamplingSpec() for i in range(3)}, outputs={"text", "audio"})
             await thinker.send(RequestDelta("r", new_token_ids=[5], finished=True, finish_reason="stop"))
@@ -320,15 +332,10 @@ def test_a_request_ends_here_with_its_last_delta_even_if_nobody_reads_on(tmp_pat
     not when the generator is collected (it stayed in /metrics' in-flight gauge for minutes)."""
 
     async def main():
-        cfg = _config(tmp_path)
-        orch = Orchestrator(cfg, tmp_path)
-        orch.start()
         ctx = zmq.asyncio.Context()
-        stage = FakeStage(ctx, cfg, tmp_path, pid=7, boot=1)
-        count = lambda outcome: orch.metrics.requests.labels(model="m", outcome=outcome)._value.get()  # noqa: E731
+        orch, stage = await _one_stage(tmp_path, ctx)
+        count = lambda outcome: _ended(orch, outcome)  # noqa: E731
         try:
-            await stage.ready()
-            await orch.wait_ready(5)
             state = await orch.submit("r1", [1, 2, 3], {0: SamplingSpec()})
             assert orch.load[(0, 0)] == 1
             await stage.send(RequestDelta("r1", new_token_ids=[5], finished=True, finish_reason="stop"))
