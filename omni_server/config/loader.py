@@ -460,13 +460,9 @@ def missing_paths(cfg: PipelineConfig, name: str, stage_id: int | None = None) -
 def _runtime_dir_problem(path: Path) -> str | None:
     """Why `serve` could not use `path` as its socket directory (None: it could)."""
     if path.exists():
-        st = path.stat()
-        if not path.is_dir():
-            return "is not a directory"
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            return (f"must be owned by this user and writable by no one else (owner uid {st.st_uid}, mode "
-                    f"{oct(st.st_mode & 0o777)})")
-        return None
+        from omni_server.wire.transport import not_private
+
+        return "is not a directory" if not path.is_dir() else not_private(path)
     parent = next(p for p in path.parents if p.exists())  # (serve makes the missing ones)
     return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: {parent} is not writable"
 

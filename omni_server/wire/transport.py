@@ -31,6 +31,15 @@ SEND_HWM = 100_000
 _locks: list = []  # (open files holding runtime_dir locks: held for the process's life)
 
 
+def not_private(path: Path) -> str | None:
+    """Why a socket directory is not safe to serve from (None: it is): another user could replace
+    its sockets (ZMQ binds over an existing ipc path)."""
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return f"must be owned by this user and writable by no one else (owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})"
+    return None
+
+
 def make_runtime_dir(cfg: PipelineConfig) -> Path:
     """`serve`'s socket directory: the configured one, locked against a second `serve` (ZMQ lets a
     second process bind an ipc path another listens on: it would take over the first one's
@@ -41,12 +50,9 @@ def make_runtime_dir(cfg: PipelineConfig) -> Path:
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
             raise SystemExit(f"runtime_dir {path}: cannot create it: {e.strerror or e}") from None
-        st = path.stat()
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            # (another user could then replace the sockets: ZMQ binds over an existing ipc path;
-            # checked before anything is written there)
-            raise SystemExit(f"runtime_dir {path} must be owned by this user and writable by no one else "
-                             f"(owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}): e.g. chmod 700 {path}")
+        why = not_private(path)  # (checked before anything is written there)
+        if why:
+            raise SystemExit(f"runtime_dir {path} {why}: e.g. chmod 700 {path}")
         try:
             lock = open(path / "serve.lock", "a")
         except OSError as e:
