@@ -452,22 +452,31 @@ def test_disconnect_mid_speech_clears_every_stage(client, speech_server):
     assert after.choices[0].message.audio.data
 
 
-def test_stop_string_ends_text_and_speech_still_arrives(client, speech_server):
-    """A stop string cuts the thinker short (FinishRequest): the talker and vocoder speak what came
-    before it instead of the request being dropped."""
+def test_stop_string_ends_text_and_speech_says_all_before_it(client, speech_server, tiny_models):
+    """A stop string cuts the thinker short (FinishRequest): the talker and vocoder speak every token
+    before it, as transformers' pipeline speaks a reply that ended there (that reply + end of turn)."""
     messages = [{"role": "user", "content": "Count for me."}]
-    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
-                                          modalities=["text"], extra_body={"ignore_eos": True})
-    text = full.choices[0].message.content
-    stop = text[len(text) // 2:len(text) // 2 + 2]
-    assert stop.strip() and len(text) > 6
-    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0, stop=[stop],
-                                          audio={"voice": "Ethan", "format": "wav"}, extra_body={"ignore_eos": True})
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=30, temperature=0, seed=5,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    tokens = client.chat.completions.create(**kwargs, modalities=["text"]).choices[0].model_extra["token_ids"]
+    tok = reference.tokenizer(tiny_models["tiny-qwen2_5-omni"])
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731 (as the reply reads)
+    # The stop string: three tokens' text, first found in the reply where the first of them starts
+    # (the thinker runs on past its start while it may still be one: the talker must not speak that).
+    k = next(k for k in range(3, len(tokens) - 3) if (piece := text(tokens[k:k + 3])).strip()
+             and text(tokens[:k + 3]).find(piece) == len(text(tokens[:k])))
+    resp = client.chat.completions.create(**kwargs, stop=[text(tokens[k:k + 3])],
+                                          audio={"voice": "Ethan", "format": "wav"})
     choice = resp.choices[0]
     assert choice.finish_reason == "stop"
-    assert choice.message.audio.transcript == text[:text.index(stop)]
-    wave, rate = _wave(choice.message.audio.data)
-    assert rate == SAMPLE_RATE and len(wave) > 0
+    assert choice.message.audio.transcript == text(tokens[:k])
+    ours, rate = _wave(choice.message.audio.data)
+    prompt = resp.model_extra["prompt_token_ids"]
+    reply = tokens[:k] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    ref = reference.omni_speech_of_reply(tiny_models["tiny-qwen2_5-omni"], prompt, reply, TALKER_MAX_TOKENS,
+                                         "Ethan", 5)
+    assert rate == SAMPLE_RATE and ours.shape == ref.shape
+    assert np.abs(ours - ref.clamp(-1, 1).numpy()).max() < WAVE_TOL
     for i in range(3):
         assert resp.id not in speech_server.stats(i)["request_ids"]
 

@@ -98,9 +98,10 @@ def test_concurrent_requests_each_get_their_own_hidden_states(two_stage_server, 
 
 
 def test_a_stop_string_cuts_what_the_next_stage_reads(two_stage_server, record_dir):
-    """The text stage stopped by a stop string sends the next stage the tokens before it, not the
-    stop string's token nor those made until the stop reached the stage (the speech of a reply
-    ends where its transcript does)."""
+    """The text stage stopped by a stop string sends the next stage the tokens before it and then
+    its end of sequence, as if the model had ended there: not the stop string's token nor those made
+    until the stop reached the stage, and a row for each token before it (the speech of a reply
+    says all of its transcript)."""
     client = openai.OpenAI(base_url=f"{two_stage_server.base_url}/v1", api_key="x", max_retries=0)
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Count for me."}], max_tokens=40,
                   temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
@@ -113,6 +114,9 @@ def test_a_stop_string_cuts_what_the_next_stage_reads(two_stage_server, record_d
     resp = client.chat.completions.create(**kwargs, stop=[text(tokens[k:k + 1])])
     assert resp.choices[0].finish_reason == "stop"
     assert resp.choices[0].message.content == text(tokens[:k])
-    _, _, rec_output = _load_record(record_dir, resp.id)
-    assert rec_output == tokens[:k]
+    hidden, prompt_ids, rec_output = _load_record(record_dir, resp.id)
+    assert rec_output == tokens[:k] + [tok.eos_token_id]
+    expected = reference.thinker_hidden(MODELS / "tiny-qwen2_5-omni", prompt_ids + tokens[:k])
+    assert hidden.shape == expected.shape
+    assert (hidden - expected).abs().max().item() < 1e-4
     assert resp.model_extra["omni_outputs"]["follower"]["token_ids"]

@@ -167,7 +167,7 @@ def test_frame_chunks_end_on_multiples_of_the_chunk():
                 t.frames.append(torch.zeros(16))  # ...and the frame of the token before it
             if t.chunk_ready():
                 sent_at.append((len(t.output_token_ids), len(t.frames)))
-                t.mark_sent()
+                t.mark_sent(len(t.output_token_ids))
         frames_sent = [f for _, f in sent_at]
         assert sent_at[0] == (1, 0)
         assert frames_sent[1:] == list(range(chunk, 12, chunk))
@@ -296,14 +296,14 @@ def test_a_consumer_waiting_for_input_is_never_too_far_behind():
 
     t = _Tracked(prompt_token_ids=[1, 2], forward_to=[1], stream_to=[1], window=1, with_hidden=False)
     t.output_token_ids = [5, 6]
-    t.mark_sent()  # 2 tokens out, none reported used
+    t.mark_sent(2)  # 2 tokens out, none reported used
     assert t.too_far_ahead()
     t.acked[1] = 1
     assert t.too_far_ahead()  # 1 ahead of the window of 1
     t.starved.add(1)  # the consumer used all it could and waits (StreamCredit.waiting)
     assert not t.too_far_ahead()
     t.output_token_ids.append(7)
-    t.mark_sent()  # the next chunk went out: the consumer has input again
+    t.mark_sent(3)  # the next chunk went out: the consumer has input again
     assert t.too_far_ahead()
     t.done_to.add(1)  # it finished first (consumed -1)
     assert not t.too_far_ahead()

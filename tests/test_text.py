@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omni_server.api.text import Detokenizer, TextCodec
+from omni_server.api.text import TextCodec
+from omni_server.stop_strings import Detokenizer
 from tests.conftest import MODELS
 
 

@@ -22,6 +22,7 @@ from omni_server.stage.prefix_rows import PREFIX_ROWS
 from omni_server.stage.preparing import Preparer
 from omni_server.stage.processors import StageInput
 from omni_server.stage.scheduler import scheduler_cls_for
+from omni_server.stop_strings import Detokenizer
 from omni_server.wire.transport import StageSockets
 from omni_server.wire.messages import (
     AddRequest,
@@ -52,6 +53,7 @@ class _Made:
     with_hidden: bool
     forward_to: list[int]
     hold: bool = False
+    stop: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -93,10 +95,25 @@ class _Tracked:
     # Prompt positions: the token ids', or the embedding rows' of a prompt given as embeddings
     # alone (no ids). Default: len(prompt_token_ids).
     prompt_len: int = -1
+    end_id: int | None = None  # (see _keep_tokens)
+    # The request's stop strings, read here as the api reads them (the same decoding): a streaming
+    # consumer gets no token a stop string may start in, and a stop found cuts the request at once.
+    stops: Detokenizer | None = None
 
     def __post_init__(self):
         if self.prompt_len < 0:
             self.prompt_len = len(self.prompt_token_ids)
+
+    def clear_rows(self) -> int:
+        """Rows a streaming consumer may have now: with stop strings, those of the tokens before any
+        (a stop found later keeps them: _keep_tokens)."""
+        return self.hidden_len if self.stops is None else min(self.hidden_len, self.prompt_len + self.stops.clear)
+
+    def clear_tokens(self) -> int:
+        """Output tokens a streaming consumer may have now (one past the rows': a consumer takes
+        the newest as maybe the last, and never feeds the last on)."""
+        n = len(self.output_token_ids)
+        return n if self.stops is None else min(n, self.stops.clear + 1)
 
     def chunk_ready(self, rows_chunk: int | None = None) -> bool:
         """Whether the streaming consumers get a chunk now. Hidden rows: the prompt's once all are
@@ -110,23 +127,23 @@ class _Tracked:
         model that completes its tokens into frames (they lag the tokens by one step and travel
         with them), else the token."""
         if self.with_hidden:
-            n, prompt = self.hidden_len, self.prompt_len
+            n, prompt = self.clear_rows(), self.prompt_len
             if self.sent_rows < prompt:
                 return n >= prompt
             chunk = self.chunk if rows_chunk is None else min(self.chunk, rows_chunk)
             return n > self.sent_rows and (self.sent_rows == prompt or n - self.sent_rows >= chunk)
-        if len(self.output_token_ids) <= self.sent_tokens:
+        if self.clear_tokens() <= self.sent_tokens:
             return False
         return self.sent_tokens == 0 or self.units() // self.chunk > self.sent_units // self.chunk
 
     def units(self) -> int:
         return len(self.frames) if self.frames else len(self.output_token_ids)
 
-    def mark_sent(self) -> None:
-        """Every token (and frame) so far went out. (No frame exists yet at the first chunk,
-        whatever the model: it counts none.)"""
+    def mark_sent(self, tokens: int) -> None:
+        """The first `tokens` tokens (and every frame so far) went out. (No frame exists yet at the
+        first chunk, whatever the model: it counts none.)"""
         self.sent_units = self.units() if self.sent_tokens else len(self.frames)
-        self.sent_tokens = len(self.output_token_ids)
+        self.sent_tokens = tokens
         self.starved.clear()
 
     def too_far_ahead(self) -> bool:
@@ -294,6 +311,10 @@ class ARStage(Stage):
         # One renderer for the processor and its preprocessor (given none, each makes its own: two
         # multimodal processors and caches, and the one clear_mm_cache reaches is not the one used).
         self.inputs = InputProcessor(self.vllm_config, renderer_from_config(self.vllm_config))
+        # The tokenizer's end of sequence (None without one): a stop string's cut ends with it (_keep_tokens).
+        tokenizer = self.inputs.renderer.tokenizer
+        self.end_id = None if tokenizer is None else tokenizer.eos_token_id
+        self.decoder = getattr(tokenizer, "backend_tokenizer", None)  # (a `tokenizers.Tokenizer`: stop strings)
         self.tasks = self.core.get_supported_tasks()
         self.send_tokens = self.stage.output is not None
         self.tracked: dict[str, _Tracked] = {}
@@ -496,7 +517,8 @@ class ARStage(Stage):
         prompt_token_ids = list(request.prompt_token_ids or [])
         # (an embeddings prompt has no ids: its rows are its positions)
         prompt_len = len(request.prompt_embeds) if request.prompt_token_ids is None else len(prompt_token_ids)
-        return _Made(req, wave, prompt_token_ids, prompt_len, with_hidden, list(forward_to), spec.hold_output)
+        return _Made(req, wave, prompt_token_ids, prompt_len, with_hidden, list(forward_to), spec.hold_output,
+                     list(spec.stop))
 
     def _reject(self, request_id: str, e: BaseException) -> None:
         if isinstance(e, ValueError):  # vLLM's check of the request (too long, bad params), bad media: the client's
@@ -518,9 +540,12 @@ class ARStage(Stage):
             stream_to = [c for c in forward_to if self.cfg.stage(c).input_mode == "stream"]
             chunk = min((self.cfg.stage(c).stream_chunk for c in stream_to), default=8)
             window = min((self.cfg.stage(c).stream_window for c in stream_to), default=0)
+            # Stop strings read here when this stage can decode (else the api's word: hold).
+            stops = Detokenizer(self.decoder, made.stop) if made.stop and self.decoder is not None else None
             self.tracked[request_id] = _Tracked(made.prompt_token_ids, list(forward_to), stream_to, chunk,
                                                 with_hidden=made.with_hidden, window=window,
-                                                prompt_len=made.prompt_len, hold=made.hold)
+                                                prompt_len=made.prompt_len, hold=made.hold and stops is None,
+                                                end_id=self.end_id, stops=stops)
 
     def _sampling_params(self, spec: SamplingSpec, emit_hidden: bool, step_embeds: torch.Tensor | None = None,
                          positions: torch.Tensor | None = None):
@@ -628,6 +653,7 @@ class ARStage(Stage):
         if not outputs:
             return scheduled
         deltas: list[RequestDelta] = []
+        stopped: dict[str, int] = {}  # requests a stop string ended, and the tokens before it
         chunk_due = False  # this step's rows or tokens complete a chunk for a streaming consumer
         rows_chunk = self.rows_chunk()
         for eco in outputs.values():
@@ -640,7 +666,12 @@ class ARStage(Stage):
                 tracked = self.tracked.get(rid)
                 if tracked is not None:
                     tracked.output_token_ids.extend(out.new_token_ids)
-                    chunk_due |= bool(tracked.stream_to) and not finished and tracked.chunk_ready(rows_chunk)
+                    if tracked.stops is not None and not tracked.stops.stopped:
+                        tracked.stops.push(out.new_token_ids)
+                        if tracked.stops.stopped:
+                            stopped[rid] = tracked.stops.kept
+                    chunk_due |= (bool(tracked.stream_to) and not finished and rid not in stopped
+                                  and tracked.chunk_ready(rows_chunk))
                 if self.send_tokens or finished:
                     reason = str(out.finish_reason) if finished else None
                     lp = out.new_logprobs if self.send_tokens else None
@@ -661,11 +692,16 @@ class ARStage(Stage):
                         logprobs=lp.logprobs.tolist() if lp is not None else [],
                     ))
                 if finished:
+                    keep = stopped.pop(rid, None)  # (ended by itself in the step that made a stop string)
+                    if keep is not None:
+                        _keep_tokens(tracked, keep)
                     self._finished(rid)
         # The client's tokens first: a long prompt's first chunk carries its hidden rows (15 MB for
         # 2,000 rows of the 7B thinker), and a burst of them must not hold up every request's text.
         if deltas:
             self.send_outputs(deltas)
+        for rid, keep in stopped.items():  # (after the tokens: the api reads the stop string before the end)
+            self.finish_early(rid, keep)
         if chunk_due:
             # Sent in this step, not the next (the talker reads one thinker row per step, token2wav
             # windows need whole runs of codes): wait for the rows' copy now (done or nearly: the
@@ -743,7 +779,7 @@ class ARStage(Stage):
         if rows is not None:
             new, end = rows[tracked.sent_rows:], len(rows)
         else:
-            end = tracked.hidden_len if end is None else min(end, tracked.hidden_len)
+            end = tracked.clear_rows() if end is None else min(end, tracked.hidden_len)
             pieces, covered, skip = [], 0, tracked.hidden_len - end  # (rows past `end`: not sent)
             for piece in reversed(tracked.hidden):
                 if covered >= tracked.hidden_len - tracked.sent_rows:
@@ -763,12 +799,13 @@ class ARStage(Stage):
         if len(tracked.frames) > tracked.sent_frames:
             tensors["codes"] = torch.stack(tracked.frames[tracked.sent_frames:])
             tracked.sent_frames = len(tracked.frames)
+        tokens = len(tracked.output_token_ids) if final else tracked.clear_tokens()
         chunk = StagePayload(
             request_id=request_id, source_stage=self.stage_id,
             prompt_token_ids=tracked.prompt_token_ids if first else [],
-            output_token_ids=tracked.output_token_ids[tracked.sent_tokens:], tensors=tensors, final=final)
+            output_token_ids=tracked.output_token_ids[tracked.sent_tokens:tokens], tensors=tensors, final=final)
         tracked.sent_rows = max(end, tracked.sent_rows)
-        tracked.mark_sent()
+        tracked.mark_sent(max(tokens, tracked.sent_tokens))
         for dst in tracked.stream_to:
             if dst not in tracked.done_to:
                 self.send_stage(dst, request_id, chunk)
@@ -798,11 +835,18 @@ class ARStage(Stage):
 
 
 def _keep_tokens(tracked: _Tracked, keep: int) -> None:
-    """Downstream gets the tokens before the stop string, not those made until the stop reached
-    this stage; at least one (a consumer starts on the first), and never fewer than a streaming
-    consumer had already."""
+    """Downstream reads the reply as if the model had ended it before the stop string: the `keep`
+    tokens before it, then the end-of-sequence token in place of the stop string's first one. A
+    consumer takes the last token as the end (it never feeds it on, as after a natural end), so the
+    kept tokens are all spoken, and their rows are there (the stop's token was computed on the last
+    of them). Never fewer tokens than a streaming consumer had already (those cannot be taken back),
+    and at least one (a consumer starts on the first)."""
     sent = max(tracked.sent_tokens, tracked.sent_rows - tracked.prompt_len + 1)
-    del tracked.output_token_ids[max(keep, sent, 1):]
+    ids = tracked.output_token_ids
+    n = max(keep + 1, sent, 1)
+    del ids[n:]
+    if n == keep + 1 > sent and len(ids) == n and tracked.end_id is not None:
+        ids[keep] = tracked.end_id
 
 
 def _prompt_tensors(tracked: _Tracked) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import msgspec
 
-WIRE_VERSION = 5  # 5: RequestDelta.num_cached_tokens, StageStats.cached_tokens (4: StageStats.underruns, underrun_s)
+WIRE_VERSION = 6  # 6: SamplingSpec.stop (5: RequestDelta.num_cached_tokens, StageStats.cached_tokens; 4: StageStats.underruns, underrun_s)
 AUDIO_SAMPLE_RATE = 16000
 VIDEO_FPS = 2.0  # frames a second the api keeps of a video; the first stage's processor is told so
 
@@ -53,9 +53,13 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     # Structured output: any JSON object, or JSON matching this JSON Schema (its JSON text).
     json_object: bool = False
     json_schema: str | None = None
+    # The client's stop strings. The api cuts the text with them; a stage that can decode reads them
+    # too, and sends downstream only tokens before a stop string (streamed or whole).
+    stop: list[str] = []
     # The api reads this stage's text for stop strings: a request that ends by itself goes downstream
     # only on the api's FinishRequest (keep: the tokens before a stop; -1: all), so a stop found after
-    # the stage ended still cuts what the next stage reads.
+    # the stage ended still cuts what the next stage reads. (Taken only by a stage without a
+    # tokenizer to read `stop` with.)
     hold_output: bool = False
 
 
