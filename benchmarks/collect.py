@@ -263,6 +263,9 @@ def collect(out: Path) -> dict:
         # step `media`: chats carrying an audio clip / an image / text alone, one server
         **_served(out, "media_audio", "media_audio"), **_served(out, "media_image", "media_image"),
         **_served(out, "media_text", "media_text"),
+        # step `mmcompile`: the same with the thinker's media encoders compiled (compile_mm_encoder)
+        **{k: v for n in ("audio", "image", "text") for k, v in _served(out, f"media_mmc_{n}", f"media_mmc_{n}").items()},
+        "media_mmc_ready_s": _ready_s(out / "serve_media7b_mmc.log"),
         # Qwen3-Omni-30B-A3B shapes, configs/qwen3_omni.yaml (session step `qwen3`)
         **_served(out, "qwen3", "qwen3"),
         "qwen3_ready_s": _ready_s(out / "serve_qwen3.log"),

@@ -137,21 +137,34 @@ step_media() {
   # Media in: the 7B config with its thinker's media encoders on (the shape checkpoint's special
   # tokens carry the real ids), every chat carrying a MEDIA_AUDIO-second clip (default 5: voice
   # chat), then a MEDIA_IMAGE picture (default 1280x720), then text alone, on one server (warm cache
-  # when `main` ran first): warm-up, c=1 x3, c=16 x16 each.
+  # when `main` ran first): warm-up, c=1 x3, c=16 x16 each. MEDIA_KINDS: a subset of "audio image text".
+  media_bench media7b 8041
+}
+
+step_mmcompile() {
+  # The same with the thinker's vision and audio encoders compiled (vLLM's compile_mm_encoder; or
+  # MMC_CONFIG, the thinker's compilation_config), filed as media_mmc_*: against `media`'s numbers
+  # (run both, in either order).
+  media_bench media7b_mmc 8042 --stage-arg "thinker.compilation_config=${MMC_CONFIG:-{\"compile_mm_encoder\": true\}}"
+}
+
+media_bench() {  # NAME PORT [serve args]
+  local name=$1 port=$2 tag=${1#media7b}; shift 2
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
-  TEXT_ONLY="" serve media7b 8041 $CFG
-  wait_ready media7b 8041 || return
-  local B="python3 -m omni_server.cli bench --model $MODEL --max-tokens 100 --audio --base-url http://127.0.0.1:8041"
+  TEXT_ONLY="" serve $name $port $CFG "$@"
+  wait_ready $name $port || return
+  local B="python3 -m omni_server.cli bench --model $MODEL --max-tokens 100 --audio --base-url http://127.0.0.1:$port"
   local kind n a
   for kind in "audio:--input-audio ${MEDIA_AUDIO:-5}" "image:--image ${MEDIA_IMAGE:-1280x720}" "text:"; do
     n=${kind%%:*}; a=${kind#*:}
-    $B $a --concurrency 1 --requests 1 --output $R/warm_media_$n.json >> $R/bench_media7b.log 2>&1
-    $B $a --concurrency 1 --requests 3 --output $R/media_${n}_c1.json >> $R/bench_media7b.log 2>&1
-    $B $a --concurrency 16 --requests 16 --output $R/media_${n}_c16.json >> $R/bench_media7b.log 2>&1
-    say "media7b, $n in: $(python3 benchmarks/gpu/brief.py $R/media_${n}_c1.json $R/media_${n}_c16.json)"
+    [[ " ${MEDIA_KINDS:-audio image text} " == *" $n "* ]] || continue
+    $B $a --concurrency 1 --requests 1 --output $R/warm_media${tag}_$n.json >> $R/bench_$name.log 2>&1
+    $B $a --concurrency 1 --requests 3 --output $R/media${tag}_${n}_c1.json >> $R/bench_$name.log 2>&1
+    $B $a --concurrency 16 --requests 16 --output $R/media${tag}_${n}_c16.json >> $R/bench_$name.log 2>&1
+    say "$name, $n in: $(python3 benchmarks/gpu/brief.py $R/media${tag}_${n}_c1.json $R/media${tag}_${n}_c16.json)"
   done
-  stop media7b
+  stop $name
 }
 
 step_full() {
