@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
+_UNSET = float("inf")  # end of a token holding part of a character not yet complete
+
 
 class Detokenizer:
     """Incremental detokenization with stop strings; never emits text past a stop string or a
@@ -17,7 +19,9 @@ class Detokenizer:
         self.text = ""  # everything decoded so far
         self._emitted = 0
         self.stopped = False
-        self._ends: list[int] = []  # where each token's text ends in `text`
+        self._ends: list[float] = []  # where each token's text ends in `text`
+        self._partial: list[int] = []  # tokens holding the bytes of a character not yet complete
+        self._special: set[int] | None = None
         # Once stopped: how many tokens lie wholly before the stop string (what later stages read).
         self.kept = 0
         # Tokens whose text is all emitted: no stop string can start in them (at most `kept`).
@@ -29,11 +33,26 @@ class Detokenizer:
             if self.stopped:
                 break
             piece = self._stream.step(self._backend, tid)
+            if not piece and not self._is_special(tid):
+                # Part of a character split over byte tokens: it ends where that character does.
+                self._partial.append(len(self._ends))
+                self._ends.append(_UNSET)
+                continue
             self.text += piece or ""
             self._ends.append(len(self.text))
             if piece:
+                for i in self._partial:
+                    self._ends[i] = len(self.text)
+                self._partial.clear()
                 self._check_stop()
         return self._take(final=False)
+
+    def _is_special(self, tid: int) -> bool:
+        """A special token skipped in the text (empty piece, but no part of a character)."""
+        if self._special is None:
+            added = self._backend.get_added_tokens_decoder() if self._backend else {}
+            self._special = {i for i, t in added.items() if t.special}
+        return tid in self._special
 
     def flush(self) -> str:
         return self._take(final=True)

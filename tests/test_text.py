@@ -75,3 +75,36 @@ def _kept(codec, ids, stop):
     d = codec.detokenizer([stop])
     d.push(ids)
     return d.kept
+
+
+def test_a_character_split_over_byte_tokens_is_kept_or_cut_whole(tiny_models):
+    """Tokens holding some bytes of a character belong to that character: a stop string starting at
+    it leaves them all out of `kept`, and none is `clear` (streamed on) before the character is."""
+    codec = TextCodec(str(MODELS / "tiny-qwen2_5-omni"))
+    text = "Hi 世界. Next"
+    ids = codec.encode(text)
+    pieces = [codec.tokenizer.decode([i]) for i in ids]
+    assert "\ufffd" in pieces  # the tiny vocabulary splits these characters over byte tokens
+    for stop in ["世", "界", ".", "Hi"]:
+        d = codec.detokenizer([stop])
+        d.push(ids)
+        at = text.index(stop)
+        # The most tokens whose text is a whole prefix of what comes before the stop.
+        want = max(n for n in range(len(ids) + 1) if text[:at].startswith(codec.tokenizer.decode(ids[:n]))
+                   and "\ufffd" not in codec.tokenizer.decode(ids[:n]))
+        assert d.stopped and d.kept == want, stop
+    # Streaming token by token: a byte token is clear only once its character is shown.
+    d = codec.detokenizer(["Next"])
+    for n, tid in enumerate(ids, 1):
+        d.push([tid])
+        assert "\ufffd" not in codec.tokenizer.decode(ids[: d.clear])
+        assert d.clear <= n
+
+
+def test_a_skipped_special_token_counts_as_before_the_stop(tiny_models):
+    codec = TextCodec(str(MODELS / "tiny-qwen2_5-omni"))
+    special = codec.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    ids = codec.encode("Hello") + [special] + codec.encode(" world")
+    d = codec.detokenizer([" world"])
+    assert d.push(ids) + d.flush() == "Hello"
+    assert d.kept == len(ids) - len(codec.encode(" world"))
