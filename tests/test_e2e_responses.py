@@ -186,3 +186,17 @@ def test_usage_reports_the_prefix_cache(client):
     salted = [client.responses.create(model=MODEL, input=text, max_output_tokens=2, temperature=0,
                                       extra_body={"cache_salt": "tenant-1"}) for _ in range(2)]
     assert [r.usage.input_tokens_details.cached_tokens >= 128 for r in salted] == [False, True]
+
+
+def test_stop_extension_ends_the_text_as_chat_does(client):
+    """`stop` (an extension, through extra_body): the text ends before the stop string, as the chat's
+    does, and the response is completed, not incomplete."""
+    kwargs = dict(model=MODEL, max_tokens=16, temperature=0, messages=[{"role": "user", "content": QUESTION}])
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    stop = whole[len(whole) // 2:len(whole) // 2 + 3]
+    assert len(stop) == 3 and whole.index(stop) > 0
+    resp = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16, temperature=0,
+                                   extra_body={"stop": [stop]})
+    chat = client.chat.completions.create(**kwargs, stop=[stop])
+    assert resp.output_text == chat.choices[0].message.content == whole[:whole.index(stop)]
+    assert resp.status == "completed" and resp.incomplete_details is None

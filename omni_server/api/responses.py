@@ -64,7 +64,7 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
                             "stream": body.get("stream", False)}
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("seed", "seed"), ("top_k", "top_k"), ("user", "user"), ("ignore_eos", "ignore_eos"),
-                         ("repetition_penalty", "repetition_penalty"), ("cache_salt", "cache_salt")):
+                         ("repetition_penalty", "repetition_penalty"), ("cache_salt", "cache_salt"), ("stop", "stop")):
         if body.get(theirs) is not None:
             chat[ours] = body[theirs]
     fmt = (body.get("text") or {}).get("format")
