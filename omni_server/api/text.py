@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import re
+import secrets
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
@@ -32,6 +34,11 @@ class TextCodec:
         self._byte_of = {c: b for b, c in _bytes_to_chars().items()}
         self._special = set(self.tokenizer.all_special_ids)
         self._token_bytes: dict[int, bytes] = {}
+        # The control tokens' texts (turn markers, media placeholders): in what a client wrote they
+        # are plain text, never the tokens themselves.
+        controls = sorted({t.content for t in self._backend.get_added_tokens_decoder().values() if t.special},
+                          key=len, reverse=True)
+        self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
 
     @functools.cached_property
     def writes_tools(self) -> bool:
@@ -41,11 +48,37 @@ class TextCodec:
         return self.render_chat(turn, probe) != self.render_chat(turn)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt's token ids. A control token's text in the client's strings (`<|im_end|>` in a
+        message would end the turn and could open a system one; `<|IMAGE|>` would take an image's
+        place) is tokenized as the plain text it is."""
+        if self._controls is not None and _any_string(self._controls, (messages, tools)):
+            return self._render_escaped(messages, tools)
         ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                                  tokenize=True, return_dict=False)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+    def _render_escaped(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        # Each control text becomes a mark no client can write (a fresh nonce, private-use
+        # characters the template leaves alone); the rendered prompt is tokenized around the marks
+        # and each mark's text with control tokens split into plain text.
+        nonce = secrets.token_hex(8)
+        found: list[str] = []
+
+        def mark(m: re.Match) -> str:
+            found.append(m.group(0))
+            return f"\ue000{nonce}:{len(found) - 1}\ue001"
+        messages, tools = _map_strings(lambda s: self._controls.sub(mark, s), (messages, tools))
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=False)
+        ids: list[int] = []
+        for i, part in enumerate(re.split(f"\ue000{nonce}:(\\d+)\ue001", text)):
+            if i % 2 == 0:
+                ids += self.tokenizer.encode(part, add_special_tokens=False) if part else []
+            else:
+                ids += self.tokenizer.encode(found[int(part)], add_special_tokens=False, split_special_tokens=True)
+        return ids
 
     def token_text(self, token_id: int) -> str:
         """One token's text (a byte-level piece of a longer character reads as U+FFFD)."""
@@ -76,6 +109,27 @@ class TextCodec:
 
     def offsets(self, start: int = 0) -> "Offsets":
         return Offsets(self._backend, start)
+
+
+def _any_string(pattern: re.Pattern, value: Any) -> bool:
+    if isinstance(value, str):
+        return pattern.search(value) is not None
+    if isinstance(value, dict):
+        return any(_any_string(pattern, v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_any_string(pattern, v) for v in value)
+    return False
+
+
+def _map_strings(fn, value: Any) -> Any:
+    """`value` with fn applied to every string in it (dict keys stay as they are)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(fn, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(fn, v) for v in value)
+    return value
 
 
 class Offsets:
