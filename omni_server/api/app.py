@@ -266,7 +266,7 @@ def create_app(state: ServerState) -> FastAPI:
         fmt = _check_format(body.response_format, "response_format")
         voice = state.check_voice(body.voice, "voice")
         prefix = await asyncio.to_thread(state.text.render_chat, [{"role": "user", "content": body.input}])
-        reply = await asyncio.to_thread(state.text.encode, body.input)
+        reply = await asyncio.to_thread(state.text.encode_as_text, body.input)
         if not reply:
             raise APIError(400, "input has no speakable text", param="input")
         prompt_ids = prefix + reply

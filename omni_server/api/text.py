@@ -36,9 +36,17 @@ class TextCodec:
         self._token_bytes: dict[int, bytes] = {}
         # The control tokens' texts (turn markers, media placeholders): in what a client wrote they
         # are plain text, never the tokens themselves.
-        controls = sorted({t.content for t in self._backend.get_added_tokens_decoder().values() if t.special},
-                          key=len, reverse=True)
+        self._control_id = {t.content: i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+        controls = sorted(self._control_id, key=len, reverse=True)
         self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
+        # A copy of the tokenizer that reads control-token text as text. Its own: the flag is the
+        # tokenizer's state, and setting it per call on the shared one races other requests.
+        from tokenizers import Tokenizer
+
+        self._as_text = Tokenizer.from_str(self._backend.to_str())
+        self._as_text.no_truncation()
+        self._as_text.no_padding()
+        self._as_text.encode_special_tokens = True
 
     @functools.cached_property
     def writes_tools(self) -> bool:
@@ -60,9 +68,10 @@ class TextCodec:
         return list(ids)
 
     def _render_escaped(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        # Each control text becomes a mark no client can write (a fresh nonce, private-use
-        # characters the template leaves alone); the rendered prompt is tokenized around the marks
-        # and each mark's text with control tokens split into plain text.
+        # The client's control texts become marks no client can write (a fresh nonce in private-use
+        # characters the template leaves alone), so the control tokens left in the rendered text are
+        # the template's own. Between those, each stretch (marks back to their text) is tokenized
+        # whole, as the text it is: the same tokens the stretch would get with no control text in it.
         nonce = secrets.token_hex(8)
         found: list[str] = []
 
@@ -72,13 +81,20 @@ class TextCodec:
         messages, tools = _map_strings(lambda s: self._controls.sub(mark, s), (messages, tools))
         text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                                   tokenize=False)
+        marks = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
         ids: list[int] = []
-        for i, part in enumerate(re.split(f"\ue000{nonce}:(\\d+)\ue001", text)):
-            if i % 2 == 0:
-                ids += self.tokenizer.encode(part, add_special_tokens=False) if part else []
-            else:
-                ids += self.tokenizer.encode(found[int(part)], add_special_tokens=False, split_special_tokens=True)
+        at = 0
+        for m in [*self._controls.finditer(text), None]:
+            stretch = marks.sub(lambda k: found[int(k.group(1))], text[at:m.start() if m else len(text)])
+            ids += self.encode_as_text(stretch)
+            if m:
+                ids.append(self._control_id[m.group(0)])
+                at = m.end()
         return ids
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of plain text in which control-token text is text too (what a client wrote)."""
+        return self._as_text.encode(text, add_special_tokens=False).ids if text else []
 
     def token_text(self, token_id: int) -> str:
         """One token's text (a byte-level piece of a longer character reads as U+FFFD)."""
@@ -114,19 +130,19 @@ class TextCodec:
 def _any_string(pattern: re.Pattern, value: Any) -> bool:
     if isinstance(value, str):
         return pattern.search(value) is not None
-    if isinstance(value, dict):
-        return any(_any_string(pattern, v) for v in value.values())
+    if isinstance(value, dict):  # (keys too: tool schemas and parsed call arguments are the client's JSON)
+        return any(_any_string(pattern, k) or _any_string(pattern, v) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return any(_any_string(pattern, v) for v in value)
     return False
 
 
 def _map_strings(fn, value: Any) -> Any:
-    """`value` with fn applied to every string in it (dict keys stay as they are)."""
+    """`value` with fn applied to every string in it, dict keys included."""
     if isinstance(value, str):
         return fn(value)
     if isinstance(value, dict):
-        return {k: _map_strings(fn, v) for k, v in value.items()}
+        return {_map_strings(fn, k): _map_strings(fn, v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_map_strings(fn, v) for v in value)
     return value
