@@ -3,6 +3,8 @@ an AR stage what it forwards (the same decoding, so both cut at the same token).
 
 from __future__ import annotations
 
+import functools
+
 from tokenizers.decoders import DecodeStream
 
 _UNSET = float("inf")  # end of a token holding part of a character not yet complete
@@ -21,7 +23,6 @@ class Detokenizer:
         self.stopped = False
         self._ends: list[float] = []  # where each token's text ends in `text`
         self._partial: list[int] = []  # tokens holding the bytes of a character not yet complete
-        self._special: set[int] | None = None
         # Once stopped: how many tokens lie wholly before the stop string (what later stages read).
         self.kept = 0
         # Tokens whose text is all emitted: no stop string can start in them (at most `kept`).
@@ -33,7 +34,7 @@ class Detokenizer:
             if self.stopped:
                 break
             piece = self._stream.step(self._backend, tid)
-            if not piece and not self._is_special(tid):
+            if not piece and tid not in _special_ids(self._backend):
                 # Part of a character split over byte tokens: it ends where that character does.
                 self._partial.append(len(self._ends))
                 self._ends.append(_UNSET)
@@ -46,13 +47,6 @@ class Detokenizer:
                 self._partial.clear()
                 self._check_stop()
         return self._take(final=False)
-
-    def _is_special(self, tid: int) -> bool:
-        """A special token skipped in the text (empty piece, but no part of a character)."""
-        if self._special is None:
-            added = self._backend.get_added_tokens_decoder() if self._backend else {}
-            self._special = {i for i, t in added.items() if t.special}
-        return tid in self._special
 
     def flush(self) -> str:
         return self._take(final=True)
@@ -81,3 +75,11 @@ class Detokenizer:
         while self.clear < len(self._ends) and self._ends[self.clear] <= self._emitted:
             self.clear += 1
         return out
+
+
+@functools.lru_cache(maxsize=4)
+def _special_ids(backend) -> frozenset[int]:
+    """A tokenizer's special tokens (skipped in the text: an empty piece, but no part of a
+    character); found once per tokenizer, not per request."""
+    added = backend.get_added_tokens_decoder() if backend is not None else {}
+    return frozenset(i for i, t in added.items() if t.special)
