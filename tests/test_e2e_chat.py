@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests import reference
+from tests import media, reference
 from tests.conftest import MODELS
 
 MODEL = "omni-tiny"
@@ -67,6 +67,32 @@ def test_stop_string_truncates(client):
     cut = client.chat.completions.create(**kwargs, stop=[stop]).choices[0]
     assert cut.message.content == full[: full.find(stop)]
     assert cut.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_of_a_one_token_reply_counts_its_media_and_cache(client, stream):
+    """A reply that ends in its first step (max_tokens 1) reports the prompt as the engine ran it, its
+    clip's tokens counted, and the tokens the prefix cache spared, as a longer reply does."""
+    wav, _ = media.tone_wav(2.0)
+    content = [{"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+               {"type": "text", "text": "What is this sound? " * 40}]  # (> one 128-token block besides)
+    salt = f"usage-{stream}-{time.monotonic_ns()}"
+
+    def usage(max_tokens: int):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
+                  temperature=0, extra_body={"cache_salt": salt, "return_token_ids": True})
+        if not stream:
+            resp = client.chat.completions.create(**kw)
+            return resp.usage, len(resp.model_extra["prompt_token_ids"])
+        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        return chunks[-1].usage, len(chunks[0].model_extra["prompt_token_ids"])
+
+    longer, rendered = usage(2)  # (computes the prompt: nothing cached under this salt yet)
+    one, _ = usage(1)
+    assert longer.prompt_tokens_details.cached_tokens == 0
+    assert one.completion_tokens == 1
+    assert one.prompt_tokens == longer.prompt_tokens > rendered + 20  # (the clip's tokens counted)
+    assert one.prompt_tokens_details.cached_tokens >= 128
 
 
 @pytest.mark.parametrize("seed", [1234, -1])  # (vLLM reads -1 as no seed: the stage passes it on as 2**64 - 1)

@@ -675,10 +675,13 @@ class ARStage(Stage):
                 if self.send_tokens or finished:
                     reason = str(out.finish_reason) if finished else None
                     lp = out.new_logprobs if self.send_tokens else None
-                    # The prompt as the engine runs it (media expanded to their tokens), for usage;
-                    # 0 once the request has left the scheduler (its finishing delta).
-                    req = self.core.scheduler.requests.get(rid) if self.send_tokens else None
-                    n_prompt = req.num_prompt_tokens if req is not None else 0
+                    # The prompt as the engine runs it (media expanded to their tokens), for usage.
+                    # A request that ends in its first step has left the scheduler: its prefill's count.
+                    n_prompt = 0
+                    if self.send_tokens:
+                        req = self.core.scheduler.requests.get(rid)
+                        n_prompt = (req.num_prompt_tokens if req is not None
+                                    else prefill.num_prompt_tokens if prefill is not None else 0)
                     deltas.append(RequestDelta(
                         request_id=rid,
                         new_token_ids=list(out.new_token_ids) if self.send_tokens else [],
