@@ -95,6 +95,25 @@ def test_usage_of_a_one_token_reply_counts_its_media_and_cache(client, stream):
     assert one.prompt_tokens_details.cached_tokens >= 128
 
 
+def test_a_max_tokens_the_context_cannot_hold_after_the_media_is_400(client):
+    """The context (2048) must hold the prompt as the engine runs it, the clip's tokens included (the
+    api sees only its placeholder), and the max_tokens the client set: one past that is a 400 naming the
+    field and the real prompt length, not a reply cut short as if it reached max_tokens."""
+    wav, _ = media.tone_wav(2.0)
+    messages = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           extra_body={"return_token_ids": True})
+    ran, rendered = first.usage.prompt_tokens, len(first.model_extra["prompt_token_ids"])
+    assert ran > rendered + 20
+    with pytest.raises(openai.BadRequestError, match=f"context is 2048 tokens: the prompt's {ran} and "
+                                                     f"max_completion_tokens {2049 - ran} do not fit"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=2049 - ran)
+    # (at the context's edge it runs: a stream's first chunk comes, then the client leaves)
+    with client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2048 - ran, stream=True) as s:
+        assert next(iter(s)).choices[0].delta.role == "assistant"
+
+
 @pytest.mark.parametrize("seed", [1234, -1])  # (vLLM reads -1 as no seed: the stage passes it on as 2**64 - 1)
 def test_seeded_sampling_is_reproducible(client, seed):
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, top_p=0.9, seed=seed,

@@ -591,6 +591,7 @@ def _sampling(state: ServerState, body: ChatCompletionRequest | None,
                     name = body.max_tokens_param()
                     raise APIError(400, f"{name} {max_tokens} exceeds the limit of {cap}", param=name)
                 spec.max_tokens = max_tokens
+                spec.max_tokens_param = body.max_tokens_param()
             spec.stop = list(body.stop or [])
             spec.hold_output = bool(body.stop)  # (runs.Run releases it: the same condition)
             if body.temperature is not None:

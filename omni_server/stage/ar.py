@@ -503,6 +503,8 @@ class ARStage(Stage):
         params = self._sampling_params(spec, emit_hidden=with_hidden, step_embeds=step_embeds, positions=positions)
         try:
             request = self.inputs.process_inputs(request_id, prompt, params, supported_tasks=self.tasks)
+            if spec.max_tokens_param:
+                self._check_room(request, spec)
             req, wave = self.core.preprocess_add_request(request)
         except Exception:
             if "multi_modal_data" in prompt:
@@ -519,6 +521,16 @@ class ARStage(Stage):
         prompt_len = len(request.prompt_embeds) if request.prompt_token_ids is None else len(prompt_token_ids)
         return _Made(req, wave, prompt_token_ids, prompt_len, with_hidden, list(forward_to), spec.hold_output,
                      list(spec.stop))
+
+    def _check_room(self, request, spec: SamplingSpec) -> None:
+        """A max_tokens the client set that the context cannot hold after the prompt as the engine runs
+        it (media expanded: the api counted only their placeholders) is the client's error, not a reply
+        cut short as if it reached it."""
+        context = self.vllm_config.model_config.max_model_len
+        n = len(request.prompt_embeds) if request.prompt_token_ids is None else len(request.prompt_token_ids)
+        if n + spec.max_tokens > context:
+            raise ValueError(f"this model's context is {context} tokens: the prompt's {n} and "
+                             f"{spec.max_tokens_param} {spec.max_tokens} do not fit")
 
     def _reject(self, request_id: str, e: BaseException) -> None:
         if isinstance(e, ValueError):  # vLLM's check of the request (too long, bad params), bad media: the client's

@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import msgspec
 
-WIRE_VERSION = 6  # 6: SamplingSpec.stop (5: RequestDelta.num_cached_tokens, StageStats.cached_tokens; 4: StageStats.underruns, underrun_s)
+WIRE_VERSION = 7  # 7: SamplingSpec.max_tokens_param (6: SamplingSpec.stop; 5: RequestDelta.num_cached_tokens, StageStats.cached_tokens; 4: StageStats.underruns, underrun_s)
 AUDIO_SAMPLE_RATE = 16000
 VIDEO_FPS = 2.0  # frames a second the api keeps of a video; the first stage's processor is told so
 
@@ -61,6 +61,9 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     # the stage ended still cuts what the next stage reads. (Taken only by a stage without a
     # tokenizer to read `stop` with.)
     hold_output: bool = False
+    # The client set max_tokens (under this field's name): a prompt, as the stage runs it, that leaves
+    # the context less room than that is refused (400), not cut short as if it reached it.
+    max_tokens_param: str = ""
 
 
 # ---- api -> stage ------------------------------------------------------------------------------
