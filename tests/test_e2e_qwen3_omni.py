@@ -286,6 +286,18 @@ def test_chat_with_audio_input_equals_transformers(client):
     assert inputs["input_features"].shape[-1] == 150  # 1.5 s of 10 ms mel frames, no padding
 
 
+def test_a_clip_longer_than_30_s_is_heard_whole(client):
+    """Qwen3-Omni's processor reads a clip whole (no truncation, unlike Qwen2.5-Omni's 30 s): a 40 s
+    clip is taken, and its prompt holds more audio tokens than a 30 s one."""
+    def prompt_tokens(seconds: float) -> int:
+        b64, _ = tone_wav(seconds)
+        return client.chat.completions.create(model=MODEL, modalities=["text"], max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}}]}],
+        ).usage.prompt_tokens
+
+    assert prompt_tokens(40.0) > prompt_tokens(30.0) + 100  # (~13 audio tokens a second)
+
+
 # vLLM 0.26.0's Qwen3OmniMoeThinkerForConditionalGeneration.get_mrope_input_positions reads each
 # placeholder's mm_position.offset as the index of its <|vision_start|> / <|audio_start|> token (it
 # gives that token a text position, then the grid, then <|vision_end|>), but the offset its processor

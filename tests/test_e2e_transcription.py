@@ -105,3 +105,20 @@ def test_openai_client_raises_on_a_bad_file(client):
 def test_json_body_is_refused_with_400(speech_server):
     r = httpx.post(f"{speech_server.base_url}/v1/audio/transcriptions", json={"model": MODEL}, timeout=30)
     assert r.status_code == 400 and json.loads(r.text)["error"]["type"] == "invalid_request_error"
+
+
+def test_a_clip_longer_than_the_model_hears_is_refused_not_cut(client):
+    """Qwen2.5-Omni's processor keeps the first 30 s of a clip (its Whisper feature extractor
+    truncates): a longer clip would be answered from its start alone, so it is a 400 naming the limit,
+    in a chat and in a transcription; 30 s itself is heard whole."""
+    whole_b64, _ = tone_wav(30.0)
+    longer_b64, _ = tone_wav(30.5)
+    chat = lambda b64: client.chat.completions.create(  # noqa: E731
+        model=MODEL, modalities=["text"], max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}}]}])
+    assert chat(whole_b64).usage.prompt_tokens > 750  # (30 s: 750 audio tokens)
+    says = "audio is 30.5 s long; this model hears at most 30 s of a clip"
+    with pytest.raises(openai.BadRequestError, match=f"input_audio 0: {says}"):
+        chat(longer_b64)
+    with pytest.raises(openai.BadRequestError, match=f"file: {says}"):
+        client.audio.transcriptions.create(model=MODEL, file=("long.wav", base64.b64decode(longer_b64), "audio/wav"))

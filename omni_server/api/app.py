@@ -77,6 +77,14 @@ class ServerState:
         ready = self.orch.stage_info(0) if self.orch is not None else None
         return int(ready.info.get("max_model_len", 0)) if ready is not None else 0
 
+    @property
+    def audio_clip_s(self) -> float | None:
+        """Seconds of a clip stage 0's processor reads, where it cuts longer ones (reported when
+        ready); None: whole clips, or not known."""
+        ready = self.orch.stage_info(0) if self.orch is not None else None
+        clip = ready.info.get("audio_clip_s") if ready is not None else None
+        return float(clip) if clip else None
+
     def voices(self) -> list[str]:
         """Voices of the audio stage (reported by the stage when it is ready)."""
         ready = None if self.audio_stage is None or self.orch is None else self.orch.stage_info(self.audio_stage)
@@ -426,7 +434,7 @@ def _check_room(state: ServerState, prompts: list[list[int]], body: ChatCompleti
 async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,
                        param: str = "messages") -> tuple[dict[str, Any], list[int]]:
     """A chat body's decoded media and its prompt (the rendered template), checked against the limit."""
-    decoded = await media.decode_media(state.cfg, body)
+    decoded = await media.decode_media(state.cfg, body, state.audio_clip_s)
     # (In a thread, as everything below that scales with the body: a prompt of megabytes takes
     # seconds to render and tokenize, and the event loop serves every other request meanwhile.)
     if body.tool_mode() and not await asyncio.to_thread(lambda: state.text.writes_tools):
@@ -477,6 +485,7 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
                                     max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
     except audio.AudioError as e:
         raise APIError(400, f"file: {e}", param="file") from None
+    media.check_clip(wave, state.audio_clip_s, "file", param="file")
     import torch
 
     prompt_ids = await asyncio.to_thread(state.text.render_chat, turn)

@@ -68,10 +68,21 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest) -> dict[str, Any]:
+def check_clip(wave, clip_s: float | None, name: str, param: str) -> None:
+    """A clip longer than the model hears of one (`clip_s`, stage 0's processor cuts the rest) is
+    refused: the reply would be about its start alone, with nothing to say so."""
+    if clip_s is not None and wave.size > clip_s * AUDIO_SAMPLE_RATE:
+        raise APIError(400, f"{name}: audio is {wave.size / AUDIO_SAMPLE_RATE:.1f} s long; this model hears at "
+                            f"most {clip_s:g} s of a clip (its processor drops the rest): send it in pieces "
+                            f"of up to {clip_s:g} s", param=param)
+
+
+async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest,
+                       audio_clip_s: float | None = None) -> dict[str, Any]:
     """Decoded media parts as the first stage reads them: "audio.N" (16 kHz mono float32),
     "image.N" (RGB uint8) and "video.N" (RGB uint8 frames, `video.FPS` a second), numbered in prompt
-    order per kind; http(s) URLs fetched where the deployment allows (api/fetch.py)."""
+    order per kind; http(s) URLs fetched where the deployment allows (api/fetch.py). A clip longer
+    than `audio_clip_s` is refused (`check_clip`)."""
     import torch
 
     out: dict[str, Any] = {}
@@ -89,6 +100,8 @@ async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest) -> dict
             array = await decode_part(cfg.server, part)
         except (audio.AudioError, image.ImageError, video.VideoError, fetch.FetchError) as e:
             raise APIError(400, f"{part.type} {i}: {e}", param="messages") from None
+        if kind == "audio":
+            check_clip(array, audio_clip_s, f"{part.type} {i}", param="messages")
         held += array.nbytes
         if held > cfg.server.max_media_bytes:
             raise APIError(400, f"the request's media decode to more than {cfg.server.max_media_bytes} bytes "

@@ -15,6 +15,7 @@ import torch
 
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import model_classes, processors
+from omni_server.stage.audio_clip import audio_clip_seconds
 from omni_server.stage.base import Stage
 from omni_server.stage.errors import client_text, server_fault
 from omni_server.stage.hidden import EMIT_HIDDEN, MROPE_POSITIONS, STEP_EMBEDS
@@ -338,6 +339,7 @@ class ARStage(Stage):
         prepare = getattr(self.processor, "prepare", None)
         if prepare is not None:
             prepare(self)
+        self.audio_clip_s = audio_clip_seconds(self.vllm_config.model_config)
         self.startup_s = time.monotonic() - t0
 
     # ---- base.Stage hooks ---------------------------------------------------------------------
@@ -389,7 +391,10 @@ class ARStage(Stage):
 
     def info(self) -> dict[str, str]:
         # The context length the engine settled on (the config may say -1, "auto", or nothing).
-        return {**super().info(), "max_model_len": str(self.vllm_config.model_config.max_model_len)}
+        info = {**super().info(), "max_model_len": str(self.vllm_config.model_config.max_model_len)}
+        if self.audio_clip_s is not None:  # (the api refuses longer clips: the model would hear their start only)
+            info["audio_clip_s"] = f"{self.audio_clip_s:g}"
+        return info
 
     def counts(self) -> tuple[int, int]:
         sched = self.core.scheduler
