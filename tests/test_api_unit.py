@@ -553,3 +553,21 @@ def test_stage_stats_of_a_stage_with_no_ready_replica_is_a_503_at_once(tiny_mode
         r = c.get("/v1/omni/stages/0/stats", headers=AUTH)
         assert r.status_code == 503 and "is starting" in r.json()["error"]["message"], r.text
         assert time.monotonic() - t0 < 2.0
+
+
+def test_transcription_pieces_are_clips_the_model_hears_whole():
+    """A file longer than the model's clip is cut into clips of at most that length that add up to
+    it, the last at least 1 s; a file within the clip, or a model reading clips whole, is one."""
+    import numpy as np
+
+    from omni_server.api.transcription import pieces
+
+    rate = 16000
+    noise = np.random.default_rng(0).standard_normal(int(95.5 * rate)).astype(np.float32)
+    for seconds in (30.0, 30.01, 31.0, 61.0, 95.5):
+        wave = noise[:int(seconds * rate)]
+        clips = pieces(wave, 30.0, rate)
+        assert np.array_equal(np.concatenate(clips), wave)
+        assert all(c.size <= 30 * rate for c in clips) and clips[-1].size >= (rate if len(clips) > 1 else 1)
+        assert len(clips) == (1 if seconds <= 30 else 2 if seconds <= 60 else 4 if seconds > 90 else 3)
+    assert len(pieces(noise, None, rate)) == 1

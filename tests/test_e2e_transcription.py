@@ -7,12 +7,15 @@ tests/test_e2e_speech.py)."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 
 import httpx
 import openai
 import pytest
+import soundfile as sf
 
+from omni_server.api import transcription
 from tests.media import tone_wav
 
 MODEL = "omni-tiny"
@@ -107,18 +110,47 @@ def test_json_body_is_refused_with_400(speech_server):
     assert r.status_code == 400 and json.loads(r.text)["error"]["type"] == "invalid_request_error"
 
 
-def test_a_clip_longer_than_the_model_hears_is_refused_not_cut(client):
+def test_a_clip_longer_than_the_model_hears_is_refused_in_a_chat(client):
     """Qwen2.5-Omni's processor keeps the first 30 s of a clip (its Whisper feature extractor
-    truncates): a longer clip would be answered from its start alone, so it is a 400 naming the limit,
-    in a chat and in a transcription; 30 s itself is heard whole."""
+    truncates): a longer clip in a chat would be answered from its start alone, so it is a 400 naming
+    the limit; 30 s itself is heard whole."""
     whole_b64, _ = tone_wav(30.0)
     longer_b64, _ = tone_wav(30.5)
     chat = lambda b64: client.chat.completions.create(  # noqa: E731
         model=MODEL, modalities=["text"], max_tokens=1, messages=[{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}}]}])
     assert chat(whole_b64).usage.prompt_tokens > 750  # (30 s: 750 audio tokens)
-    says = "audio is 30.5 s long; this model hears at most 30 s of a clip"
-    with pytest.raises(openai.BadRequestError, match=f"input_audio 0: {says}"):
+    with pytest.raises(openai.BadRequestError, match="input_audio 0: audio is 30.5 s long; this model hears at "
+                                                     "most 30 s of a clip"):
         chat(longer_b64)
-    with pytest.raises(openai.BadRequestError, match=f"file: {says}"):
-        client.audio.transcriptions.create(model=MODEL, file=("long.wav", base64.b64decode(longer_b64), "audio/wav"))
+
+
+def _wav(samples) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, samples, 16000, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def test_a_file_longer_than_the_model_hears_is_transcribed_clip_by_clip(client):
+    """A 65 s file, where the model hears 30 s of a clip, is transcribed as the clips
+    `transcription.pieces` cuts (each at its quietest 100 ms before the limit), each one's greedy text
+    in order, joined by a space; streamed the same; usage sums the clips'."""
+    b64, heard = tone_wav(65.0)
+    heard = heard.copy()
+    heard[int(29.2 * 16000):int(29.4 * 16000)] = 0  # (a pause: the first cut falls in it)
+    clips = transcription.pieces(heard, 30.0, 16000)
+    assert 29.2 * 16000 <= clips[0].size <= 29.4 * 16000 and len(clips) == 3
+    assert all(c.size <= 30 * 16000 for c in clips) and sum(c.size for c in clips) == heard.size
+    each = [client.audio.transcriptions.create(model=MODEL, file=("c.wav", _wav(c), "audio/wav"),
+                                               extra_body={"max_tokens": 6}) for c in clips]
+    whole = client.audio.transcriptions.create(model=MODEL, file=("long.wav", _wav(heard), "audio/wav"),
+                                               extra_body={"max_tokens": 6})
+    assert whole.text == " ".join(t.text for t in each if t.text) and whole.text.count(" ") >= 2
+    assert whole.usage.input_tokens == sum(t.usage.input_tokens for t in each)
+    assert whole.usage.output_tokens == sum(t.usage.output_tokens for t in each)
+    with httpx.stream("POST", f"{client.base_url}audio/transcriptions", timeout=120,
+                      files={"file": ("long.wav", _wav(heard), "audio/wav")},
+                      data={"model": MODEL, "stream": "true", "max_tokens": "6"}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["delta"] for e in events if e["type"] == "transcript.text.delta") == whole.text
+    assert events[-1]["type"] == "transcript.text.done" and events[-1]["text"] == whole.text

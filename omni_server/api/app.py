@@ -31,7 +31,7 @@ from omni_server.api.protocol import (
     lone_surrogate,
     not_unicode,
 )
-from omni_server.api.runs import Completion, Run, SpeechStream, TextCompletionRun, typed_events
+from omni_server.api.runs import Completion, Run, SpeechStream, TextCompletionRun, Transcript, typed_events
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.orchestrator import Orchestrator, RequestState, StageUnavailable
@@ -485,9 +485,9 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
                                     max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
     except audio.AudioError as e:
         raise APIError(400, f"file: {e}", param="file") from None
-    media.check_clip(wave, state.audio_clip_s, "file", param="file")
     import torch
 
+    clips = transcription.pieces(wave, state.audio_clip_s, AUDIO_SAMPLE_RATE)
     prompt_ids = await asyncio.to_thread(state.text.render_chat, turn)
     _check_prompt(state, prompt_ids)
     # (A chat body for the shared sampling and output code; its messages are not read.)
@@ -495,19 +495,18 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
                                  temperature=temperature, max_tokens=max_tokens)
     sampling = _sampling(state, body)
     orch = _orch(state)
-    request_id = f"{kind}-{uuid.uuid4().hex}"
-    [req] = await _submit(state, orch, [request_id], [prompt_ids], [sampling], {"text"}, {},
-                          {"audio.0": torch.from_numpy(wave)})
-    run = Run(state, orch, req, body, prompt_ids)
+    transcript_id = f"{kind}-{uuid.uuid4().hex}"
+    reqs = await _submit(state, orch, _request_ids(transcript_id, len(clips)), [prompt_ids] * len(clips),
+                         [sampling] * len(clips), {"text"}, {}, [{"audio.0": torch.from_numpy(c)} for c in clips])
+    transcript = Transcript(transcript_id, [Run(state, orch, req, body, prompt_ids) for req in reqs])
     if stream:
-        return await _streamed(request, run, run.transcript_sse)
-    done = await _until_disconnect(request, run.collect(), run.abort)
-    if isinstance(done, Response):
-        return done
-    text = done.message.content or ""
+        return await _streamed(request, transcript, transcript.sse)
+    text = await _until_disconnect(request, transcript.text(), transcript.abort)
+    if isinstance(text, Response):
+        return text
     if response_format == "text":
         return Response(text, media_type="text/plain; charset=utf-8")
-    return {"text": text, "usage": transcription.usage(run.n_prompt, run.completion_tokens)}
+    return {"text": text, "usage": transcript.usage()}
 
 
 def _salted(options: dict[str, str], body) -> dict[str, str]:
@@ -534,10 +533,11 @@ def _modalities(state: ServerState, body: ChatCompletionRequest) -> set[str]:
 
 async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str], prompts: list[list[int]],
                   samplings: list[dict[int, SamplingSpec]], outputs: set[str], options: dict[str, str],
-                  media: dict[str, Any] | None = None) -> list[RequestState]:
-    """One pipeline request per id (a chat's choices; a completion's prompts x choices), each with
-    its prompt and sampling, all or none: the limit counts them all, and if one is refused those
-    already submitted are aborted."""
+                  media: dict[str, Any] | list[dict[str, Any]] | None = None) -> list[RequestState]:
+    """One pipeline request per id (a chat's choices; a completion's prompts x choices; a
+    transcription's clips), each with its prompt and sampling, and the media (or each its own: a
+    list), all or none: the limit counts them all, and if one is refused those already submitted
+    are aborted."""
     limit, n = state.cfg.server.max_concurrent_requests, len(request_ids)
     if n > limit:  # (never admitted, however long the client retries)
         raise APIError(400, f"this request needs {n} pipeline requests (prompts x n); the server's "
@@ -549,8 +549,9 @@ async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str]
         raise APIError(429, f"server {says}; retry shortly", headers={"Retry-After": "1"})
     reqs: list[RequestState] = []
     try:
-        for request_id, prompt_ids, sampling in zip(request_ids, prompts, samplings):
-            reqs.append(await orch.submit(request_id, prompt_ids, sampling, outputs, options, media))
+        for k, (request_id, prompt_ids, sampling) in enumerate(zip(request_ids, prompts, samplings)):
+            own = media[k] if isinstance(media, list) else media
+            reqs.append(await orch.submit(request_id, prompt_ids, sampling, outputs, options, own))
     except StageUnavailable as e:
         raise APIError(503, f"pipeline unavailable: {e}") from None
     finally:

@@ -278,19 +278,6 @@ class Run(_Pipelined):
                       logprobs=None if self.logprobs is None else ChoiceLogprobs(content=self.logprobs),
                       token_ids=self.token_ids if self.body.return_token_ids else None)
 
-    def transcript_sse(self, first: tuple[str, Any] | None) -> AsyncIterator[str]:
-        """A transcription's stream after `first`: OpenAI's `transcript.text.delta` events, then
-        `transcript.text.done` with the whole text and the usage."""
-        return typed_events(self._transcript_events(first), self.abort)
-
-    async def _transcript_events(self, first: tuple[str, Any] | None) -> AsyncIterator[dict]:
-        texts = []
-        async for _, piece in self.stream_from(first):
-            texts.append(piece)
-            yield {"type": "transcript.text.delta", "delta": piece}
-        yield {"type": "transcript.text.done", "text": "".join(texts),
-               "usage": transcription.usage(self.n_prompt, self.completion_tokens)}
-
     def _choice(self, delta: DeltaMessage, finish: str | None = None,
                 logprobs: ChoiceLogprobs | None = None) -> ChunkChoice:
         return ChunkChoice(index=self.index, delta=delta, finish_reason=finish, logprobs=logprobs)
@@ -518,3 +505,31 @@ async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
         for task in pending:
             task.cancel()
         asyncio.gather(*pending, return_exceptions=True)  # (reads their outcomes: no "never retrieved" logs)
+
+
+class Transcript(Completion):
+    """A transcription or translation: the file's clips (transcription.pieces), each its own
+    pipeline request run at once, their texts in order, joined by a space."""
+
+    async def text(self) -> str:
+        return " ".join(c.message.content for c in await self._each(Run.collect) if c.message.content)
+
+    def usage(self) -> dict[str, Any]:
+        return transcription.usage(sum(run.n_prompt for run in self.runs),
+                                   sum(run.completion_tokens for run in self.runs))
+
+    def sse(self, firsts: list[tuple[str, Any] | None]) -> AsyncIterator[str]:
+        """OpenAI's `transcript.text.delta` events, clip after clip, then `transcript.text.done` with
+        the whole text and the usage."""
+        return typed_events(self._events(firsts), self.abort)
+
+    async def _events(self, firsts: list[tuple[str, Any] | None]) -> AsyncIterator[dict]:
+        said = ""
+        for run, first in zip(self.runs, firsts):
+            gap = " " if said else ""  # (between clips, as `text` joins them)
+            async for _, piece in run.stream_from(first):
+                if piece:
+                    piece, gap = gap + piece, ""
+                    said += piece
+                    yield {"type": "transcript.text.delta", "delta": piece}
+        yield {"type": "transcript.text.done", "text": said, "usage": self.usage()}
