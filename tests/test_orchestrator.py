@@ -352,6 +352,11 @@ def test_a_request_ends_here_with_its_last_delta_even_if_nobody_reads_on(tmp_pat
             _, delta = await asyncio.wait_for(anext(reader), 5)
             assert delta.error == "boom"
             assert "r2" not in orch.requests and orch.load[(0, 0)] == 0 and count("error") == 1
+            # A request a stage refused as the client's error (400) is `invalid`, not the server's error.
+            state = await orch.submit("r3", [1, 2, 3], {0: SamplingSpec()})
+            await stage.send(RequestDelta("r3", finished=True, finish_reason="error", error="bad", error_code=400))
+            _, delta = await asyncio.wait_for(anext(orch.deltas(state)), 5)
+            assert delta.error_code == 400 and count("invalid") == 1 and count("error") == 1
         finally:
             stage.close()
             await orch.close()

@@ -18,7 +18,7 @@ class Metrics:
     def __init__(self, model: str):
         self.registry = CollectorRegistry()
         r, m = self.registry, {"model": model}
-        self.requests = Counter("omni_requests", "Pipeline requests ended, by outcome (ok, error, aborted)",
+        self.requests = Counter("omni_requests", "Pipeline requests ended, by outcome (ok, error, invalid, aborted)",
                                 ["model", "outcome"], registry=r)
         self.ttft = Histogram("omni_time_to_first_token_seconds", "Submit to the first text token",
                               ["model"], buckets=_BUCKETS, registry=r).labels(**m)

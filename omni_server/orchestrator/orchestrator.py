@@ -261,7 +261,8 @@ class Orchestrator:
                 stage_id, delta = await state.queue.get()
                 if delta.error is not None or (delta.finished and stage_id not in state.outputs
                                                and delta.finish_reason in ("abort", "error")):
-                    state.done, state.outcome = True, "error"
+                    # (a request a stage refused as the client's error is no fault of the server's)
+                    state.done, state.outcome = True, "invalid" if delta.error_code == 400 else "error"
                     # The other stages may still hold it (running, or expecting its input): drop it there.
                     await self.abort(state.request_id)
                     self._close(state)
