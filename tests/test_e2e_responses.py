@@ -119,11 +119,14 @@ def test_json_schema_text_format(client):
     ({"text": "json"}, "`text` must be an object"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}],
       "model": MODEL}, "image data could not be decoded"),  # (the chat path's media checks)
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, r"input\[0\]\.content\[0\]\.text must be a string"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "got role 'tool'"),
 ])
 def test_unsupported_requests_are_400(client, extra, needle):
     kwargs = {"model": MODEL, "input": "Hi", **extra}
-    with pytest.raises(openai.BadRequestError, match=needle):
+    with pytest.raises(openai.BadRequestError, match=needle) as e:
         client.responses.create(**kwargs)
+    assert e.value.body["param"] != "messages"  # (a Responses body has none: its errors name its own fields)
 
 
 def test_payloads_validate_against_the_sdk_types(text_server):

@@ -434,7 +434,7 @@ def _check_room(state: ServerState, prompts: list[list[int]], body: ChatCompleti
 async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,
                        param: str = "messages") -> tuple[dict[str, Any], list[int]]:
     """A chat body's decoded media and its prompt (the rendered template), checked against the limit."""
-    decoded = await media.decode_media(state.cfg, body, state.audio_clip_s)
+    decoded = await media.decode_media(state.cfg, body, state.audio_clip_s, param=param)
     # (In a thread, as everything below that scales with the body: a prompt of megabytes takes
     # seconds to render and tokenize, and the event loop serves every other request meanwhile.)
     if body.tool_mode() and not await asyncio.to_thread(lambda: state.text.writes_tools):

@@ -77,12 +77,12 @@ def check_clip(wave, clip_s: float | None, name: str, param: str) -> None:
                             f"of up to {clip_s:g} s", param=param)
 
 
-async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest,
-                       audio_clip_s: float | None = None) -> dict[str, Any]:
+async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest, audio_clip_s: float | None = None,
+                       param: str = "messages") -> dict[str, Any]:
     """Decoded media parts as the first stage reads them: "audio.N" (16 kHz mono float32),
     "image.N" (RGB uint8) and "video.N" (RGB uint8 frames, `video.FPS` a second), numbered in prompt
     order per kind; http(s) URLs fetched where the deployment allows (api/fetch.py). A clip longer
-    than `audio_clip_s` is refused (`check_clip`)."""
+    than `audio_clip_s` is refused (`check_clip`). Errors name `param`, the request's messages."""
     import torch
 
     out: dict[str, Any] = {}
@@ -95,17 +95,17 @@ async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest,
         limit = cap(cfg, kind)  # (vLLM would refuse more, after the decoding)
         if isinstance(limit, int) and counts[kind] > limit:
             raise APIError(400, f"this pipeline takes at most {limit} {kind} input(s) per request "
-                                f"(stage 0's limit_mm_per_prompt)", param="messages")
+                                f"(stage 0's limit_mm_per_prompt)", param=param)
         try:
             array = await decode_part(cfg.server, part)
         except (audio.AudioError, image.ImageError, video.VideoError, fetch.FetchError) as e:
-            raise APIError(400, f"{part.type} {i}: {e}", param="messages") from None
+            raise APIError(400, f"{part.type} {i}: {e}", param=param) from None
         if kind == "audio":
-            check_clip(array, audio_clip_s, f"{part.type} {i}", param="messages")
+            check_clip(array, audio_clip_s, f"{part.type} {i}", param=param)
         held += array.nbytes
         if held > cfg.server.max_media_bytes:
             raise APIError(400, f"the request's media decode to more than {cfg.server.max_media_bytes} bytes "
-                                f"(server.max_media_bytes), at {part.type} {i}", param="messages")
+                                f"(server.max_media_bytes), at {part.type} {i}", param=param)
         out[f"{kind}.{i}"] = torch.from_numpy(array)
     return out
 

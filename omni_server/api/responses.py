@@ -102,8 +102,9 @@ def _message(item: Any, i: int) -> dict[str, Any]:
     if not isinstance(item, dict) or item.get("type", "message") != "message" or not isinstance(role, str) \
             or role not in _ROLES:
         kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+        got = f"role {role!r}" if isinstance(role, str) and kind in (None, "message") else repr(kind)
         raise APIError(400, f"{param}: only messages (role user, assistant, system or developer) are supported, "
-                            f"got {kind!r}", param=param)
+                            f"got {got}", param=param)
     content = item.get("content")
     if isinstance(content, str):
         return {"role": _ROLES[item["role"]], "content": content}
@@ -120,6 +121,8 @@ def _part(part: Any, param: str) -> dict[str, Any]:
         return {"type": "image_url", "image_url": {"url": part["image_url"]}}
     if kind == "input_audio" and isinstance(part.get("input_audio"), dict):
         return {"type": "input_audio", "input_audio": part["input_audio"]}
+    if kind in ("input_text", "output_text"):
+        raise APIError(400, f"{param}.text must be a string", param=f"{param}.text")
     if kind == "input_image":
         raise APIError(400, f"{param}: an image is given as `image_url` (a data: or http(s) URL); files by id "
                             "are not supported", param=param)
