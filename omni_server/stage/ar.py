@@ -508,8 +508,12 @@ class ARStage(Stage):
         params = self._sampling_params(spec, emit_hidden=with_hidden, step_embeds=step_embeds, positions=positions)
         try:
             request = self.inputs.process_inputs(request_id, prompt, params, supported_tasks=self.tasks)
+            # The engine's prompt: multimodal placeholders expanded to one token per embedding row
+            # (an embeddings prompt has no ids: its rows are its positions).
+            prompt_token_ids = list(request.prompt_token_ids or [])
+            prompt_len = len(request.prompt_embeds) if request.prompt_token_ids is None else len(prompt_token_ids)
             if spec.max_tokens_param:
-                self._check_room(request, spec)
+                self._check_room(prompt_len, spec)
             req, wave = self.core.preprocess_add_request(request)
         except Exception:
             if "multi_modal_data" in prompt:
@@ -520,19 +524,14 @@ class ARStage(Stage):
                 # a rejected request costs the others' cache hits, never their correctness).
                 self.inputs.renderer.clear_mm_cache()
             raise
-        # The engine's prompt: multimodal placeholders expanded to one token per embedding row.
-        prompt_token_ids = list(request.prompt_token_ids or [])
-        # (an embeddings prompt has no ids: its rows are its positions)
-        prompt_len = len(request.prompt_embeds) if request.prompt_token_ids is None else len(prompt_token_ids)
         return _Made(req, wave, prompt_token_ids, prompt_len, with_hidden, list(forward_to), spec.hold_output,
                      list(spec.stop))
 
-    def _check_room(self, request, spec: SamplingSpec) -> None:
+    def _check_room(self, n: int, spec: SamplingSpec) -> None:
         """A max_tokens the client set that the context cannot hold after the prompt as the engine runs
-        it (media expanded: the api counted only their placeholders) is the client's error, not a reply
-        cut short as if it reached it."""
+        it (`n` tokens, media expanded: the api counted only their placeholders) is the client's error,
+        not a reply cut short as if it reached it."""
         context = self.vllm_config.model_config.max_model_len
-        n = len(request.prompt_embeds) if request.prompt_token_ids is None else len(request.prompt_token_ids)
         if n + spec.max_tokens > context:
             raise ValueError(f"this model's context is {context} tokens: the prompt's {n} and "
                              f"{spec.max_tokens_param} {spec.max_tokens} do not fit")
