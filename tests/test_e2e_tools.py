@@ -84,6 +84,7 @@ def test_a_conversation_with_a_call_and_its_result_continues(client):
     ({"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}, {"role": "tool", "content": "x",
                                                                           "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]}, None),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}, "messages.1"),
 ])
 def test_tool_requests_that_cannot_work_are_400(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:

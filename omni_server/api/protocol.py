@@ -226,6 +226,8 @@ class ChatMessage(_Lenient):
                              "stores no replies; send that reply's transcript as the message's `content`")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant message has `tool_calls`")
+        if self.role == "tool" and not self.tool_call_id:  # (OpenAI's rule: the template pairs result and call by it)
+            raise ValueError("a tool message needs `tool_call_id`: the id of the call it answers")
         if (self.content is None or self.content == []) and not self.tool_calls:
             raise ValueError(f"a {self.role} message needs `content` (a string or a non-empty list of parts)"
                              + (" or `tool_calls`" if self.role == "assistant" else ""))
