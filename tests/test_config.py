@@ -708,6 +708,25 @@ def test_check_and_serve_name_a_local_model_path_that_does_not_exist(tmp_path):
             f"{path}: runtime_dir: /tmp/{'r' * 100} is too long for its sockets' paths (117 characters, at most 107)"]
 
 
+def test_check_and_serve_name_a_chat_template_that_does_not_compile(tmp_path):
+    """A server.chat_template with a Jinja syntax error: named with its line by `check` and by `serve`
+    before any stage starts (it served, /health 200, and failed every chat with a 500)."""
+    template = tmp_path / "bad.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}\n{% for x in %}broken\n")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text((REPO / "configs" / "default.yaml").read_text().replace("../var/models", str(REPO / "var/models"))
+                    + f"\nserver: {{chat_template: {template}}}\n")
+    for cmd in ("check", "serve"):
+        proc = subprocess.run([sys.executable, "-m", "omni_server.cli", cmd, str(path)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"{path}: server: chat_template: {template}: line 2: " in proc.stderr, proc.stderr
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")  # (a good one: check passes)
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "check", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_a_local_directory_that_is_no_checkpoint_is_named_before_any_stage_starts(tmp_path):
     """An empty model directory (docker makes one for a bind mount whose source is missing) or one
     without tokenizer files: `check` / `serve` name it, instead of every stage failing deep in

@@ -439,6 +439,10 @@ def missing_paths(cfg: PipelineConfig, name: str, stage_id: int | None = None) -
     template = cfg.server.chat_template
     if template and not Path(os.path.expanduser(template)).is_file():
         out.append(f"{name}: server: chat_template: no such file: {template}")
+    elif template:  # (one that does not compile failed every chat with a 500 while /health said ok)
+        why = _template_problem(Path(os.path.expanduser(template)))
+        if why:
+            out.append(f"{name}: server: chat_template: {template}: {why}")
     keys = cfg.server.curve_keys_dir
     if keys and not (Path(os.path.expanduser(keys)) / "omni.key_secret").is_file():
         out.append(f"{name}: server: curve_keys_dir: no omni.key_secret in {keys} (`omni-server keys {keys}` "
@@ -455,6 +459,20 @@ def missing_paths(cfg: PipelineConfig, name: str, stage_id: int | None = None) -
             if why:
                 out.append(f"{name}: runtime_dir: {cfg.runtime_dir} {why}")
     return out
+
+
+def _template_problem(path: Path) -> str | None:
+    """Why the chat template in `path` cannot render (None: it compiles), as transformers compiles it."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(path.read_text())
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except jinja2.TemplateSyntaxError as e:
+        return f"line {e.lineno}: {e.message}"
+    return None
 
 
 def _runtime_dir_problem(path: Path) -> str | None:
