@@ -66,6 +66,32 @@ def listen(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
+def check_api_sockets(cfg: PipelineConfig, runtime_dir) -> None:
+    """The api's own ZMQ set-up, tried before any stage starts: CURVE keys that do not load, or an
+    output address it cannot bind (a port in use, a host that does not resolve, a missing ipc
+    directory), are a one-line error at once, not uvicorn's traceback after every stage launched."""
+    import zmq
+
+    from omni_server.wire.security import curve_for
+    from omni_server.wire.transport import api_address
+
+    try:
+        curve_for(cfg.server.curve_keys_dir)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"server.curve_keys_dir: {cfg.server.curve_keys_dir}: {e}") from None
+    address = api_address(cfg, runtime_dir)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        raise SystemExit(f"cannot listen on {address} (the api's output address): {e.strerror}") from None
+    finally:
+        sock.close()
+        ctx.term()  # (waits for the close: the address is free again for the orchestrator)
+
+
 async def serve(cfg: PipelineConfig, external_stages: bool = False, started: float | None = None) -> int:
     """Run the api; start and supervise the stage processes unless they are external (started
     separately, e.g. by docker-compose or on other hosts, and found at their configured addresses).
@@ -83,6 +109,12 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
     listening = listen(cfg.server.host, cfg.server.port)
     try:
         runtime_dir = make_runtime_dir(cfg)
+        try:
+            check_api_sockets(cfg, runtime_dir)
+        except SystemExit:
+            if cfg.runtime_dir is None:
+                shutil.rmtree(runtime_dir, ignore_errors=True)
+            raise
     except SystemExit:
         for sock in listening:
             sock.close()

@@ -209,6 +209,40 @@ def test_a_port_in_use_or_a_host_that_does_not_resolve_stops_serve_before_any_st
         held.close()
 
 
+def test_an_output_address_in_use_or_bad_curve_keys_stop_serve_before_any_stage_starts(tiny_models, tmp_path):
+    """The api's ZMQ set-up is tried before the stages launch: its output address in use, or CURVE
+    keys that do not load, were uvicorn's traceback (exit code 3) after every stage had started."""
+    import socket
+
+    from tests.conftest import Server
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    base = (REPO / "configs" / "default.yaml").read_text().replace("../var/models", str(REPO / "var/models"))
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "omni.key_secret").write_text("not a key\n")
+    try:
+        for name, server_cfg, says in (
+                ("busy", f"{{output_address: 'tcp://127.0.0.1:{held.getsockname()[1]}'}}",
+                 f"cannot listen on tcp://127.0.0.1:{held.getsockname()[1]} (the api's output address): "
+                 "Address already in use"),
+                ("keys", f"{{curve_keys_dir: {keys}}}", f"server.curve_keys_dir: {keys}: ")):
+            config = tmp_path / f"{name}.yaml"
+            config.write_text(base + f"\nserver: {server_cfg}\nruntime_dir: {tmp_path / name}\n")
+            server = Server(config, tmp_path / f"{name}.log", args=["--port", "0"])
+            try:
+                assert server.proc.wait(60) == 1
+            finally:
+                server.stop()
+            log = server.log_tail()
+            assert log.splitlines()[-1].startswith(says), log
+            assert "starting, pid" not in log and "Traceback" not in log  # (no stage launched)
+    finally:
+        held.close()
+
+
 def test_failure_note_of_a_stage_process():
     from omni_server.orchestrator.launcher import failure_note
 
