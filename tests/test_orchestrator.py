@@ -4,6 +4,7 @@ restarts, stages that stay down, long requests among many short ones."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from types import SimpleNamespace
 
@@ -114,7 +115,7 @@ def test_a_stage_restarted_at_its_address_fails_the_requests_it_held(tmp_path):
     asyncio.run(main())
 
 
-def test_aborts_and_probes_never_wait_on_a_replica_that_stays_down(tmp_path, monkeypatch):
+def test_aborts_and_probes_never_wait_on_a_replica_that_stays_down(tmp_path, monkeypatch, caplog):
     """A replica given up (or an external stage gone) reads nothing: once its send queue is full,
     aborts (in every failing request's path) and the probes go on without waiting for it."""
     monkeypatch.setattr(orch_mod, "SEND_HWM", 20)
@@ -134,6 +135,10 @@ def test_aborts_and_probes_never_wait_on_a_replica_that_stays_down(tmp_path, mon
             alive.close()
             await orch.close()
             ctx.destroy(linger=0)
+        # The api stopping: streams its graceful shutdown cancels abort after the sockets closed.
+        with caplog.at_level(logging.DEBUG, logger=orch_mod.log.name):
+            await asyncio.wait_for(orch.abort("late"), 1)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
     asyncio.run(main())
 

@@ -82,6 +82,7 @@ class Orchestrator:
         self.cfg = cfg
         self.metrics = Metrics(cfg.model)
         self.ctx = zmq.asyncio.Context()
+        self.closed = False  # (close() ran: sends are dropped)
         self.curve = curve_for(cfg.server.curve_keys_dir)
         if self.curve:
             self.curve.start_authenticator(self.ctx)
@@ -208,6 +209,7 @@ class Orchestrator:
                 task.cancel()
         if self.curve:
             self.curve.stop()
+        self.closed = True
         self.ctx.destroy(linger=500)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -347,7 +349,10 @@ class Orchestrator:
     async def _send_or_drop(self, unit: Unit, msg: Message) -> None:
         """Send without waiting for room: a stage that is down (or one that stays down: a replica
         given up, an external stage gone) reads nothing, its queue fills to SEND_HWM, and a blocking
-        send would then stall the caller for good (an abort in a failing request's path, the probes)."""
+        send would then stall the caller for good (an abort in a failing request's path, the probes).
+        Once closed (the api stopping), nothing: the streams its shutdown cancels still abort theirs."""
+        if self.closed:
+            return
         try:
             await self._send(self.stage_socks[unit], msg, flags=zmq.NOBLOCK)
         except zmq.Again:
