@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -101,19 +102,28 @@ def cmd_stage(args) -> int:
     return 0
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_serve(args) -> int:
     started = time.monotonic()  # ("all stages ready in" counts from the command, imports included)
-    cfg = _load(args.config, args.stage_arg, check_names=True)
-    if args.host:
-        cfg.server.host = args.host
-    if args.port is not None:
-        cfg.server.port = args.port
-    if args.api_key:
-        cfg.server.api_key = args.api_key
-    if args.cuda_mps is not None:
-        cfg.cuda_mps = {"true": True, "false": False}.get(args.cuda_mps, args.cuda_mps)
-    from omni_server.server import serve
-
+    # Until serve takes the signals over, nothing has started: Ctrl-C or SIGTERM (the terminal's,
+    # a supervisor's) during the config's checks and the imports just ends the command, exit 0 as later.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        cfg = _load(args.config, args.stage_arg, check_names=True)
+        if args.host:
+            cfg.server.host = args.host
+        if args.port is not None:
+            cfg.server.port = args.port
+        if args.api_key:
+            cfg.server.api_key = args.api_key
+        if args.cuda_mps is not None:
+            cfg.cuda_mps = {"true": True, "false": False}.get(args.cuda_mps, args.cuda_mps)
+        from omni_server.server import serve
+    except KeyboardInterrupt:
+        return 0
     return asyncio.run(serve(cfg, external_stages=args.external_stages, started=started))
 
 

@@ -351,6 +351,36 @@ def test_a_signal_while_the_stages_start_stops_everything_cleanly(tiny_models, t
                                      and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_before_any_stage_starts_ends_serve_quietly(tiny_models, tmp_path, sig):
+    """Ctrl-C or SIGTERM in the first seconds (the config's checks, the imports), before serve's own
+    handlers: exit 0 with no traceback, as later (Ctrl-C was a KeyboardInterrupt traceback, SIGTERM
+    a death by signal)."""
+    import signal
+
+    from tests.conftest import free_port
+
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "omni_server.cli", "serve", "configs/default.yaml", "--port",
+                                 str(free_port())], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        # Once the command catches SIGTERM (its first step), before any stage: /proc says which it catches.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            caught = next(line for line in open(f"/proc/{proc.pid}/status") if line.startswith("SigCgt:"))
+            if int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1:
+                break
+            time.sleep(0.005)
+        proc.send_signal(getattr(signal, sig))
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 0 and "Traceback" not in text and "starting, pid" not in text, text[-3000:]
+
+
 def test_a_runtime_dir_serves_one_serve_at_a_time(tmp_path):
     """A second `serve` on the same runtime_dir would bind the first one's ipc sockets (ZMQ lets it)
     and take them over silently: it is refused, and the directory is free again once released. A
