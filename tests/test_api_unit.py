@@ -571,3 +571,32 @@ def test_transcription_pieces_are_clips_the_model_hears_whole():
         assert all(c.size <= 30 * rate for c in clips) and clips[-1].size >= (rate if len(clips) > 1 else 1)
         assert len(clips) == (1 if seconds <= 30 else 2 if seconds <= 60 else 4 if seconds > 90 else 3)
     assert len(pieces(noise, None, rate)) == 1
+
+
+def test_a_raw_body_cut_mid_stream_ends_without_its_last_chunk_and_without_raising():
+    """A raw audio body whose pipeline fails after the status line went out (`BodyCut`): the response
+    returns without the final chunk, so the server closes the connection and the client sees the body
+    incomplete; the request is aborted; nothing propagates (it was two ERROR tracebacks in the log)."""
+    from omni_server.api.app import _AbortingStream
+    from omni_server.api.runs import BodyCut
+
+    aborted, sent = [], []
+
+    async def body():
+        yield b"\x00\x01"
+        raise BodyCut
+
+    async def abort():
+        aborted.append(True)
+
+    async def receive():
+        await asyncio.sleep(60)  # (the client stays: no disconnect)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    asyncio.run(_AbortingStream(body(), abort, "audio/pcm")(scope, receive, send))
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"], sent
+    assert sent[1]["body"] == b"\x00\x01" and sent[1]["more_body"] is True
+    assert aborted == [True]

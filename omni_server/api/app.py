@@ -31,7 +31,7 @@ from omni_server.api.protocol import (
     lone_surrogate,
     not_unicode,
 )
-from omni_server.api.runs import Completion, Run, SpeechStream, TextCompletionRun, Transcript, typed_events
+from omni_server.api.runs import BodyCut, Completion, Run, SpeechStream, TextCompletionRun, Transcript, typed_events
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.orchestrator import Orchestrator, RequestState, StageUnavailable
@@ -685,5 +685,7 @@ class _AbortingStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except BodyCut:
+            pass  # (returning before the last chunk: the server closes the connection, the body cut short)
         finally:
             await self._abort()  # (a no-op for requests that ended)

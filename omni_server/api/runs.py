@@ -100,6 +100,11 @@ class _Pipelined:
             await self.orch.abort(self.req.request_id, outcome=outcome)
 
 
+class BodyCut(Exception):
+    """A raw body that cannot go on after its status line went out: the response ends without its
+    last chunk, so the client sees it incomplete (already logged; no traceback)."""
+
+
 class SpeechStream(_Pipelined):
     """One /v1/audio/speech request's audio, encoded piece by piece as the audio stage sends it:
     as the raw body (`first` then `raw`) or as OpenAI's speech SSE events (`sse`)."""
@@ -142,7 +147,7 @@ class SpeechStream(_Pipelined):
             # incomplete response, not a complete file).
             finished = True
             log.warning("%s failed mid-stream: %s", self.req.request_id, e.message)
-            raise
+            raise BodyCut from None
         finally:
             if not finished:  # client went away
                 await self.abort()
