@@ -449,6 +449,21 @@ def test_a_config_token_id_past_the_vocabulary_fails_the_stage_start(tiny_models
             "default_sampling.suppress_token_ids: [99999999] not in the model's vocabulary (0-1279)") in server.log_tail()
 
 
+def test_an_engine_arg_of_the_wrong_type_fails_the_stage_start_naming_it(tiny_models, tmp_path):
+    """`max_num_seqs: abc` reached EngineArgs as it was and failed the start with a TypeError naming
+    no field: the stage checks its own engine_args first (as `check` does)."""
+    from tests.conftest import Server
+
+    server = Server(REPO / "tests" / "configs" / "text.yaml", tmp_path / "serve.log",
+                    args=["--stage-arg", "thinker.max_num_seqs=abc"])
+    try:
+        assert server.proc.wait(240) == 1
+    finally:
+        server.stop()
+    assert ("stage 0 (thinker) failed to start (exit code 1): ValueError: stage 0 (thinker): "
+            "engine_args.max_num_seqs: 'abc': Input should be a valid integer") in server.log_tail()
+
+
 def test_a_restarted_stage_runs_the_config_serve_read(tiny_models, tmp_path):
     """Stages start from serve's validated config (overrides applied), not from the file again: a
     stage restarted after the file was moved away (or edited) runs as before."""

@@ -485,10 +485,10 @@ def _runtime_dir_problem(path: Path) -> str | None:
     return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: {parent} is not writable"
 
 
-def engine_arg_problems(cfg: PipelineConfig, name: str) -> list[str]:
+def engine_arg_problems(cfg: PipelineConfig, name: str, stage_id: int | None = None) -> list[str]:
     """AR stages' engine_args keys that vLLM's EngineArgs does not take (a typo, a CLI spelling with
-    dashes), with the closest names; for `check` (imports vLLM: seconds), where `serve` would only
-    say so once the stage starts."""
+    dashes), with the closest names, and values that do not fit; for `check` (imports vLLM: seconds),
+    and for a stage process its own (`stage_id`) before its engine is built."""
     import dataclasses
     import difflib
 
@@ -496,7 +496,7 @@ def engine_arg_problems(cfg: PipelineConfig, name: str) -> list[str]:
 
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     out = []
-    for stage in cfg.stages:
+    for stage in cfg.stages if stage_id is None else [cfg.stage(stage_id)]:
         if stage.kind != "ar":
             continue
         for key, value in stage.engine_args.items():

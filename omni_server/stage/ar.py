@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from omni_server.config.loader import engine_arg_problems
 from omni_server.config.schema import PipelineConfig
 from omni_server.stage import model_classes, processors
 from omni_server.stage.audio_clip import audio_clip_seconds
@@ -221,6 +222,10 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
     from vllm.platforms import current_platform
 
     stage = cfg.stage(stage_id)
+    # (a value EngineArgs takes as it is failed deep in the engine's start, naming no field)
+    problems = engine_arg_problems(cfg, "config", stage_id)
+    if problems:
+        raise ValueError("; ".join(p.removeprefix("config: ") for p in problems))
     args: dict[str, Any] = dict(stage.engine_args)
     if stage.model_class:
         mc = model_classes.get(stage.model_class)
