@@ -435,33 +435,23 @@ def test_each_stage_has_its_own_startup_timeout_and_port_0_logs_the_port_bound(t
         proc.wait(60)
 
 
-def test_a_config_token_id_past_the_vocabulary_fails_the_stage_start(tiny_models, tmp_path):
-    """(It failed every request instead, as the client's bad logit_bias: a 400 for a field never sent.)"""
+@pytest.mark.parametrize("arg, says", [
+    # (it failed every request instead, as the client's bad logit_bias: a 400 for a field never sent)
+    ("thinker.default_sampling.suppress_token_ids=[5, 99999999]",
+     "default_sampling.suppress_token_ids: [99999999] not in the model's vocabulary (0-1279)"),
+    # (EngineArgs took it as it was: a TypeError deep in the engine's start, naming no field; the stage
+    # checks its own engine_args first, as `check` does)
+    ("thinker.max_num_seqs=abc", "engine_args.max_num_seqs: 'abc': Input should be a valid integer"),
+], ids=["token-id-past-the-vocabulary", "engine-arg-of-the-wrong-type"])
+def test_a_bad_stage_setting_fails_the_stage_start_naming_it(tiny_models, tmp_path, arg, says):
     from tests.conftest import Server
 
-    server = Server(REPO / "tests" / "configs" / "text.yaml", tmp_path / "serve.log",
-                    args=["--stage-arg", "thinker.default_sampling.suppress_token_ids=[5, 99999999]"])
+    server = Server(REPO / "tests" / "configs" / "text.yaml", tmp_path / "serve.log", args=["--stage-arg", arg])
     try:
         assert server.proc.wait(240) == 1
     finally:
         server.stop()
-    assert ("stage 0 (thinker) failed to start (exit code 1): ValueError: stage 0 (thinker): "
-            "default_sampling.suppress_token_ids: [99999999] not in the model's vocabulary (0-1279)") in server.log_tail()
-
-
-def test_an_engine_arg_of_the_wrong_type_fails_the_stage_start_naming_it(tiny_models, tmp_path):
-    """`max_num_seqs: abc` reached EngineArgs as it was and failed the start with a TypeError naming
-    no field: the stage checks its own engine_args first (as `check` does)."""
-    from tests.conftest import Server
-
-    server = Server(REPO / "tests" / "configs" / "text.yaml", tmp_path / "serve.log",
-                    args=["--stage-arg", "thinker.max_num_seqs=abc"])
-    try:
-        assert server.proc.wait(240) == 1
-    finally:
-        server.stop()
-    assert ("stage 0 (thinker) failed to start (exit code 1): ValueError: stage 0 (thinker): "
-            "engine_args.max_num_seqs: 'abc': Input should be a valid integer") in server.log_tail()
+    assert f"stage 0 (thinker) failed to start (exit code 1): ValueError: stage 0 (thinker): {says}" in server.log_tail()
 
 
 def test_a_restarted_stage_runs_the_config_serve_read(tiny_models, tmp_path):

@@ -71,18 +71,21 @@ class ServerState:
             limits.append(self.context - 1)
         return min(limits, default=None)
 
+    def _stage0(self, key: str) -> str | None:
+        """What stage 0 reported as `key` when ready (None: not reported, or not ready)."""
+        ready = self.orch.stage_info(0) if self.orch is not None else None
+        return ready.info.get(key) if ready is not None else None
+
     @property
     def context(self) -> int:
-        """Stage 0's context length as its engine settled it (reported when ready); 0: not known."""
-        ready = self.orch.stage_info(0) if self.orch is not None else None
-        return int(ready.info.get("max_model_len", 0)) if ready is not None else 0
+        """Stage 0's context length as its engine settled it; 0: not known."""
+        return int(self._stage0("max_model_len") or 0)
 
     @property
     def audio_clip_s(self) -> float | None:
-        """Seconds of a clip stage 0's processor reads, where it cuts longer ones (reported when
-        ready); None: whole clips, or not known."""
-        ready = self.orch.stage_info(0) if self.orch is not None else None
-        clip = ready.info.get("audio_clip_s") if ready is not None else None
+        """Seconds of a clip stage 0's processor reads, where it cuts longer ones; None: whole clips,
+        or not known."""
+        clip = self._stage0("audio_clip_s")
         return float(clip) if clip else None
 
     def voices(self) -> list[str]:
