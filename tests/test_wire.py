@@ -37,6 +37,7 @@ from omni_server.wire.messages import (
     StatsQuery,
     StreamCredit,
 )
+from omni_server.wire.transport import input_socket
 
 try:
     from hypothesis import HealthCheck, given, settings
@@ -776,3 +777,29 @@ def test_receiver_loop_survives_garbage(zctx, tmp_path, caplog):
         push.close(0)
         if not rx.is_alive():
             pull.close(0)
+
+
+def test_input_socket_drops_a_frame_over_its_limit_before_buffering_it(zctx, tmp_path):
+    # zmq itself refuses the frame (MAXMSGSIZE) and disconnects its sender; the sender reconnects
+    # and what it sends next arrives.
+    address = f"ipc://{tmp_path / 'in.sock'}"
+    pull = input_socket(zctx, None, address, max_bytes=1024)
+    pull.setsockopt(zmq.LINGER, 0)
+    push = zctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(address)
+    try:
+        push.send(b"x" * 4096)
+        got = None
+        deadline = time.monotonic() + 10
+        while got is None and time.monotonic() < deadline:
+            push.send(b"small")
+            if pull.poll(200):
+                got = pull.recv()
+        assert got == b"small"
+    finally:
+        push.close(0)
+        pull.close(0)
+    default = input_socket(zctx, None, f"ipc://{tmp_path / 'default.sock'}")
+    assert default.getsockopt(zmq.MAXMSGSIZE) == Decoder().max_bytes  # (the decoder's own limit)
+    default.close(0)

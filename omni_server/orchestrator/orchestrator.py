@@ -36,7 +36,7 @@ from omni_server.wire.messages import (
     StatsQuery,
 )
 from omni_server.wire.security import curve_for
-from omni_server.wire.transport import SEND_HWM, api_address, decode_or_none, stage_address
+from omni_server.wire.transport import SEND_HWM, api_address, decode_or_none, input_socket, stage_address
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +86,7 @@ class Orchestrator:
         self.curve = curve_for(cfg.server.curve_keys_dir)
         if self.curve:
             self.curve.start_authenticator(self.ctx)
-        self.out = self.ctx.socket(zmq.PULL)
-        if self.curve:
-            self.curve.server(self.out)
-        self.out.bind(api_address(cfg, runtime_dir))
+        self.out = input_socket(self.ctx, self.curve, api_address(cfg, runtime_dir))
         self.units = cfg.units()
         self.stage_socks: dict[Unit, zmq.asyncio.Socket] = {}
         for unit in self.units:

@@ -18,9 +18,9 @@ from typing import Iterator
 import zmq
 
 from omni_server.config.schema import PipelineConfig
-from omni_server.wire.codec import Decoder, Encoder, WireError
+from omni_server.wire.codec import DEFAULT_MAX_BYTES, Decoder, Encoder, WireError
 from omni_server.wire.messages import Message
-from omni_server.wire.security import curve_for
+from omni_server.wire.security import Curve, curve_for
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,17 @@ def make_runtime_dir(cfg: PipelineConfig) -> Path:
     return Path(tempfile.mkdtemp(prefix="omni-server-"))  # mode 0700: sockets stay private
 
 
+def input_socket(ctx: zmq.Context, curve: Curve | None, address: str, max_bytes: int = DEFAULT_MAX_BYTES) -> zmq.Socket:
+    """A bound PULL socket. A frame over `max_bytes` (what the decoder refuses anyway) is dropped by
+    zmq before it is buffered, and its sender disconnected: a peer cannot make us allocate it."""
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    if curve:
+        curve.server(sock)
+    sock.bind(address)
+    return sock
+
+
 def stage_address(cfg: PipelineConfig, stage_id: int, runtime_dir: Path | str, replica: int = 0) -> str:
     name = f"stage{stage_id}.in" if replica == 0 else f"stage{stage_id}.{replica}.in"
     return cfg.stage(stage_id).address_of(replica) or f"ipc://{Path(runtime_dir) / name}"
@@ -94,10 +105,7 @@ class StageSockets:
         self.curve = curve_for(cfg.server.curve_keys_dir)
         if self.curve:
             self.curve.start_authenticator(self.ctx)
-        self.input = self.ctx.socket(zmq.PULL)
-        if self.curve:
-            self.curve.server(self.input)
-        self.input.bind(stage_address(cfg, stage_id, runtime_dir, replica))
+        self.input = input_socket(self.ctx, self.curve, stage_address(cfg, stage_id, runtime_dir, replica))
         self.api = self._push(api_address(cfg, runtime_dir))
         # Consumers get payloads; sources get stream credits back.
         peers = set(cfg.consumers(stage_id)) | set(cfg.stage(stage_id).inputs)
