@@ -945,18 +945,24 @@ def test_check_names_engine_args_vllm_does_not_take():
 
 def test_check_names_engine_args_values_of_the_wrong_type():
     """EngineArgs takes values as they are: `max_num_seqs: abc` passed `check` and failed the stage's
-    start with a TypeError naming no field; a number written as a string the same."""
+    start with a TypeError naming no field; a number written as a string the same, and counts below
+    1 (`max_model_len: -5`; -1 is vLLM's fit-to-memory) or a memory fraction above 1."""
     proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "check", "configs/default.yaml",
                            "--stage-arg", "thinker.max_num_seqs=abc", "--stage-arg", "talker.max_model_len='512'",
-                           "--stage-arg", "thinker.compilation_config=fast"],
+                           "--stage-arg", "thinker.compilation_config=fast", "--stage-arg", "thinker.max_model_len=-5",
+                           "--stage-arg", "talker.gpu_memory_utilization=1.5", "--stage-arg", "talker.max_num_batched_tokens=0"],
                           cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = sorted(line for line in proc.stderr.splitlines() if line.startswith("configs/default.yaml"))
     assert lines[0].startswith("configs/default.yaml: stage 0 (thinker): engine_args.compilation_config: 'fast': ")
     assert lines[1:] == [
+        "configs/default.yaml: stage 0 (thinker): engine_args.max_model_len: -5 must be at least 1 (or -1)",
         "configs/default.yaml: stage 0 (thinker): engine_args.max_num_seqs: 'abc': Input should be a valid integer, "
         "unable to parse string as an integer",
-        "configs/default.yaml: stage 1 (talker): engine_args.max_model_len: '512' is a string; write it as int (512)"], \
+        "configs/default.yaml: stage 1 (talker): engine_args.gpu_memory_utilization: 1.5 must be above 0 and at most 1 "
+        "(a fraction of the GPU's memory)",
+        "configs/default.yaml: stage 1 (talker): engine_args.max_model_len: '512' is a string; write it as int (512)",
+        "configs/default.yaml: stage 1 (talker): engine_args.max_num_batched_tokens: 0 must be at least 1"], \
         proc.stderr
 
 

@@ -529,7 +529,18 @@ def _engine_arg_type_error(key: str, value: Any) -> str | None:
         return None
     if isinstance(value, str) and not isinstance(fitted, str):  # ("5", "yes": taken as they are, not converted)
         return f"{value!r} is a string; write it as {type(fitted).__name__} ({fitted!r})"
+    if key in _COUNTS and isinstance(value, int) and value < 1 and value != _COUNTS[key]:
+        return f"{value} must be at least 1" + (f" (or {_COUNTS[key]})" if _COUNTS[key] is not None else "")
+    if key == "gpu_memory_utilization" and isinstance(value, (int, float)) and not 0 < value <= 1:
+        return f"{value} must be above 0 and at most 1 (a fraction of the GPU's memory)"
     return None
+
+
+# Counts and sizes EngineArgs takes as they are (`max_model_len: -5` failed deep in the engine's
+# start), with the one value below 1 each means something: max_model_len -1 fits it to the memory.
+_COUNTS: dict[str, int | None] = {"max_model_len": -1, "max_num_seqs": None, "max_num_batched_tokens": None,
+                                  "tensor_parallel_size": None, "pipeline_parallel_size": None,
+                                  "data_parallel_size": None, "kv_cache_memory_bytes": None}
 
 
 @functools.cache
