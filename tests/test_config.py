@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -570,6 +571,18 @@ def test_model_path_relative_to_config_dir(tmp_path, monkeypatch):
     cfg = load_config(path)
     assert cfg.stages[0].model == str((tmp_path / "var/models/x").resolve())
     assert cfg.stages[0].tokenizer == str((tmp_path / "var/tok").resolve())
+
+
+def test_runtime_dir_relative_to_config_dir(tmp_path, monkeypatch):
+    """serve and external stages may run from different directories: a relative runtime_dir (made
+    by serve if missing) is the config file's, never the cwd's."""
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    config = "model: m\nruntime_dir: %s\nstages:\n  - {id: 0, name: a, model: x, output: text}\n"
+    (tmp_path / "c.yaml").write_text(config % "run/sockets")
+    assert load_config(tmp_path / "c.yaml").runtime_dir == str(tmp_path / "run/sockets")
+    (tmp_path / "c.yaml").write_text(config % "~/sockets")
+    assert load_config(tmp_path / "c.yaml").runtime_dir == os.path.expanduser("~/sockets")
 
 
 def test_model_path_falls_back_to_cwd(tmp_path, monkeypatch):

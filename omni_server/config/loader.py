@@ -592,6 +592,10 @@ def load_config_text(
             setattr(stage, field, _resolve_path(getattr(stage, field), base))
     cfg.server.curve_keys_dir = _resolve_path(cfg.server.curve_keys_dir, base)
     cfg.server.chat_template = _resolve_path(cfg.server.chat_template, base)
+    if cfg.runtime_dir:  # (made by serve if missing: the config's directory, whatever the cwd of
+        # serve and of external stages reading the same file)
+        rd = Path(os.path.expanduser(cfg.runtime_dir))
+        cfg.runtime_dir = str(rd if rd.is_absolute() or base is None else base / rd)
     return cfg
 
 

@@ -290,7 +290,8 @@ class PipelineConfig(_Strict):
     model: str = Field(min_length=1)
     stages: list[StageConfig] = Field(min_length=1)
     server: ServerConfig = ServerConfig()
-    # Directory for ipc sockets; None = a fresh private temp dir per `serve`.
+    # Directory for ipc sockets (relative: to the config file's directory); None = a fresh private
+    # temp dir per `serve`.
     runtime_dir: str | None = None
     # CUDA MPS for the stage processes `serve` starts, when two of them share a GPU: their kernels
     # then run side by side instead of time-slicing it (orchestrator/mps.py). true: `serve` starts
