@@ -59,8 +59,10 @@ def cmd_check(args) -> int:
 
     from omni_server.orchestrator.launcher import Launcher
 
+    from omni_server.stage.processors import context_notes
+
     launcher = Launcher(cfg, Path("."))
-    for note in launcher.gpu_start_notes() + launcher.host_notes():
+    for note in launcher.gpu_start_notes() + launcher.host_notes() + context_notes(cfg):
         print(f"note: {note}")
     return 0
 
@@ -122,6 +124,10 @@ def cmd_serve(args) -> int:
         if args.cuda_mps is not None:
             cfg.cuda_mps = {"true": True, "false": False}.get(args.cuda_mps, args.cuda_mps)
         from omni_server.server import serve
+        from omni_server.stage.processors import context_notes
+
+        for note in context_notes(cfg):
+            logging.getLogger("omni_server.serve").warning("%s", note)
     except KeyboardInterrupt:
         return 0
     return asyncio.run(serve(cfg, external_stages=args.external_stages, started=started))

@@ -1054,3 +1054,20 @@ def test_check_and_serve_name_a_runtime_dir_serve_would_refuse(tmp_path):
                                 f"else (owner uid {os.getuid()}, mode 0o777)"]
     (tmp_path / "f").write_text("")
     assert problems(tmp_path / "f") == [f"c.yaml: runtime_dir: {tmp_path / 'f'} is not a directory"]
+
+
+@pytest.mark.parametrize("config", ["configs/default.yaml", "configs/qwen2_5_omni.yaml", "configs/qwen2_5_omni_2gpu.yaml",
+                                    "configs/qwen2_5_omni_tp2.yaml", "configs/qwen3_omni.yaml",
+                                    "docker/pipeline.yaml", "tests/configs/qwen3_omni.yaml"])
+def test_shipped_talkers_hold_their_thinkers_longest_prompt_and_max_tokens(config):
+    """A talker's context must hold the thinker's longest prompt, the rows its processor adds and its
+    max_tokens: at 2048 beside a 2048 thinker a 2034-token chat's speech came out 4 frames short, a
+    2040-token one failed once the text had begun. `check` names such a stage."""
+    from omni_server.stage.processors import context_notes
+
+    assert context_notes(load_config(REPO / config)) == []
+    (note,) = context_notes(load_config(REPO / config, ["talker.max_model_len=2048"] if "tests" in config or "default" in config
+                                        else ["talker.max_model_len=12288"]))
+    rows = 9 if "qwen3" in config else 2
+    assert note.startswith(f"stage 1 (talker): max_model_len {2048 if 'tests' in config or 'default' in config else 12288} "
+                           f"cannot hold the longest prompt stage 0 (thinker) takes") and f"plus the {rows} rows" in note

@@ -52,7 +52,8 @@ class StageInput:
 # False` when it uses only its sources' tokens (they then skip capturing and sending hidden states).
 # With `incremental = True` it is called for a started streamed request with `since=N` (the step
 # rows the stage holds already) and builds only step rows N.. (no prompt): each chunk then costs
-# its own rows, not the whole input so far.
+# its own rows, not the whole input so far. `prompt_rows_added = N`: the prompt it builds holds at
+# most its source's prompt plus N rows (what `context_notes` checks the stage's context against).
 Processor = Callable[[dict[int, StagePayload], Any, dict[str, str]], StageInput | None]
 _REGISTRY: dict[str, Processor] = {}
 
@@ -94,3 +95,25 @@ def hidden_to_embeds(payloads: dict[int, StagePayload], ctx: Any, options: dict[
         raise ValueError(f"stage {payload.source_stage} sent no hidden states")
     # Frames are read-only and owned by zmq; vLLM keeps the tensor, so give it its own memory.
     return StageInput(prompt={"type": "embeds", "prompt_embeds": hidden.to(ctx.dtype, copy=True)})
+
+
+def context_notes(cfg) -> list[str]:
+    """AR stages whose context cannot hold the longest prompt their source takes (its context less
+    one reply token) plus the rows their processor adds and their default max_tokens: a prompt that
+    long would cut their output (the speech) short, or fail it once the reply has begun."""
+    out = []
+    for stage in cfg.stages:
+        if stage.kind != "ar" or len(stage.inputs) != 1 or not stage.input_processor:
+            continue
+        source = cfg.stage(stage.inputs[0])
+        added = getattr(get(stage.input_processor), "prompt_rows_added", None)
+        context, source_context = stage.engine_args.get("max_model_len"), source.engine_args.get("max_model_len")
+        if added is None or not isinstance(context, int) or not isinstance(source_context, int) or source_context < 2:
+            continue
+        need = source_context - 1 + added + (stage.default_sampling.max_tokens or 1)
+        if context < need:
+            out.append(f"stage {stage.id} ({stage.name}): max_model_len {context} cannot hold the longest prompt "
+                       f"stage {source.id} ({source.name}) takes ({source_context - 1} tokens) plus the {added} rows "
+                       f"{stage.input_processor} adds and max_tokens {stage.default_sampling.max_tokens or 1}: "
+                       f"{need} would; with a prompt that long its output is cut short or fails")
+    return out

@@ -170,6 +170,7 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
 
 thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model), stage.dtype)
 thinker_to_talker.incremental = True
+thinker_to_talker.prompt_rows_added = 2  # (the voice's codec pad and start rows)
 
 
 def _talker_positions(thinker: torch.Tensor | None, n_prompt: int) -> torch.Tensor | None:

@@ -228,6 +228,7 @@ def talker_positions(thinker: torch.Tensor | None, user: torch.Tensor, rows: int
 
 thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model))
 thinker_to_talker.incremental = True
+thinker_to_talker.prompt_rows_added = 9  # (the 9 assistant rows after the user turns)
 
 
 @functools.lru_cache(maxsize=4)
