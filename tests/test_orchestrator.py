@@ -368,3 +368,32 @@ def test_a_request_ends_here_with_its_last_delta_even_if_nobody_reads_on(tmp_pat
             ctx.destroy(linger=0)
 
     asyncio.run(main())
+
+
+def test_a_stalled_api_does_not_take_its_own_silence_for_the_stages(tmp_path):
+    """The api paused past stage_timeout_s (a frozen container, a blocked loop): on resuming it must
+    not mark its stages down, failing every request in flight, for answers it did not read or
+    probes it did not send (a 35 s pause failed 4 streams; the stages were ready again 2 ms later)."""
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        cfg = _config(tmp_path)
+        cfg.server.stage_timeout_s = 2.5
+        orch = Orchestrator(cfg, tmp_path)
+        orch.start()
+        stage = FakeStage(ctx, cfg, tmp_path, pid=7, boot=1)
+        try:
+            await stage.ready()
+            await orch.wait_ready(5)
+            state = await orch.submit("r1", [1, 2, 3], {0: SamplingSpec()})
+            await stage.serve(1.2)
+            time.sleep(4.0)  # (the loop blocked: nothing runs, the stage's last answer ages)
+            await stage.serve(2.5)
+            assert orch.down == {} and orch.serving
+            assert state.queue.empty()  # (no error pushed to the request in flight)
+        finally:
+            stage.close()
+            await orch.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())

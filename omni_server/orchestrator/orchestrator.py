@@ -41,6 +41,8 @@ from omni_server.wire.transport import SEND_HWM, api_address, decode_or_none, in
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 1.0
+# A probe tick this much later than due: the api stalled (its own silence is not the stages').
+STALL_S = 1.0
 HUNG = "no answer"  # mark_down reason prefix for a stage that stopped answering pings
 
 
@@ -126,8 +128,15 @@ class Orchestrator:
         is marked down, failing its requests; it comes back when it answers again."""
         timeout = self.cfg.server.stage_timeout_s
         while True:
+            slept = time.monotonic()
             await asyncio.sleep(PROBE_INTERVAL_S)
             now = time.monotonic()
+            stalled = now - slept - PROBE_INTERVAL_S
+            if stalled > STALL_S:
+                # The api itself stood still (a paused container, a blocked loop): the stages' answers
+                # wait unread in its socket and no probe went out. That time is not their silence.
+                for unit in self.last_seen:
+                    self.last_seen[unit] += stalled
             for unit in self.units:
                 silent = now - self.last_seen.get(unit, now)
                 if unit in self.ready and silent > timeout:
