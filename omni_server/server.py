@@ -174,6 +174,7 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
             # Each stage's own startup_timeout_s, from its launch (a held one's: from its release).
             deadline = {u: launched + cfg.stage(u[0]).startup_timeout_s for u in units if u not in waiting}
             restart_at: dict[Unit, float] = {}
+            restarted: dict[Unit, float] = {}  # restarted and not ready yet: by when they must be
             restarts = RestartPolicy()
             if external_stages:  # (nothing to start or hold: `after` is empty)
                 log.info("waiting for external stages at %s",
@@ -234,6 +235,20 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
                     if now >= at:
                         del restart_at[unit]
                         launcher.start(unit)
+                        restarted[unit] = now + cfg.stage(unit[0]).startup_timeout_s
+                        if orch is not None:
+                            orch.restarting(unit)
+                for unit, at in list(restarted.items()):
+                    if orch is not None and unit in orch.ready:
+                        del restarted[unit]
+                    elif now > at and unit not in restart_at:
+                        # (a restart that hangs in its start would leave the stage down for good:
+                        # killed, it is restarted again after the next delay)
+                        del restarted[unit]
+                        log.error("stage %d (%s) restarted but not ready within its startup_timeout_s (%g s); "
+                                  "killing it to restart it", unit[0], cfg.unit_name(unit),
+                                  cfg.stage(unit[0]).startup_timeout_s)
+                        launcher.kill(unit)
                 late = [u for u, at in deadline.items() if not announced and time.monotonic() > at
                         and (orch is None or u not in orch.ready)]
                 if late:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -541,3 +542,48 @@ def test_serve_warns_when_it_listens_beyond_the_machine_without_a_key():
     assert open_without_key("0.0.0.0", None) and open_without_key("::", "") and open_without_key("api", None)
     assert not open_without_key("127.0.0.1", None) and not open_without_key("::1", None)
     assert not open_without_key("localhost", None) and not open_without_key("0.0.0.0", "sekret")
+
+
+def test_a_restart_that_hangs_in_its_start_is_killed_and_restarted_again(tiny_models, tmp_path):
+    """startup_timeout_s held only for the first start: a restarted stage that never got ready (hung
+    in its imports, say) left its route down for good, with nothing logged. It is killed at its
+    startup_timeout_s and restarted again; meanwhile /health says it is restarting."""
+    import httpx
+    import psutil
+
+    from tests.conftest import Server
+
+    server = Server(REPO / "tests" / "configs" / "text.yaml", tmp_path / "serve.log",
+                    args=["--stage-arg", "thinker.startup_timeout_s=40"])
+    try:
+        server.wait_ready(time.monotonic() + 120)
+        old = httpx.get(f"{server.base_url}/health", timeout=10).json()["pids"]["thinker"]
+
+        def stage_pids() -> set[int]:
+            """The server's stage processes (running or stopped) but the killed one."""
+            out = set()
+            for p in psutil.Process(server.proc.pid).children():
+                try:
+                    if p.pid != old and p.status() != psutil.STATUS_ZOMBIE and "--stage" in p.cmdline():
+                        out.add(p.pid)
+                except psutil.Error:  # (gone meanwhile)
+                    pass
+            return out
+
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not (hung := stage_pids()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (hung,) = hung
+        os.kill(hung, signal.SIGSTOP)  # (its start never ends)
+        health = httpx.get(f"{server.base_url}/health", timeout=10).json()
+        assert health["stages"]["thinker"] == "restarting", health
+        deadline = time.monotonic() + 60
+        while (hung in stage_pids() or not stage_pids()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not psutil.pid_exists(hung) or psutil.Process(hung).status() == psutil.STATUS_ZOMBIE
+        assert stage_pids(), "no new start after the hung one was killed"
+        assert ("stage 0 (thinker) restarted but not ready within its startup_timeout_s (40 s); killing it"
+                in server.log_tail(100_000))
+    finally:
+        assert server.stop() == 0

@@ -34,7 +34,7 @@ from omni_server.api.protocol import (
 from omni_server.api.runs import BodyCut, Completion, Run, SpeechStream, TextCompletionRun, Transcript, typed_events
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
-from omni_server.orchestrator.orchestrator import Orchestrator, RequestState, StageUnavailable
+from omni_server.orchestrator.orchestrator import RESTARTING, Orchestrator, RequestState, StageUnavailable
 from omni_server.wire.messages import (AUDIO_SAMPLE_RATE, CACHE_SALT_OPTION, REPLY_FROM_OPTION, SPEED_OPTION,
                                        STAGE_COUNTERS, STAGE_GAUGES, VOICE_OPTION, SamplingSpec)
 
@@ -140,7 +140,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         """200 once every stage was ready and while each has a ready replica. Per stage: "ready"
-        (every replica), "degraded" (some), "down", or "starting"; pids per process."""
+        (every replica), "degraded" (some), "down", "restarting" (down, a new process starting) or
+        "starting"; pids per process."""
         orch = state.orch
         cfg = state.cfg
         stages, pids = {}, {}
@@ -148,8 +149,9 @@ def create_app(state: ServerState) -> FastAPI:
             units = [(s.id, r) for r in range(s.replicas)]
             up = [u for u in units if orch and u in orch.ready]
             down = [u for u in units if orch and u in orch.down]
-            stages[s.name] = ("ready" if len(up) == len(units) else "degraded" if up else "down" if down
-                              else "starting")
+            restarting = down and all(orch.down[u].startswith(RESTARTING) for u in down)
+            stages[s.name] = ("ready" if len(up) == len(units) else "degraded" if up else
+                              "restarting" if restarting else "down" if down else "starting")
             pids.update({cfg.unit_name(u): orch.ready[u].pid for u in up})
         ok = orch is not None and orch.serving
         return JSONResponse({"status": "ok" if ok else "unavailable", "stages": stages, "pids": pids},

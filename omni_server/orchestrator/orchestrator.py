@@ -44,6 +44,7 @@ PROBE_INTERVAL_S = 1.0
 # A probe tick this much later than due: the api stalled (its own silence is not the stages').
 STALL_S = 1.0
 HUNG = "no answer"  # mark_down reason prefix for a stage that stopped answering pings
+RESTARTING = "restarting"  # down reason prefix for a stage whose new process is starting
 
 
 Unit = tuple[int, int]  # (stage id, replica): one engine process
@@ -207,6 +208,10 @@ class Orchestrator:
                 self._push(state, stage_id, RequestDelta(
                     request_id=state.request_id, finished=True, finish_reason="error",
                     error=f"stage {self.cfg.unit_name(unit)} is unavailable: {reason}", error_code=503))
+
+    def restarting(self, unit: Unit) -> None:
+        """`serve` started a new process for a stage that is down (/health: "restarting")."""
+        self.down[unit] = f"{RESTARTING} ({self.down.get(unit, 'down')})"
 
     async def close(self) -> None:
         # Stages are not told to stop: `serve` stops the ones it started, external ones outlive the api.
