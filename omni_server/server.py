@@ -175,6 +175,10 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
             deadline = {u: launched + cfg.stage(u[0]).startup_timeout_s for u in units if u not in waiting}
             restart_at: dict[Unit, float] = {}
             restarted: dict[Unit, float] = {}  # restarted and not ready yet: by when they must be
+            # Stopping (uvicorn got SIGTERM / Ctrl-C): the requests still in flight just before its
+            # graceful shutdown gives up fail with a 503 (uvicorn's own end cancels their tasks: a
+            # bare 500 and a traceback each, and streams cut without their end).
+            give_up_at: float | None = None
             restarts = RestartPolicy()
             if external_stages:  # (nothing to start or hold: `after` is empty)
                 log.info("waiting for external stages at %s",
@@ -201,6 +205,16 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
                     log.info("all %d stages ready in %.1f s; serving on http://%s:%d%s", len(cfg.stages),
                              time.monotonic() - t0, cfg.server.host, bound[0] if bound else cfg.server.port,
                              "" if external_stages else f" (stages launched {launched - t0:.2f} s after the command)")
+                if uv.should_exit and announced and orch is not None:
+                    timeout = cfg.server.shutdown_timeout_s
+                    if give_up_at is None:
+                        give_up_at = now + timeout - min(1.0, timeout / 2)
+                    elif now >= give_up_at > 0:
+                        give_up_at = -1.0  # (once)
+                        n = orch.fail_all(f"the server is shutting down: the request did not finish within "
+                                          f"its shutdown_timeout_s ({timeout:g} s)")
+                        if n:
+                            log.warning("shutting down: %d request(s) still in flight failed with a 503", n)
                 for unit, code in launcher.exited().items():
                     if unit in restart_at:
                         continue

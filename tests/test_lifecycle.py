@@ -93,3 +93,55 @@ def test_sigterm_finishes_in_flight_requests_then_stops(crash_server):
     assert rest[-1].usage.completion_tokens == 1500
     assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
     assert crash_server.proc.wait(60) == 0
+
+
+def test_requests_past_the_shutdown_timeout_end_with_a_503(tiny_models, tmp_path):
+    """SIGTERM with requests that outlast server.shutdown_timeout_s: at the deadline uvicorn cancelled
+    them (a bare 500 "Internal Server Error" and a traceback each; streams cut without their end,
+    held open until the stages stopped). They end with a 503 instead: the whole request's a JSON
+    error, a stream's an error event, then [DONE]; serve exits 0 without a traceback."""
+    import threading
+
+    from tests.conftest import Server
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"""
+model: {MODEL}
+stages:
+  - id: 0
+    name: thinker
+    model: {tiny_models["tiny-qwen2_5-omni"]}
+    engine_args: {{dtype: float32, max_model_len: 2048, max_num_seqs: 8, enforce_eager: true,
+                  kv_cache_memory_bytes: 134217728}}
+    env: {{TORCHDYNAMO_DISABLE: "1"}}
+    output: text
+server: {{shutdown_timeout_s: 2}}
+""")
+    server = Server(config, tmp_path / "serve.log")
+    try:
+        server.wait_ready(time.monotonic() + 120)
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1900, "ignore_eos": True}
+        whole: list[httpx.Response] = []
+        worker = threading.Thread(target=lambda: whole.append(
+            httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)))
+        worker.start()
+        with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            deadline = time.monotonic() + 30
+            while server.stats(0)["num_running"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert server.stats(0)["num_running"] == 2
+            server.proc.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line.startswith("data: ")]
+        worker.join(30)
+        assert events[-1] == "data: [DONE]"
+        error = events[-2].removeprefix("data: ")
+        assert '"error"' in error and "shutting down" in error and "shutdown_timeout_s (2 s)" in error, events[-3:]
+        assert whole[0].status_code == 503 and "shutting down" in whole[0].json()["error"]["message"]
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    log = server.log_tail(200_000)
+    assert "Traceback" not in log and "shutting down: 2 request(s) still in flight failed with a 503" in log

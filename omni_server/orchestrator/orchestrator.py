@@ -209,6 +209,19 @@ class Orchestrator:
                     request_id=state.request_id, finished=True, finish_reason="error",
                     error=f"stage {self.cfg.unit_name(unit)} is unavailable: {reason}", error_code=503))
 
+    def fail_all(self, reason: str) -> int:
+        """Fail every request the pipeline still works on with a 503 (the api stopping at its
+        shutdown deadline: each client gets an answer or an error event, not a cut connection);
+        how many."""
+        failed = 0
+        for state in list(self.requests.values()):
+            if state.over or not state.pending:
+                continue
+            failed += 1
+            self._push(state, min(state.pending), RequestDelta(
+                request_id=state.request_id, finished=True, finish_reason="error", error=reason, error_code=503))
+        return failed
+
     def restarting(self, unit: Unit) -> None:
         """`serve` started a new process for a stage that is down (/health: "restarting")."""
         self.down[unit] = f"{RESTARTING} ({self.down.get(unit, 'down')})"
