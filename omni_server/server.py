@@ -179,6 +179,7 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
             # graceful shutdown gives up fail with a 503 (uvicorn's own end cancels their tasks: a
             # bare 500 and a traceback each, and streams cut without their end).
             give_up_at: float | None = None
+            gave_up = False
             restarts = RestartPolicy()
             if external_stages:  # (nothing to start or hold: `after` is empty)
                 log.info("waiting for external stages at %s",
@@ -209,8 +210,8 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
                     timeout = cfg.server.shutdown_timeout_s
                     if give_up_at is None:
                         give_up_at = now + timeout - min(1.0, timeout / 2)
-                    elif now >= give_up_at > 0:
-                        give_up_at = -1.0  # (once)
+                    elif now >= give_up_at and not gave_up:
+                        gave_up = True
                         n = orch.fail_all(f"the server is shutting down: the request did not finish within "
                                           f"its shutdown_timeout_s ({timeout:g} s)")
                         if n:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from omni_server.config.schema import PipelineConfig
 from omni_server.wire.messages import StagePayload
 
 
@@ -97,7 +98,7 @@ def hidden_to_embeds(payloads: dict[int, StagePayload], ctx: Any, options: dict[
     return StageInput(prompt={"type": "embeds", "prompt_embeds": hidden.to(ctx.dtype, copy=True)})
 
 
-def context_notes(cfg) -> list[str]:
+def context_notes(cfg: PipelineConfig) -> list[str]:
     """AR stages whose context cannot hold the longest prompt their source takes (its context less
     one reply token) plus the rows their processor adds and their default max_tokens: a prompt that
     long would cut their output (the speech) short, or fail it once the reply has begun."""
