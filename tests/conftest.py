@@ -124,9 +124,15 @@ class Server:
         assert set(stages) <= set(tree), (stages, tree)
         return tree
 
+    def terminate(self) -> None:
+        """SIGTERM, once (serve's graceful stop)."""
+        if self.proc.poll() is None and not getattr(self, "_terminated", False):
+            self._terminated = True
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
@@ -134,6 +140,13 @@ class Server:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def stop_all(servers: dict[str, "Server"]) -> dict[str, int]:
+    """Stop servers side by side: SIGTERM to each, then wait for each (one by one took ~17 s)."""
+    for s in servers.values():
+        s.terminate()
+    return {name: s.stop() for name, s in servers.items()}
 
 
 @pytest.fixture(scope="session")
@@ -185,7 +198,7 @@ def servers(request, tiny_models, record_dir, tmp_path_factory):
         pids = {name: s.process_tree() for name, s in started.items()}
         yield started
     finally:
-        codes = {name: s.stop() for name, s in started.items()}
+        codes = stop_all(started)
     # SIGTERM to `serve` must stop it cleanly and leave no stage process behind.
     assert codes == {name: 0 for name in started}, codes
     alive = [p for ps in pids.values() for p in ps if _alive(p)]
