@@ -170,6 +170,15 @@ def test_json_schemas_are_bounded_before_they_reach_the_grammar_compiler(tiny_mo
         assert r.status_code == 400 and "over 64 KiB" in r.json()["error"]["message"], r.text
         r = chat(_nested_schema(30), where)  # (past validation: 503, or for tools the tiny template's 400)
         assert r.status_code == 503 if where == "format" else "chat template" in r.json()["error"]["message"], r.text
+        # Counted repeats unroll in the grammar ({1,50000}: the stage's loop held past its timeout).
+        for pattern in ("[a-z]{1,50000}", "(ab{50}){50}"):
+            r = chat({"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}, where)
+            assert r.status_code == 400 and "repeat to over 1024 positions" in r.json()["error"]["message"], r.text
+        r = chat({"type": "object", "patternProperties": {"^x{1100}$": {"type": "integer"}}}, where)
+        assert r.status_code == 400 and "repeat to over 1024 positions" in r.json()["error"]["message"], r.text
+        email = r"^[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9.-]{1,255}\.[A-Za-z]{2,63}$"
+        r = chat({"type": "object", "properties": {"e": {"type": "string", "pattern": email}}}, where)
+        assert r.status_code == 503 if where == "format" else "chat template" in r.json()["error"]["message"], r.text
 
 
 def test_a_chat_of_too_many_messages_or_parts_is_400_before_its_template_renders(tiny_models, tmp_path):

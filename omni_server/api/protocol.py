@@ -170,6 +170,11 @@ MAX_MESSAGES, MAX_PARTS = 4096, 1024
 # the stage was killed as hung). Real schemas stay far inside these bounds (64 JSON levels are 32
 # nested objects, each a "properties" mapping deeper: 32 objects of 60 properties took 0.13 s).
 MAX_SCHEMA_DEPTH, MAX_SCHEMA_BYTES = 64, 64 * 1024
+# A `pattern`'s counted repeats ({m,n}) unroll in the grammar: its build time grows with their
+# square (`[a-z]{1,50000}`, a 178-byte request, held the text stage's loop past stage_timeout_s:
+# killed as hung, every request on it failed; {1,4000} took ~1 s on an 8k vocabulary). This bounds
+# the positions the schema's patterns unroll to, all together (a nested repeat multiplies).
+MAX_PATTERN_REPEATS = 1024
 
 
 def _bounded_schema(v: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -177,13 +182,54 @@ def _bounded_schema(v: dict[str, Any] | None) -> dict[str, Any] | None:
         return v
     if len(json.dumps(v)) > MAX_SCHEMA_BYTES:
         raise ValueError(f"the JSON schema is over {MAX_SCHEMA_BYTES // 1024} KiB")
-    level, depth = [v], 0
+    level, depth, repeats = [v], 0, 0
     while level:  # (breadth-first: no recursion limit to hit)
         depth += 1
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        for x in level:
+            if isinstance(x, dict):
+                patterns = [x["pattern"]] if isinstance(x.get("pattern"), str) else []
+                patterns += [k for k in x.get("patternProperties") or {} if isinstance(x["patternProperties"], dict)]
+                repeats += sum(_unrolled(p) for p in patterns)
+        if repeats > MAX_PATTERN_REPEATS:
+            raise ValueError(f"the JSON schema's patterns repeat to over {MAX_PATTERN_REPEATS} positions in all "
+                             "(counted repeats such as {1,5000}): bound lengths with minLength / maxLength instead")
         level = [c for x in level for c in (x.values() if isinstance(x, dict) else x) if isinstance(c, (dict, list))]
     return v
+
+
+_QUANTIFIER = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def _unrolled(pattern: str) -> int:
+    """About how many positions a regex unrolls to: an atom counts 1, times its counted repeat's
+    bound ({m,n}: n, {m,}: m; *, +, ? count once), a group the sum inside times its own repeat."""
+    stack, i = [0], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "(":
+            stack.append(0)
+            i += 1
+            continue
+        if c == ")" and len(stack) > 1:
+            unit, i = max(stack.pop(), 1), i + 1
+        elif c == "[":  # a class is one atom: up to its closing bracket (a first ] or an escaped one is inside)
+            j = i + 2 if pattern[i + 1:i + 2] in ("]", "^") else i + 1
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            unit, i = 1, j + 1
+        else:
+            unit, i = 1, i + (2 if c == "\\" else 1)
+        m = _QUANTIFIER.match(pattern, i)
+        if m:
+            low, high = int(m.group(1)), m.group(2)
+            unit *= max(low, int(high) if high else 0)
+            i = m.end()
+        stack[-1] += unit
+    while len(stack) > 1:  # (unbalanced: the regex compiler refuses it later; count what is there)
+        stack[-2] += stack.pop()
+    return stack[0]
 
 
 JSONSchema = Annotated[dict[str, Any], AfterValidator(_bounded_schema)]
