@@ -138,7 +138,8 @@ def test_echo_returns_the_prompt_as_sent(client):
     (dict(prompt="x", n=9), "n"),
     (dict(prompt="x", stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(prompt=["1", 2]), "prompt"),  # (not coerced to token ids)
-    (dict(prompt=["x"] * 40, n=8), "limit is 256 at a time"),  # (a 429 would never clear)
+    (dict(prompt=["x"] * 40, n=8), "limit is 32 per request"),  # (a 429 would never clear)
+    (dict(prompt=["x"] * 11, n=3), "needs 33 pipeline requests"),  # (one call must not take every slot)
     (dict(prompt="x", stream_options={"include_usage": True}), "stream_options"),  # (without stream)
     (dict(prompt="x", extra_body={"cache_salt": ""}), "cache_salt"),
 ])

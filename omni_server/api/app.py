@@ -544,9 +544,10 @@ async def _submit(state: ServerState, orch: Orchestrator, request_ids: list[str]
     list), all or none: the limit counts them all, and if one is refused those already submitted
     are aborted."""
     limit, n = state.cfg.server.max_concurrent_requests, len(request_ids)
-    if n > limit:  # (never admitted, however long the client retries)
+    per_call = min(limit, state.cfg.server.max_requests_per_call)
+    if n > per_call:  # (never admitted, however long the client retries)
         raise APIError(400, f"this request needs {n} pipeline requests (prompts x n); the server's "
-                            f"limit is {limit} at a time", param="n")
+                            f"limit is {per_call} per request", param="n")
     free = limit - orch.in_flight()  # (a stream whose client reads slowly holds no slot once the pipeline is done)
     if n > free:
         says = (f"is at its limit of {limit} concurrent requests" if n == 1 else

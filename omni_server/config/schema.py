@@ -269,6 +269,9 @@ class ServerConfig(_Strict):
         return v
     # Requests in flight beyond this are answered 429 with Retry-After (bounded memory under overload).
     max_concurrent_requests: int = Field(256, ge=1)
+    # Pipeline requests one call may hold (a completion's prompts x n, a chat's n, a transcription's
+    # clips): more is a 400, so that one client cannot take every slot above (64 prompts x n 4 did).
+    max_requests_per_call: int = Field(32, ge=1)
     # A ready stage that answers nothing (not even the api's 1 s pings) this long is marked down.
     stage_timeout_s: float = Field(30.0, gt=0)
     # On SIGTERM: stop taking requests, let those in flight finish for up to this long, then stop.
