@@ -194,6 +194,13 @@ def test_a_chat_of_too_many_messages_or_parts_is_400_before_its_template_renders
     assert client.post("/v1/chat/completions", json=fits, headers=AUTH).status_code == 503  # (past validation)
 
 
+def test_a_top_k_past_any_vocabulary_is_400(client):
+    """(10**30 passed validation and failed to encode for the wire: a 500 and a logged traceback)"""
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": CHAT["model"], "prompt": "x"})):
+        r = client.post(path, json={**body, "top_k": 10**30}, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+
+
 def test_overload_is_429_with_retry_after(client):
     from omni_server.orchestrator.orchestrator import RequestState
 

@@ -353,7 +353,7 @@ class ChatCompletionRequest(_Body):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # (larger did not fit the wire: a 500)
     # Choice i draws from seed + i, which the stages take up to 2**64 - 1.
     seed: Seed = None
     stop: str | list[str] | None = Field(None, validate_default=True)
@@ -570,7 +570,7 @@ class CompletionRequest(_Body):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default, also for an explicit null (below)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # (larger did not fit the wire: a 500)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     best_of: int | None = Field(None, ge=1)
     stream: bool = False
