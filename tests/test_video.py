@@ -94,3 +94,7 @@ def test_the_frames_decoded_are_bounded_too():
     budget = -(-40 * frame // DECODED_PER_KEPT) - 1  # (decoding 40 frames needs more than 30 x this)
     with pytest.raises(VideoError, match="more frames to decode than the limit"):
         _decode(url, max_total_pixels=budget)
+    # However small the frames: at most DECODED_PER_KEPT x max_frames decoded (40 > 30 x 1).
+    with pytest.raises(VideoError, match="more frames to decode than the limit: 30 x 1 "):
+        _decode(url, max_frames=1)
+    assert _decode(url, max_frames=2).shape[0] == 1

@@ -41,7 +41,9 @@ def video_data_url(url: str, *, max_bytes: int) -> bytes:
 
 
 # Frames decoded (kept or not) per frame kept, at most: a 60 fps video sampled at 2 a second. Bounds
-# the decoding work a request can ask for: frames of `DECODED_PER_KEPT` x max_total_pixels in all.
+# the decoding work a request can ask for: frames of `DECODED_PER_KEPT` x max_total_pixels in all,
+# and `DECODED_PER_KEPT` x max_frames frames (each costs its decode whatever its size: 300k frames of
+# 16x16 in 4 MB took ~7 s of a media thread within the pixel bound).
 DECODED_PER_KEPT = 30
 
 
@@ -80,10 +82,14 @@ def _frames(path: str, *, max_pixels: int, max_frames: int, max_total_pixels: in
         if width * height > max_pixels:
             raise VideoError(f"video is {width}x{height} pixels; the limit is {max_pixels} pixels")
         frames: list[np.ndarray] = []
-        decodable = DECODED_PER_KEPT * max_total_pixels
+        decodable, frames_left = DECODED_PER_KEPT * max_total_pixels, DECODED_PER_KEPT * max_frames
         step, due = 1.0 / FPS, None  # due: the time of the next frame to keep, in seconds
         while cap.grab():  # (decodes; only frames kept are converted)
             decodable -= max(width * height, 1)
+            frames_left -= 1
+            if frames_left < 0:
+                raise VideoError(f"video has more frames to decode than the limit: {DECODED_PER_KEPT} x "
+                                 f"{max_frames} (over {DECODED_PER_KEPT * FPS:g} frames a second at the frame limit)")
             if decodable < 0:
                 raise VideoError(f"video has more frames to decode than the limit: {DECODED_PER_KEPT} x "
                                  f"{max_total_pixels} pixels in all (over {DECODED_PER_KEPT * FPS:g} frames a second "
