@@ -31,7 +31,7 @@ def test_compose_runs_every_stage_and_the_api():
     api = services["api"]
     assert "--external-stages" in api["command"] and api["command"][:2] == ["serve", "/etc/omni/pipeline.yaml"]
     assert re.match(r"tcp://api:\d+$", cfg.server.output_address)
-    assert api["ports"] == ["${PORT:-8000}:8000"]
+    assert api["ports"] == ["${BIND:-127.0.0.1}:${PORT:-8000}:8000"]  # (not every interface unless told)
     for svc in services.values():
         assert "./pipeline.yaml:/etc/omni/pipeline.yaml:ro" in svc["volumes"]
         # The checkpoint: read-only, and a missing MODEL_DIR an error (not an empty directory made for it).
