@@ -192,6 +192,12 @@ def test_a_chat_of_too_many_messages_or_parts_is_400_before_its_template_renders
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.content"), r.text
     fits = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}] * 1024}] * 4}
     assert client.post("/v1/chat/completions", json=fits, headers=AUTH).status_code == 503  # (past validation)
+    # Within each cap, but 8193 parts in all: counted before any is validated (640k held the loop ~4 s).
+    many_parts = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 1024}] * 8
+                  + [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    r = client.post("/v1/chat/completions", json=many_parts, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "8193 content parts and tool calls; the limit is 8192" in r.json()["error"]["message"]
 
 
 def test_a_top_k_past_any_vocabulary_is_400(client):

@@ -164,6 +164,9 @@ class ToolCallDelta(BaseModel):
 # Each message and part is validated, then rendered by the chat template on the api's event loop:
 # 255k one-part messages (a 16 MB body) held it ~10 s before the prompt-length check refused them.
 MAX_MESSAGES, MAX_PARTS = 4096, 1024
+# Parts and tool calls of all messages together, counted before any is validated: within the caps
+# above, 640k empty parts (or 500k calls) in a 16 MB body held the event loop ~4 s to validate.
+MAX_ITEMS = 8192
 
 # A JSON schema becomes a grammar in the text stage's engine loop (xgrammar), where its cost grows
 # steeply with nesting: 350 levels of 40 properties held that loop 106 s (every request stalled,
@@ -347,6 +350,17 @@ def stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInf
 class ChatCompletionRequest(_Body):
     model: str
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded_items(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            items = sum(len(m.get(key) or ()) for m in v if isinstance(m, dict)
+                        for key in ("content", "tool_calls") if isinstance(m.get(key), list))
+            if items > MAX_ITEMS:
+                raise ValueError(f"the messages hold {items} content parts and tool calls; the limit is {MAX_ITEMS} in all")
+        return v
+
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
