@@ -192,8 +192,9 @@ def _bounded_schema(v: dict[str, Any] | None) -> dict[str, Any] | None:
             raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
         for x in level:
             if isinstance(x, dict):
-                patterns = [x["pattern"]] if isinstance(x.get("pattern"), str) else []
-                patterns += [k for k in x.get("patternProperties") or {} if isinstance(x["patternProperties"], dict)]
+                keyed = x.get("patternProperties")
+                patterns = ([x["pattern"]] if isinstance(x.get("pattern"), str) else []) + (
+                    [k for k in keyed if isinstance(k, str)] if isinstance(keyed, dict) else [])
                 repeats += sum(_unrolled(p) for p in patterns)
         if repeats > MAX_PATTERN_REPEATS:
             raise ValueError(f"the JSON schema's patterns repeat to over {MAX_PATTERN_REPEATS} positions in all "
@@ -350,17 +351,6 @@ def stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInf
 class ChatCompletionRequest(_Body):
     model: str
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _bounded_items(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            items = sum(len(m.get(key) or ()) for m in v if isinstance(m, dict)
-                        for key in ("content", "tool_calls") if isinstance(m.get(key), list))
-            if items > MAX_ITEMS:
-                raise ValueError(f"the messages hold {items} content parts and tool calls; the limit is {MAX_ITEMS} in all")
-        return v
-
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -433,6 +423,16 @@ class ChatCompletionRequest(_Body):
         if not self.tools or self.tool_choice == "none":
             return None
         return "named" if isinstance(self.tool_choice, NamedToolChoice) else (self.tool_choice or "auto")
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded_items(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            items = sum(len(m[key]) for m in v if isinstance(m, dict)
+                        for key in ("content", "tool_calls") if isinstance(m.get(key), list))
+            if items > MAX_ITEMS:
+                raise ValueError(f"the messages hold {items} content parts and tool calls; the limit is {MAX_ITEMS} in all")
+        return v
 
     @field_validator("stop")
     @classmethod
