@@ -317,20 +317,24 @@ def test_serve_stops_its_stages_when_the_api_cannot_start(tmp_path, monkeypatch,
     assert all(p.poll() is not None for p in started)  # stopped, and waited for
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
-def test_a_signal_while_the_stages_start_stops_everything_cleanly(tiny_models, tmp_path, sig):
-    """Ctrl-C or SIGTERM in the seconds before the api serves (stages launched, the api setting
-    up): `serve` stops its stages and exits 0 without a traceback, as it does once serving."""
-    import signal
-
-    import psutil
-
+def _serve_default(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """`serve configs/default.yaml` on a free port, its output in tmp_path/serve.log."""
     from tests.conftest import free_port
 
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "omni_server.cli", "serve", "configs/default.yaml", "--port",
                                  str(free_port())], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    return proc, log
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_signal_while_the_stages_start_stops_everything_cleanly(tiny_models, tmp_path, sig):
+    """Ctrl-C or SIGTERM in the seconds before the api serves (stages launched, the api setting
+    up): `serve` stops its stages and exits 0 without a traceback, as it does once serving."""
+    import psutil
+
+    proc, log = _serve_default(tmp_path)
     try:
         deadline = time.monotonic() + 60
         while "stage 2 (token2wav) starting" not in log.read_text() and time.monotonic() < deadline:
@@ -357,14 +361,7 @@ def test_a_signal_before_any_stage_starts_ends_serve_quietly(tiny_models, tmp_pa
     """Ctrl-C or SIGTERM in the first seconds (the config's checks, the imports), before serve's own
     handlers: exit 0 with no traceback, as later (Ctrl-C was a KeyboardInterrupt traceback, SIGTERM
     a death by signal)."""
-    import signal
-
-    from tests.conftest import free_port
-
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "omni_server.cli", "serve", "configs/default.yaml", "--port",
-                                 str(free_port())], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    proc, log = _serve_default(tmp_path)
     try:
         # Once the command catches SIGTERM (its first step), before any stage: /proc says which it catches.
         deadline = time.monotonic() + 30
@@ -458,9 +455,6 @@ def test_a_bad_stage_setting_fails_the_stage_start_naming_it(tiny_models, tmp_pa
 def test_a_restarted_stage_runs_the_config_serve_read(tiny_models, tmp_path):
     """Stages start from serve's validated config (overrides applied), not from the file again: a
     stage restarted after the file was moved away (or edited) runs as before."""
-    import os
-    import signal
-
     import httpx
 
     from tests.conftest import Server
