@@ -86,3 +86,42 @@ def mp4_with_gap(before: int, gap_s: float, after: int, fps: float = 4.0, seed: 
     for parent in path:
         data[parent:parent + 4] = struct.pack(">I", struct.unpack(">I", data[parent:parent + 4])[0] + grow)
     return "data:video/mp4;base64," + base64.b64encode(bytes(data)).decode()
+
+
+def video_with_audio(frames: int = 6, fps: float = 4.0, audio_s: float = 1.5, rate: int = 44100, channels: int = 2,
+                     container: str = "mp4", width: int = 64, height: int = 48, tone_hz: float = 440.0,
+                     seed: int = 0) -> tuple[str, np.ndarray]:
+    """A video data URL with an audio track (mp4: MPEG-4 video + AAC; webm: VP8 + Opus; mkv:
+    MPEG-4 + FLAC) of a sine at `tone_hz` on every channel, and the sine at 16 kHz as sent."""
+    import fractions
+
+    import av
+
+    codecs = {"mp4": ("mpeg4", "aac", "fltp"), "webm": ("libvpx", "libopus", "s16"), "mkv": ("mpeg4", "flac", "s16")}
+    vcodec, acodec, sample_fmt = codecs[container]
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format={"mkv": "matroska"}.get(container, container)) as out:
+        vs = out.add_stream(vcodec, rate=fractions.Fraction(fps).limit_denominator(1000))
+        vs.width, vs.height, vs.pix_fmt = width, height, "yuv420p"
+        layout = "mono" if channels == 1 else "stereo"
+        aus = out.add_stream(acodec, rate=rate, layout=layout)
+        for _ in range(frames):
+            picture = av.VideoFrame.from_ndarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), format="rgb24")
+            out.mux(vs.encode(picture))
+        out.mux(vs.encode(None))
+        t = np.arange(int(audio_s * rate)) / rate
+        sine = (0.5 * np.sin(2 * np.pi * tone_hz * t)).astype(np.float32)
+        step = 960
+        for at in range(0, sine.size, step):
+            block = np.repeat(sine[None, at:at + step], channels, axis=0)
+            if sample_fmt == "s16":
+                block = (block * 32767).astype(np.int16).T.reshape(1, -1)  # (packed: interleaved channels)
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(block), format=sample_fmt, layout=layout)
+            frame.sample_rate, frame.pts = rate, at
+            out.mux(aus.encode(frame))
+        out.mux(aus.encode(None))
+    mime = {"mp4": "mp4", "webm": "webm", "mkv": "x-matroska"}[container]
+    t16 = np.arange(int(audio_s * 16000)) / 16000
+    return (f"data:video/{mime};base64," + base64.b64encode(buf.getvalue()).decode(),
+            (0.5 * np.sin(2 * np.pi * tone_hz * t16)).astype(np.float32))

@@ -35,7 +35,7 @@ from omni_server.api.runs import BodyCut, Completion, Run, SpeechStream, TextCom
 from omni_server.api.text import TextCodec
 from omni_server.config.schema import PipelineConfig
 from omni_server.orchestrator.orchestrator import RESTARTING, Orchestrator, RequestState, StageUnavailable
-from omni_server.wire.messages import (AUDIO_SAMPLE_RATE, CACHE_SALT_OPTION, REPLY_FROM_OPTION, SPEED_OPTION,
+from omni_server.wire.messages import (AUDIO_IN_VIDEO_OPTION, AUDIO_SAMPLE_RATE, CACHE_SALT_OPTION, REPLY_FROM_OPTION, SPEED_OPTION,
                                        STAGE_COUNTERS, STAGE_GAUGES, VOICE_OPTION, SamplingSpec)
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,12 @@ class ServerState:
         or not known."""
         clip = self._stage0("audio_clip_s")
         return float(clip) if clip else None
+
+    @property
+    def hears_video_audio(self) -> bool | None:
+        """Whether stage 0 can hear a video's audio track with its frames; None: not known yet."""
+        ready = self.orch.stage_info(0) if self.orch is not None else None
+        return None if ready is None else ready.info.get("audio_in_video") == "1"
 
     def voices(self) -> list[str]:
         """Voices of the audio stage (reported by the stage when it is ready)."""
@@ -207,7 +213,7 @@ def create_app(state: ServerState) -> FastAPI:
         outputs = _modalities(state, body)
         _check_tools(state, body, outputs)
         decoded, prompt_ids = await _chat_prompt(state, body)
-        options = _salted({}, body)
+        options = _stage_options({}, body)
         audio_format = None
         if "audio" in outputs:
             options[VOICE_OPTION] = state.check_voice(body.audio.voice if body.audio else None, "audio.voice")
@@ -245,7 +251,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_room(state, [prompt_ids], body)
         orch = _orch(state)
         [req] = await _submit(state, orch, [f"resp-{uuid.uuid4().hex}"], [prompt_ids], [sampling],
-                              {"text"}, _salted({}, body), decoded)
+                              {"text"}, _stage_options({}, body), decoded)
         out = responses.ResponseRun(Run(state, orch, req, body, prompt_ids), raw, state.cfg.model)
         if body.stream:
             return await _streamed(request, out, lambda first: typed_events(out.events(first), out.abort, named=True))
@@ -268,7 +274,7 @@ def create_app(state: ServerState) -> FastAPI:
         completion_id, n, total = f"cmpl-{uuid.uuid4().hex}", body.n, len(prompts) * body.n
         # Choice k answers prompt k // n, seeded as a chat's choice k % n.
         reqs = await _submit(state, orch, _request_ids(completion_id, total), [prompts[k // n] for k in range(total)],
-                             [_choice_sampling(sampling, k % n) for k in range(total)], {"text"}, _salted({}, body))
+                             [_choice_sampling(sampling, k % n) for k in range(total)], {"text"}, _stage_options({}, body))
         echoes = await asyncio.to_thread(completions.echoes, state.text, body.prompt, prompts) if body.echo \
             else [""] * len(prompts)
         done = TextCompletionRun(completion_id, [Run(state, orch, req, chat, prompts[k // n], index=k)
@@ -300,7 +306,7 @@ def create_app(state: ServerState) -> FastAPI:
         options = {VOICE_OPTION: voice, REPLY_FROM_OPTION: str(len(prefix))}
         if body.speed != 1.0:  # (the audio stage's playback model: its listener plays that much faster)
             options[SPEED_OPTION] = repr(body.speed)
-        [req] = await _submit(state, orch, [request_id], [prompt_ids], [sampling], {"audio"}, _salted(options, body))
+        [req] = await _submit(state, orch, [request_id], [prompt_ids], [sampling], {"audio"}, _stage_options(options, body))
 
         speech_out = SpeechStream(state, orch, req, fmt, n_input=len(reply), speed=body.speed)
         if body.stream_format == "sse":
@@ -447,6 +453,9 @@ def _check_room(state: ServerState, prompts: list[list[int]], body: ChatCompleti
 async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,
                        param: str = "messages") -> tuple[dict[str, Any], list[int]]:
     """A chat body's decoded media and its prompt (the rendered template), checked against the limit."""
+    if body.audio_in_video() and state.hears_video_audio is False:
+        raise APIError(400, f"model `{state.cfg.model}` cannot hear a video's audio track (stage 0's model class "
+                            "takes no use_audio_in_video)", param="mm_processor_kwargs.use_audio_in_video")
     decoded = await media.decode_media(state.cfg, body, state.audio_clip_s, param=param)
     # (In a thread, as everything below that scales with the body: a prompt of megabytes takes
     # seconds to render and tokenize, and the event loop serves every other request meanwhile.)
@@ -522,10 +531,13 @@ async def _audio_to_text(state: ServerState, request: Request, kind: str, file: 
     return {"text": text, "usage": transcript.usage()}
 
 
-def _salted(options: dict[str, str], body) -> dict[str, str]:
-    """The request's options plus its prefix-cache salt, when it gave one (every AR stage uses it)."""
+def _stage_options(options: dict[str, str], body) -> dict[str, str]:
+    """The request's options plus what stages read of its body: its prefix-cache salt, when it gave
+    one (every AR stage uses it), and whether its videos' audio tracks are heard (chat)."""
     if body.cache_salt:
         options[CACHE_SALT_OPTION] = body.cache_salt
+    if isinstance(body, ChatCompletionRequest) and body.audio_in_video():
+        options[AUDIO_IN_VIDEO_OPTION] = "1"
     return options
 
 

@@ -258,8 +258,7 @@ def decode_audio(data: bytes, *, target_rate: int = 16000, max_bytes: int, max_s
         if f.format not in _INPUT_CONTAINERS:
             raise AudioError(f"unsupported audio container {f.format}; expected WAV, MP3, FLAC or Ogg")
         rate = f.samplerate
-        if not _MIN_INPUT_RATE <= rate <= _MAX_INPUT_RATE:
-            raise AudioError(f"unsupported sample rate {rate} Hz; expected {_MIN_INPUT_RATE}-{_MAX_INPUT_RATE} Hz")
+        check_rate(rate)
         max_frames = math.floor(max_seconds * rate)
         # Header length first, so an over-long upload is refused without decoding it.
         if f.frames > max_frames:
@@ -279,7 +278,17 @@ def decode_audio(data: bytes, *, target_rate: int = 16000, max_bytes: int, max_s
         except Exception:  # noqa: BLE001
             raise AudioError("could not decode audio; the data is corrupt") from None
     wave = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
-    if wave.size > max_frames:
+    return finish_decoded(wave, rate, target_rate=target_rate, max_seconds=max_seconds)
+
+
+def check_rate(rate: int) -> None:
+    if not _MIN_INPUT_RATE <= rate <= _MAX_INPUT_RATE:
+        raise AudioError(f"unsupported sample rate {rate} Hz; expected {_MIN_INPUT_RATE}-{_MAX_INPUT_RATE} Hz")
+
+
+def finish_decoded(wave: np.ndarray, rate: int, *, target_rate: int, max_seconds: float) -> np.ndarray:
+    """A decoded mono wave at `rate`, checked (length, finite samples) and resampled to `target_rate`."""
+    if wave.size > math.floor(max_seconds * rate):
         raise _duration_error(wave.size / rate, max_seconds)
     if wave.size == 0:
         raise AudioError("audio contains no samples")

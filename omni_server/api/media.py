@@ -82,32 +82,65 @@ async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest, audio_c
     """Decoded media parts as the first stage reads them: "audio.N" (16 kHz mono float32),
     "image.N" (RGB uint8) and "video.N" (RGB uint8 frames, `video.FPS` a second), numbered in prompt
     order per kind; http(s) URLs fetched where the deployment allows (api/fetch.py). A clip longer
-    than `audio_clip_s` is refused (`check_clip`). Errors name `param`, the request's messages."""
+    than `audio_clip_s` is refused (`check_clip`). Errors name `param`, the request's messages.
+    With `use_audio_in_video`, video N's audio track is "audio.N" (the request has no other audio)."""
     import torch
 
+    parts = [p for m in body.messages for p in m.media_parts()]
+    in_video = body.audio_in_video()
+    if in_video:
+        _check_audio_in_video(parts)
     out: dict[str, Any] = {}
     counts = {"audio": 0, "image": 0, "video": 0}
     held = 0
-    for part in (p for m in body.messages for p in m.media_parts()):
-        kind = KIND[part.type]
-        i = counts[kind]
+
+    def count(kind: str, what: str) -> int:
         counts[kind] += 1
         limit = cap(cfg, kind)  # (vLLM would refuse more, after the decoding)
         if isinstance(limit, int) and counts[kind] > limit:
             raise APIError(400, f"this pipeline takes at most {limit} {kind} input(s) per request "
-                                f"(stage 0's limit_mm_per_prompt)", param=param)
-        try:
-            array = await decode_part(cfg.server, part)
-        except (audio.AudioError, image.ImageError, video.VideoError, fetch.FetchError) as e:
-            raise APIError(400, f"{part.type} {i}: {e}", param=param) from None
-        if kind == "audio":
-            check_clip(array, audio_clip_s, f"{part.type} {i}", param=param)
+                                f"(stage 0's limit_mm_per_prompt){what}", param=param)
+        return counts[kind] - 1
+
+    def hold(name: str, array, where: str) -> None:
+        nonlocal held
         held += array.nbytes
         if held > cfg.server.max_media_bytes:
             raise APIError(400, f"the request's media decode to more than {cfg.server.max_media_bytes} bytes "
-                                f"(server.max_media_bytes), at {part.type} {i}", param=param)
-        out[f"{kind}.{i}"] = torch.from_numpy(array)
+                                f"(server.max_media_bytes), at {where}", param=param)
+        out[name] = torch.from_numpy(array)
+
+    for part in parts:
+        kind = KIND[part.type]
+        i = count(kind, "")
+        with_track = in_video and kind == "video"
+        if with_track:
+            count("audio", ": each video's audio track is one")
+        try:
+            array = await (decode_video_with_audio if with_track else decode_part)(cfg.server, part)
+        except (audio.AudioError, image.ImageError, video.VideoError, fetch.FetchError) as e:
+            raise APIError(400, f"{part.type} {i}: {e}", param=param) from None
+        if with_track:
+            array, track = array
+            check_clip(track, audio_clip_s, f"{part.type} {i}'s audio track", param=param)
+            hold(f"audio.{i}", track, f"{part.type} {i}")
+        if kind == "audio":
+            check_clip(array, audio_clip_s, f"{part.type} {i}", param=param)
+        hold(f"{kind}.{i}", array, f"{part.type} {i}")
     return out
+
+
+def _check_audio_in_video(parts: list) -> None:
+    """A request hearing its videos' tracks has videos, and no audio of its own (the model pairs
+    the k-th audio input with the k-th video: another would take a video's place)."""
+    param = "mm_processor_kwargs.use_audio_in_video"
+    if not any(KIND[p.type] == "video" for p in parts):
+        raise APIError(400, "use_audio_in_video needs a video_url part (it hears each video's audio track)",
+                       param=param)
+    own = next((p for p in parts if KIND[p.type] == "audio"), None)
+    if own is not None:
+        raise APIError(400, f"use_audio_in_video takes the videos' own audio tracks: a request with it cannot "
+                            f"have {own.type} parts as well", param=param)
 
 
 async def decode_part(limits: ServerConfig, part) -> Any:
@@ -115,13 +148,7 @@ async def decode_part(limits: ServerConfig, part) -> Any:
     if part.type == "input_audio":
         return await off_loop(audio.decode_base64_audio, part.input_audio.data, target_rate=AUDIO_SAMPLE_RATE,
                               max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
-    url, kind = getattr(part, part.type).url, KIND[part.type]
-    if fetch.is_remote(url):
-        data = await fetch.fetch(url, kind=kind, domains=limits.media_url_domains, private=limits.media_url_private,
-                                 max_bytes=limits.max_request_bytes, timeout_s=limits.media_url_timeout_s,
-                                 ca_file=limits.media_url_ca_file)
-    else:
-        data = await off_loop(_DATA_URL_BYTES[kind], url, max_bytes=limits.max_request_bytes)
+    kind, data = KIND[part.type], await _file_bytes(limits, part)
     if kind == "audio":
         return await off_loop(audio.decode_audio, data, target_rate=AUDIO_SAMPLE_RATE,
                               max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
@@ -129,3 +156,23 @@ async def decode_part(limits: ServerConfig, part) -> Any:
         return await off_loop(image.decode_image, data, max_pixels=limits.max_image_pixels)
     return await off_loop(video.decode_video, data, max_pixels=limits.max_image_pixels,
                           max_frames=limits.max_video_frames, max_total_pixels=limits.max_video_pixels)
+
+
+async def decode_video_with_audio(limits: ServerConfig, part) -> tuple[Any, Any]:
+    """A video part's frames and its audio track (16 kHz mono float32)."""
+    data = await _file_bytes(limits, part)
+    frames = await off_loop(video.decode_video, data, max_pixels=limits.max_image_pixels,
+                            max_frames=limits.max_video_frames, max_total_pixels=limits.max_video_pixels)
+    track = await off_loop(video.decode_video_audio, data, target_rate=AUDIO_SAMPLE_RATE,
+                           max_seconds=limits.max_audio_seconds)
+    return frames, track
+
+
+async def _file_bytes(limits: ServerConfig, part) -> bytes:
+    """A URL part's file: fetched (http(s), where the deployment allows) or from its data: URL."""
+    url, kind = getattr(part, part.type).url, KIND[part.type]
+    if fetch.is_remote(url):
+        return await fetch.fetch(url, kind=kind, domains=limits.media_url_domains, private=limits.media_url_private,
+                                 max_bytes=limits.max_request_bytes, timeout_s=limits.media_url_timeout_s,
+                                 ca_file=limits.media_url_ca_file)
+    return await off_loop(_DATA_URL_BYTES[kind], url, max_bytes=limits.max_request_bytes)

@@ -11,7 +11,7 @@ import typing
 from typing import Annotated, Any, Literal, Union
 
 from pydantic_core import PydanticCustomError
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationInfo, field_validator, model_serializer,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
 
@@ -330,6 +330,17 @@ Seed = Annotated[int | None, Field(ge=-(2**63), le=2**63 - 1)]
 # Prefix-cache salt (vLLM's extension): only requests with the same salt reuse each other's cached prefixes.
 CacheSalt = Annotated[str | None, Field(min_length=1, max_length=256)]
 
+
+
+class MMProcessorKwargs(BaseModel):
+    """vLLM's per-request `mm_processor_kwargs`, limited to what a client may choose here (the rest
+    of the processor's arguments the server sets)."""
+    model_config = ConfigDict(extra="forbid")
+    # Hear each video's audio track with its frames (Qwen Omni's `use_audio_in_video`): the tracks
+    # are the request's audio, so it may have no audio parts of its own.
+    use_audio_in_video: StrictBool = False
+
+
 # The most choices (`n`) one chat request may ask for.
 MAX_CHOICES = 8
 # The most prompts one completion request may batch.
@@ -387,10 +398,14 @@ class ChatCompletionRequest(_Body):
     ignore_eos: bool = False
     return_token_ids: bool = False
     cache_salt: CacheSalt = None
+    mm_processor_kwargs: MMProcessorKwargs | None = None
 
     _stream_options = field_validator("stream_options")(classmethod(stream_options_need_stream))
     # What the client called its reply's token limit (/v1/responses: max_output_tokens), for errors.
     _max_tokens_name: str = PrivateAttr("max_tokens")
+
+    def audio_in_video(self) -> bool:
+        return self.mm_processor_kwargs is not None and self.mm_processor_kwargs.use_audio_in_video
 
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else self._max_tokens_name

@@ -3,17 +3,21 @@ frames sampled at a fixed rate, with size limits.
 
 Frames are taken at `FPS` (2 a second, as Qwen's own video tools sample) by the stream's own
 timestamps; the first stage tells its processor that rate, so the time positions the model sees
-are the video's. The audio track is not read.
+are the video's. A video's audio track is read where the request asks the model to hear it
+(`decode_video_audio`, with PyAV).
 """
 
 from __future__ import annotations
 
+import io
+import math
 import os
 import re
 import tempfile
 
 import numpy as np
 
+from omni_server.api import audio
 from omni_server.api.data_url import payload
 from omni_server.wire.messages import VIDEO_FPS as FPS
 
@@ -47,20 +51,30 @@ def video_data_url(url: str, *, max_bytes: int) -> bytes:
 DECODED_PER_KEPT = 30
 
 
-def _named_container(head: bytes) -> bool:
-    """Whether these first bytes open a container the data: URLs name: FFmpeg picks its demuxer by
-    content, and some of its formats are playlists that read other files (ffconcat names local ones)."""
-    return (head[4:8] in (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")  # (MP4 / QuickTime: a box type)
-            or head[:4] == b"\x1a\x45\xdf\xa3"  # (EBML: Matroska, WebM)
-            or head[:4] == b"RIFF" and head[8:12] == b"AVI "
-            or head[:4] in (b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3")  # (MPEG program / elementary stream)
-            or len(head) > 376 and head[0] == head[188] == head[376] == 0x47)  # (MPEG transport stream)
+def _demuxer(head: bytes) -> str | None:
+    """FFmpeg's demuxer for a file starting with these bytes, among the containers the data: URLs
+    name; None: another. (FFmpeg would pick one by content, and some of its formats are playlists
+    that read other files: ffconcat names local ones.)"""
+    if head[4:8] in (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip"):  # (MP4 / QuickTime: a box type)
+        return "mov"
+    if head[:4] == b"\x1a\x45\xdf\xa3":  # (EBML: Matroska, WebM)
+        return "matroska"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "avi"
+    if head[:4] in (b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3"):  # (MPEG program / elementary stream)
+        return "mpeg"
+    if len(head) > 376 and head[0] == head[188] == head[376] == 0x47:  # (MPEG transport stream)
+        return "mpegts"
+    return None
+
+
+_NOT_NAMED = "video data could not be decoded: it is not MP4 / QuickTime, Matroska / WebM, AVI or MPEG"
 
 
 def decode_video(data: bytes, *, max_pixels: int, max_frames: int, max_total_pixels: int) -> np.ndarray:
     """`decode_video_url` of a video file's bytes."""
-    if not _named_container(data[:400]):
-        raise VideoError("video data could not be decoded: it is not MP4 / QuickTime, Matroska / WebM, AVI or MPEG")
+    if _demuxer(data[:400]) is None:
+        raise VideoError(_NOT_NAMED)
     # OpenCV's FFmpeg reader opens files only: the bytes go to a private temporary file.
     fd, path = tempfile.mkstemp(suffix=".video")
     try:
@@ -124,3 +138,55 @@ def _keep(frames: list[np.ndarray], rgb: np.ndarray, max_frames: int, max_total_
         raise VideoError(f"video has more than the limit of {max_total_pixels} pixels in its "
                          f"{len(frames) + 1} frames at {FPS:g} per second")
     frames.append(rgb)
+
+
+# Audio frames decoded per second of the limit, at most (AAC's are ~21 ms, Opus's 2.5-60 ms): bounds
+# the work of a track cut into tiny frames, as DECODED_PER_KEPT does for pictures.
+_AUDIO_FRAMES_PER_S = 1000
+
+
+def decode_video_audio(data: bytes, *, target_rate: int, max_seconds: float) -> np.ndarray:
+    """Mono float32 at `target_rate` of a video file's first audio track, whole (the model hears
+    it beside the frames from the start, as Qwen's own video tools read it)."""
+    fmt = _demuxer(data[:400])
+    if fmt is None:
+        raise VideoError(_NOT_NAMED)
+    try:
+        import av
+    except ImportError:
+        raise VideoError("this server cannot read a video's audio track (PyAV is not installed)") from None
+    try:
+        with av.open(io.BytesIO(data), format=fmt) as box:
+            if not box.streams.audio:
+                raise VideoError("video has no audio track")
+            stream = box.streams.audio[0]
+            rate = stream.codec_context.sample_rate
+            try:
+                audio.check_rate(rate)
+            except audio.AudioError as e:
+                raise VideoError(f"its audio track: {e}") from None
+            # Planar float at the track's first rate (a later change of rate or layout is converted).
+            to_float = av.AudioResampler(format="fltp", rate=rate)
+            blocks, samples, frames_left = [], 0, math.ceil(max_seconds * _AUDIO_FRAMES_PER_S)
+            for frame in box.decode(stream):
+                frames_left -= 1
+                if frames_left < 0:
+                    raise VideoError(f"its audio track has more frames to decode than the limit "
+                                     f"({_AUDIO_FRAMES_PER_S} a second of server.max_audio_seconds)")
+                for out in to_float.resample(frame):
+                    blocks.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
+                    samples += blocks[-1].size
+                if samples > max_seconds * rate:
+                    raise VideoError(f"its audio track is longer than the limit of {max_seconds:g} s "
+                                     "(server.max_audio_seconds)")
+            for out in to_float.resample(None):
+                blocks.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
+    except VideoError:
+        raise
+    except (av.FFmpegError, ValueError, OSError):
+        raise VideoError("the video's audio track could not be decoded") from None
+    wave = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
+    try:
+        return audio.finish_decoded(wave, rate, target_rate=target_rate, max_seconds=max_seconds)
+    except audio.AudioError as e:
+        raise VideoError(f"its audio track: {e}") from None

@@ -31,6 +31,7 @@ from omni_server.wire.messages import (
     ExpectRequest,
     RequestDelta,
     AUDIO_SAMPLE_RATE,
+    AUDIO_IN_VIDEO_OPTION,
     CACHE_SALT_OPTION,
     VIDEO_FPS,
     SamplingSpec,
@@ -345,6 +346,7 @@ class ARStage(Stage):
         if prepare is not None:
             prepare(self)
         self.audio_clip_s = audio_clip_seconds(self.vllm_config.model_config)
+        self.audio_in_video = model_classes.get(self.stage.model_class).audio_in_video if self.stage.model_class else None
         self.startup_s = time.monotonic() - t0
 
     # ---- base.Stage hooks ---------------------------------------------------------------------
@@ -399,6 +401,8 @@ class ARStage(Stage):
         info = {**super().info(), "max_model_len": str(self.vllm_config.model_config.max_model_len)}
         if self.audio_clip_s is not None:  # (the api refuses longer clips: the model would hear their start only)
             info["audio_clip_s"] = f"{self.audio_clip_s:g}"
+        if self.audio_in_video is not None:
+            info["audio_in_video"] = "1"
         return info
 
     def counts(self) -> tuple[int, int]:
@@ -458,6 +462,11 @@ class ARStage(Stage):
             prompt = {"prompt_token_ids": msg.prompt_token_ids, "multi_modal_data": media}
             if videos:  # (the rate the api sampled them at; processors assume their own otherwise)
                 prompt["mm_processor_kwargs"] = {"fps": VIDEO_FPS}
+                if msg.options.get(AUDIO_IN_VIDEO_OPTION) == "1":
+                    if self.audio_in_video is None or len(audio) != len(videos):  # (the api sends one per video)
+                        raise ValueError("audio in video: this stage's model cannot hear it, or the request has "
+                                         "not one audio track per video")
+                    prompt["mm_processor_kwargs"].update(self.audio_in_video(len(videos)))
         return prompt
 
     def start(self, expect: ExpectRequest, stage_input: StageInput, final: bool = True) -> None:

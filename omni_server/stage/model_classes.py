@@ -25,6 +25,9 @@ class ModelClass:
     engine_defaults: dict[str, Any] = field(default_factory=dict)
     # Adjusts the selected config in place (a module-level function, so it pickles).
     adapt_config: Callable[[Any], None] | None = None
+    # The mm_processor_kwargs that make its processor interleave each of a prompt's n videos with
+    # its audio track (the prompt's n audio inputs, in video order); None: it cannot.
+    audio_in_video: Callable[[int], dict[str, Any]] | None = None
 
 
 _REGISTRY: dict[str, ModelClass] = {}

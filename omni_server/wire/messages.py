@@ -23,6 +23,9 @@ SPEED_OPTION = "speed"  # text-to-speech: the listener plays the audio this much
 # The request's prefix-cache salt: AR stages key its KV blocks by it too, so only requests with the
 # same salt share cached prefixes (tenants that must not learn of each other's prompts by timing).
 CACHE_SALT_OPTION = "cache_salt"
+# "1": each video's audio track (sent as the request's audio inputs, one per video in order) is
+# heard interleaved with its frames (the model class's `audio_in_video` says how to ask its processor).
+AUDIO_IN_VIDEO_OPTION = "audio_in_video"
 
 
 class _Msg(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=True):
