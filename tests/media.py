@@ -40,8 +40,6 @@ def mp4(frames: int, fps: float = 4.0, width: int = 64, height: int = 48, seed: 
 
     import cv2
 
-    from omni_server.api.video import decode_video_url
-
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as d:
         path = f"{d}/v.mp4"
@@ -51,8 +49,14 @@ def mp4(frames: int, fps: float = 4.0, width: int = 64, height: int = 48, seed: 
         writer.release()
         with open(path, "rb") as f:
             url = "data:video/mp4;base64," + base64.b64encode(f.read()).decode()
-    return url, decode_video_url(url, max_bytes=1 << 30, max_pixels=1 << 30, max_frames=1 << 20,
-                                 max_total_pixels=1 << 40)
+    return url, kept_frames(url)
+
+
+def kept_frames(url: str) -> np.ndarray:
+    """The frames the server keeps of a video data URL."""
+    from omni_server.api.video import decode_video_url
+
+    return decode_video_url(url, max_bytes=1 << 30, max_pixels=1 << 30, max_frames=1 << 20, max_total_pixels=1 << 40)
 
 
 def mp4_with_gap(before: int, gap_s: float, after: int, fps: float = 4.0, seed: int = 0) -> str:

@@ -117,13 +117,14 @@ def processor(model_dir: Path):
 
 
 def omni_inputs(model_dir: Path, messages: list[dict], audios: list | None = None, images: list | None = None,
-                videos: list | None = None) -> dict:
+                videos: list | None = None, **kwargs) -> dict:
     """transformers' processor on chat messages with audio parts (16 kHz float arrays), image
     parts (RGB uint8 arrays) and video parts (RGB uint8 [frames, h, w, 3], 2 frames a second: the
-    processor's default rate for time positions)."""
+    processor's default rate for time positions); `kwargs`: the processor's own (use_audio_in_video)."""
     proc = processor(model_dir)
     text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return dict(proc(text=text, audio=audios, images=images, videos=videos, return_tensors="pt", padding=True))
+    return dict(proc(text=text, audio=audios, images=images, videos=videos, return_tensors="pt", padding=True,
+                     **kwargs))
 
 
 @torch.inference_mode()

@@ -469,21 +469,26 @@ def test_override_value_is_validated_like_the_file():
 
 
 def test_a_sub_model_stage_takes_only_fp8_quantized_at_load():
-    """vLLM 0.26 reads a quantization only with dict `hf_overrides`; a `model_class` stage gets
-    `fp8` through its sub-config instead (tests/test_engine_args.py), and any other method or a
-    `quantization_config` would die at engine start with an error naming neither: refused here."""
+    """vLLM 0.26 reads a quantization only with dict `hf_overrides`; a sub-model stage (the talker)
+    gets `fp8` through its sub-config instead (tests/test_engine_args.py), and any other method or a
+    `quantization_config` would die at engine start with an error naming neither: named by `check`
+    and by the stage before its engine is built. A whole checkpoint's model class (the thinker's)
+    takes any of vLLM's: its architecture goes in a dict `hf_overrides`."""
+    from omni_server.config.loader import engine_arg_problems
+    from omni_server.stage import model_classes
+
     path = REPO / "configs" / "qwen2_5_omni.yaml"
-    assert load_config(str(path)).stage(1).model_class
-    assert load_config(str(path), overrides=["talker.quantization=fp8"]).stage(1).engine_args["quantization"] == "fp8"
+    assert engine_arg_problems(load_config(str(path), overrides=["talker.quantization=fp8"]), "c") == []
     for override, named in (("talker.quantization=awq", "`engine_args.quantization: awq`"),
                             ("talker.quantization_config={linear: fp8_per_tensor}",
                              "`engine_args.quantization_config`")):
-        with pytest.raises(ConfigError) as exc:
-            load_config(str(path), overrides=[override])
-        (line,) = _problems(exc)
-        assert line.startswith(f"{path}: stage 1 (talker): {named}") and "`model_class` stage" in line, line
-    # the thinker (a whole checkpoint's model) takes any of vLLM's
-    assert load_config(str(path), overrides=["thinker.quantization=awq"]).stage(0).engine_args["quantization"] == "awq"
+        (line,) = engine_arg_problems(load_config(str(path), overrides=[override]), "c")
+        assert line.startswith(f"c: stage 1 (talker) (model_class qwen2_5_omni.talker): {named}"), line
+        assert "sub-model of the checkpoint" in line
+    cfg = load_config(str(path), overrides=["thinker.quantization=awq"])
+    assert cfg.stage(0).model_class and engine_arg_problems(cfg, "c") == []
+    args = model_classes.engine_overrides(model_classes.get(cfg.stage(0).model_class), cfg.stage(0).engine_args)
+    assert args["quantization"] == "awq" and args["hf_overrides"] == {"architectures": ["OmniServerQwen2_5OmniThinker"]}
 
 
 def test_override_unknown_stage():

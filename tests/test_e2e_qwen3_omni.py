@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from tests.media import mp4, png, tone_wav
+from tests.media import kept_frames, mp4, png, tone_wav, video_with_audio
 from tests.conftest import MODELS, REPO, STARTUP_TIMEOUT, Server, compiled_config, edited_config
 
 MODEL = "omni-tiny-qwen3"
@@ -374,10 +374,16 @@ def test_vllm_base_positions_are_one_token_late(client):
 def _hf_speech(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, voice: str, talker_max: int,
                media: dict | None = None):
     """transformers' whole pipeline, greedy (thinker never stopping early): (thinker tokens, talker
-    codes c0, frames [n, 16], waveform). `media`: the processor's other inputs (pixel_values, ...)."""
+    codes c0, frames [n, 16], waveform). `media`: the processor's other inputs (pixel_values, ...).
+
+    transformers 5.17's talker config has no `audio_config`, which its rope index reads on an
+    audio-in-video prompt (its generate raises AttributeError there): lent the thinker's (it only
+    sizes audio whose positions are sequential anyway; tests/test_audio_in_video_positions.py)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if (media or {}).get("use_audio_in_video"):
+        model.talker.config.audio_config = model.config.thinker_config.audio_config
     model.thinker.generation_config.eos_token_id = None
     seen = {}
     talker_generate = model.talker.generate
@@ -517,6 +523,41 @@ def test_speech_about_a_video_equals_transformers(client):
     assert resp.usage.prompt_tokens == len(ref_ids)
     media = {k: inputs[k] for k in ("pixel_values_videos", "video_grid_thw", "video_second_per_grid")}
     thinker, ref_codes, _, wave = _hf_speech(_model_dir(), ref_ids, MAX_TOKENS, "ethan", len(codes), media)
+    assert resp.choices[0].model_extra["token_ids"] == thinker
+    assert codes == ref_codes, (codes, ref_codes)
+    pcm = np.frombuffer(base64.b64decode(resp.choices[0].message.audio.data), dtype="<i2").astype(np.float32) / 32768
+    assert pcm.shape == wave.shape and np.abs(pcm - wave.clamp(-1, 1).numpy()).max() < 2e-4
+
+
+def test_speech_hearing_a_videos_audio_equals_transformers(client):
+    """`use_audio_in_video`: the track's tokens merged with the frames' by time (13 positions a
+    second; the processor told the api's frame rate and its 1 s per temporal patch); thinker, talker
+    codes (transformers' talker positions are sequential in this mode: generate does not tell it)
+    and waveform equal transformers' on the frames and the track the server decodes."""
+    import base64
+
+    from omni_server.api.video import decode_video_audio
+
+    url, _ = video_with_audio(frames=6, fps=2.0, audio_s=2.2, container="webm", rate=48000, width=160, height=96)
+    frames, track = kept_frames(url), decode_video_audio(base64.b64decode(url.split(",", 1)[1]), target_rate=16000,
+                                                         max_seconds=60)
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": IMAGE_TEXT}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0,
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
+        extra_body={"return_token_ids": True, "ignore_eos": True, "mm_processor_kwargs": {"use_audio_in_video": True}})
+    codes = resp.model_extra["omni_outputs"]["talker"]["token_ids"]
+    proc = _hf_processor(_model_dir())
+    message = {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": IMAGE_TEXT}]}
+    text = proc.apply_chat_template([message], add_generation_prompt=True, tokenize=False)
+    inputs = dict(proc(text=text, audio=[track], videos=[frames], fps=2.0, use_audio_in_video=True,
+                       return_tensors="pt", padding=True))
+    ref_ids = inputs["input_ids"][0].tolist()
+    assert resp.usage.prompt_tokens == len(ref_ids)
+    media = {k: inputs[k] for k in ("pixel_values_videos", "video_grid_thw", "video_second_per_grid",
+                                    "input_features", "feature_attention_mask")}
+    thinker, ref_codes, _, wave = _hf_speech(_model_dir(), ref_ids, MAX_TOKENS, "ethan", len(codes),
+                                             {**media, "use_audio_in_video": True})
     assert resp.choices[0].model_extra["token_ids"] == thinker
     assert codes == ref_codes, (codes, ref_codes)
     pcm = np.frombuffer(base64.b64decode(resp.choices[0].message.audio.data), dtype="<i2").astype(np.float32) / 32768

@@ -20,7 +20,7 @@ import pytest
 import soundfile as sf
 
 from tests import reference
-from tests.media import mp4, png, tone_wav
+from tests.media import kept_frames, mp4, png, tone_wav, video_with_audio
 
 MODEL = "omni-tiny"
 TALKER_MAX_TOKENS = 64  # configs/default.yaml: talker default_sampling.max_tokens
@@ -154,6 +154,32 @@ def test_chat_with_video_matches_transformers(client, tiny_models):
     assert spoken.usage.prompt_tokens == inputs["input_ids"].shape[1]  # the video's tokens count
     ref_tokens, ref_codes, ref_wave = reference.omni_speech(model_dir, None, 10, TALKER_MAX_TOKENS, "Chelsie", 5,
                                                             inputs=inputs)
+    _assert_equals_reference(_outputs(spoken), ref_tokens, ref_codes, ref_wave)
+
+
+def test_chat_hearing_a_videos_audio_matches_transformers(client, tiny_models):
+    """`use_audio_in_video`: the video's audio track interleaved with its frames (2 s chunks; the
+    track outlasts the frames here): the prompt's tokens, reply, the talker's codes (it reads the
+    interleaved 3-D positions) and the waveform equal transformers' pipeline given the frames and
+    the track the server decodes."""
+    from omni_server.api.video import decode_video_audio
+
+    url, _ = video_with_audio(frames=10, fps=4.0, audio_s=3.5, container="mp4")
+    data = base64.b64decode(url.split(",", 1)[1])
+    frames = kept_frames(url)
+    track = decode_video_audio(data, target_rate=16000, max_seconds=60)
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]
+    model_dir = tiny_models["tiny-qwen2_5-omni"]
+    inputs = reference.omni_inputs(model_dir, [{"role": "user", "content": [
+        {"type": "video"}, {"type": "text", "text": "What happens?"}]}], audios=[track], videos=[frames],
+        use_audio_in_video=True)
+    spoken = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=10, temperature=0, seed=5,
+        modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"},
+        extra_body={"return_token_ids": True, "mm_processor_kwargs": {"use_audio_in_video": True}})
+    assert spoken.usage.prompt_tokens == inputs["input_ids"].shape[1]  # the video's and its track's tokens
+    ref_tokens, ref_codes, ref_wave = reference.omni_speech(model_dir, None, 10, TALKER_MAX_TOKENS, "Chelsie", 5,
+                                                            inputs={**inputs, "use_audio_in_video": True})
     _assert_equals_reference(_outputs(spoken), ref_tokens, ref_codes, ref_wave)
 
 

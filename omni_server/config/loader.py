@@ -509,6 +509,16 @@ def engine_arg_problems(cfg: PipelineConfig, name: str, stage_id: int | None = N
                 out.append(f"{where}: vLLM takes no {key!r}{hint}")
             elif (why := _engine_arg_type_error(key, value)) is not None:
                 out.append(f"{where}.{key}: {why}")
+        if stage.model_class:  # (a stage's model class: its family is imported, as the stage will)
+            from omni_server.stage import model_classes
+
+            try:
+                mc = model_classes.get(stage.model_class)
+            except KeyError:  # (named where the stage's classes are checked)
+                continue
+            why = model_classes.quantization_problem(mc, stage.engine_args)
+            if why is not None:
+                out.append(f"{name}: stage {stage.id} ({stage.name}) (model_class {stage.model_class}): {why}")
     return out
 
 

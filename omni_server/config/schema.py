@@ -161,14 +161,6 @@ class StageConfig(_Strict):
                 raise ValueError("`sampler` is for `ar` stages")
         elif self.generator or self.generator_args:
             raise ValueError("`generator` / `generator_args` are only for `kind: generation` stages")
-        if self.model_class and "quantization_config" in self.engine_args:
-            # vLLM reads one only with a dict `hf_overrides`; a sub-model stage needs the callable
-            # form (model_classes.hf_overrides): its engine would fail at start naming neither.
-            raise ValueError("`engine_args.quantization_config` cannot apply to a `model_class` stage (a "
-                             "sub-model of the checkpoint); `quantization: fp8` quantizes its weights at load")
-        if self.model_class and self.engine_args.get("quantization") not in (None, "fp8"):
-            raise ValueError(f"`engine_args.quantization: {self.engine_args['quantization']}`: a `model_class` stage "
-                             "(a sub-model of the checkpoint) takes only `fp8` (its weights quantized at load)")
         if self.output == "audio" and self.kind != "generation":
             raise ValueError("`output: audio` needs a `generation` stage")
         if isinstance(self.address, list) and len(self.address) != self.replicas:

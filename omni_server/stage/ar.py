@@ -229,10 +229,7 @@ def build_engine_args(cfg: PipelineConfig, stage_id: int):
         raise ValueError("; ".join(p.removeprefix("config: ") for p in problems))
     args: dict[str, Any] = dict(stage.engine_args)
     if stage.model_class:
-        mc = model_classes.get(stage.model_class)
-        args = {**mc.engine_defaults, **args}
-        # (a sub-model is quantized through its config: model_classes.ONLINE_FP8)
-        args["hf_overrides"] = model_classes.hf_overrides(mc, args.pop("quantization", None))
+        args = model_classes.engine_overrides(model_classes.get(stage.model_class), args)
     args.setdefault("model", stage.model)
     if args.get("kv_cache_memory_bytes") is not None:
         # vLLM's GPU worker refuses to start unless `gpu_memory_utilization` (0.92 by default) of the

@@ -103,6 +103,39 @@ def _select(config: Any, sub_config: str | None, architecture: str, adapt: Calla
     return chosen
 
 
+def sub_model(mc: ModelClass) -> bool:
+    """Whether the class serves a part of its checkpoint (or a config it rewrites): vLLM then gets
+    the config through a callable `hf_overrides`, and takes only SUB_MODEL_QUANTIZATION's methods."""
+    return mc.sub_config is not None or mc.adapt_config is not None
+
+
+def quantization_problem(mc: ModelClass, engine_args: dict[str, Any]) -> str | None:
+    """Why a stage of this class cannot be quantized as `engine_args` ask (None: it can)."""
+    if not sub_model(mc):
+        return None
+    if "quantization_config" in engine_args:
+        # (vLLM reads one only with a dict `hf_overrides`: the engine would fail at start naming neither)
+        return ("`engine_args.quantization_config` cannot apply to a sub-model of the checkpoint; "
+                "`quantization: fp8` quantizes its weights at load")
+    method = engine_args.get("quantization")
+    if method not in (None, *SUB_MODEL_QUANTIZATION):
+        return (f"`engine_args.quantization: {method}`: a sub-model of the checkpoint takes only "
+                f"{', '.join(SUB_MODEL_QUANTIZATION)} (its weights quantized at load)")
+    return None
+
+
+def engine_overrides(mc: ModelClass, args: dict[str, Any]) -> dict[str, Any]:
+    """EngineArgs `args` for a stage of this class: its defaults under them, and `hf_overrides`
+    naming its architecture (a whole checkpoint's: a dict, so vLLM reads the checkpoint's own
+    quantization, or any the YAML names)."""
+    args = {**mc.engine_defaults, **args}
+    if not sub_model(mc):
+        return {**args, "hf_overrides": {"architectures": [mc.architecture]}}
+    # (a sub-model is quantized through its config: ONLINE_FP8)
+    overrides = hf_overrides(mc, args.pop("quantization", None))
+    return {**args, "hf_overrides": overrides}
+
+
 def hf_overrides(mc: ModelClass, quantization: str | None = None):
     """The `hf_overrides` callable for EngineArgs (a partial of a module function: it must pickle
     into vLLM's worker processes); `quantization` a SUB_MODEL_QUANTIZATION key."""

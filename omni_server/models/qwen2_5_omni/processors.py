@@ -176,11 +176,13 @@ thinker_to_talker.prompt_rows_added = 2  # (the voice's codec pad and start rows
 def _talker_positions(thinker: torch.Tensor | None, n_prompt: int) -> torch.Tensor | None:
     """The talker's prompt positions as the reference computes them (its rope index over the
     thinker's prompt ids + voice token + first reply token): the thinker's prompt positions, then
-    two text positions. None (1-D positions) when the thinker sent none."""
+    two text positions after the last one. None (1-D positions) when the thinker sent none."""
     if thinker is None:
         return None
     head = thinker[:, :n_prompt].to(torch.int64)
-    top = int(head.max()) if head.numel() else -1
+    # After the last prompt token, not the largest position: they differ only past an audio-in-video
+    # span whose end tokens sit below its frames' top (the last chunk is audio ending lower).
+    top = int(head[:, -1].max()) if head.numel() else -1
     return torch.cat([head, torch.tensor([[top + 1, top + 2]] * 3)], dim=1)
 
 

@@ -18,7 +18,8 @@ Talker positions: the reference runs its M-RoPE index over the talker's own ids 
 then the 9 assistant rows), so they are the thinker's positions of the user-turn tokens, each less
 the tokens dropped before it (system and earlier assistant turns: text, one position each), then
 the 9 rows one position apart; decode continues 1-D after the largest. For text and audio they are
-0, 1, 2, ...; an image or video keeps its 3-D grid.
+0, 1, 2, ...; an image or video keeps its 3-D grid; a video holding its audio (use_audio_in_video)
+mostly does not (the reference's talker is not told the mode: `talker_positions`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class _Tables:
     assistant: int
     tts: torch.Tensor  # P_text of tts_pad, tts_bos, tts_eos: [3, talker_hidden] (every request reads them)
     media_ids_host: torch.Tensor  # audio / image / video placeholder ids (CPU: read with the prompt ids)
+    span_ids: tuple[int, int, int]  # <|vision_start|>, <|audio_start|>, <|image_pad|> (audio-in-video spans)
     assistant_codec_ids: tuple[int, int, int, int, int]  # nothink, think_bos, think_eos, (voice), pad, bos
     codec_pad: int
     codec_bos: int
@@ -102,6 +104,7 @@ def _tables(model_dir: str) -> _Tables:
         im_start=cfg.im_start_token_id, user=cfg.user_token_id, assistant=cfg.assistant_token_id,
         tts=text(embed[torch.tensor([cfg.tts_pad_token_id, cfg.tts_bos_token_id, cfg.tts_eos_token_id], device=dev)]),
         media_ids_host=torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id]),
+        span_ids=(thinker.vision_start_token_id, thinker.audio_start_token_id, thinker.image_token_id),
         assistant_codec_ids=(tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id,
                              tcfg.codec_pad_id, tcfg.codec_bos_id),
         codec_pad=tcfg.codec_pad_id, codec_bos=tcfg.codec_bos_id,
@@ -202,7 +205,7 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
     # The ids are what a repetition penalty counts from the prompt: codec_pad is among the ids the
     # talker never samples (talker.SUPPRESSED_TOP), so the penalty counts the output codes only, as
     # transformers' (its talker.generate gets no input ids).
-    positions = talker_positions(p.tensors.get("mrope_positions"), user, n - len(user))
+    positions = talker_positions(p.tensors.get("mrope_positions"), user, n - len(user), ids[user], t.span_ids)
     talker_prompt = {"type": "embeds", "prompt_embeds": prompt,
                      "prompt_token_ids": [t.codec_pad] * n, "is_token_ids": [False] * n}
     # The talker's prefix cache keys blocks by these rows' bytes, not by their positions. Text rows
@@ -216,14 +219,39 @@ def thinker_to_talker(payloads: dict[int, StagePayload], ctx, options: dict[str,
     return StageInput(prompt=talker_prompt, step_embeds=reply, positions=positions, host_ready=copied)
 
 
-def talker_positions(thinker: torch.Tensor | None, user: torch.Tensor, rows: int) -> torch.Tensor | None:
+def talker_positions(thinker: torch.Tensor | None, user: torch.Tensor, rows: int, user_ids: torch.Tensor | None = None,
+                     span_ids: tuple[int, int, int] | None = None) -> torch.Tensor | None:
     """The talker prompt's M-RoPE positions [3, len(user) + rows] from the thinker prompt's
-    ([3, n], None: the thinker sent none, so plain positions) and the user-turn indices into it."""
+    ([3, n], None: the thinker sent none, so plain positions) and the user-turn indices into it.
+
+    Audio in video (`user_ids` holding <|vision_start|><|audio_start|>; `span_ids`: those two and the
+    image pad): transformers' generate does not pass `use_audio_in_video` to the talker, whose rope
+    index then looks for such a span's video only while an image is left to find. A span after the
+    last image it reads as plain audio: from that span's <|vision_start|> on, its positions are 1-D
+    and sequential (no image: `arange` throughout). Spans before an image keep the thinker's."""
     if thinker is None:
         return None
     pos = thinker[:, user].to(torch.int64) - (user - torch.arange(len(user)))  # minus the tokens dropped before
     top = int(pos.max()) if pos.numel() else -1
+    k = _plain_from(user_ids, *span_ids) if span_ids is not None else None
+    if k is not None:
+        if k < len(user):
+            pos[:, k:] = pos[0, k] + torch.arange(len(user) - k)  # (<|vision_start|>: a text position, rows equal)
+        # The rows after go on from the last user row, as the reference's: a span's end tokens may
+        # sit below its frames' top.
+        top = int(pos[:, -1].max())
     return torch.cat([pos, torch.arange(top + 1, top + 1 + rows).expand(3, -1)], dim=1)
+
+
+def _plain_from(ids: torch.Tensor, vision_start: int, audio_start: int, image: int) -> int | None:
+    """None without audio-in-video spans in `ids`; else the index of the first span after the last
+    image pad (len(ids): none is)."""
+    spans = torch.nonzero((ids[:-1] == vision_start) & (ids[1:] == audio_start)).flatten()
+    if not len(spans):
+        return None
+    images = torch.nonzero(ids == image).flatten()
+    later = spans[spans > (int(images[-1]) if len(images) else -1)]
+    return int(later[0]) if len(later) else len(ids)
 
 
 thinker_to_talker.prepare = lambda stage: _tables(str(stage.stage.model))
