@@ -6,6 +6,11 @@ fi
 if [ ! -f /tmp/site/soundfile.py ]; then
   python3 -m zipfile -e .gpu/extra/soundfile-*.whl /tmp/site || { echo "soundfile wheel missing"; return 1; }
 fi
+# PyAV (a video's audio track), when a call left its wheel in /tmp/stage (.gpu/av: too big to ride
+# with the last chunk and .gpu/extra).
+if [ ! -d /tmp/site/av ] && ls /tmp/stage/av-*.whl >/dev/null 2>&1; then
+  python3 -m zipfile -e /tmp/stage/av-*.whl /tmp/site || { echo "av wheel failed"; return 1; }
+fi
 # py-spy (a static binary; step `spy`), when .gpu/extra has it.
 [ -x .gpu/extra/py-spy ] && cp .gpu/extra/py-spy /tmp/py-spy
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
