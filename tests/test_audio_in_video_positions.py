@@ -190,9 +190,9 @@ def test_prompts_without_audio_in_video_keep_the_positions_they_had(tiny_models,
     if model == Q25:
         want, want_delta = _vllm_parent(model_dir, ids, features)
     else:
-        from omni_server.models.qwen3_omni_moe import thinker as q3
+        from omni_server.models.omni_media import audio_in_video_media
 
-        assert q3.audio_in_video_media(ids, features, model_obj.config) is None  # (the old path)
+        assert audio_in_video_media(ids, features, model_obj.config, 2.0) is None  # (the old path)
         want, want_delta = _hf_rope(model_dir, hf, False)
     assert torch.equal(pos, want.long()) and delta == want_delta
 

@@ -33,6 +33,9 @@ from vllm.model_executor.models.qwen3_omni_moe_thinker import (
 from vllm.multimodal.utils import copy_mm_embedding_modality
 from vllm.sequence import IntermediateTensors
 
+from omni_server.models import omni_media
+from omni_server.models.omni_media import audio_in_video_media, grid, seq, t_index
+
 
 class _LLMWithTap(Qwen3MoeLLMModel):
     """vLLM's Qwen3-Omni LLM stack; its forward also returns the residual stream entering each layer
@@ -99,7 +102,7 @@ class Qwen3OmniMoeThinker(Qwen3OmniMoeThinkerForConditionalGeneration):
 
     def get_mrope_input_positions(self, input_tokens, mm_features):
         cfg = self.config
-        media = audio_in_video_media(input_tokens, mm_features, cfg)
+        media = audio_in_video_media(input_tokens, mm_features, cfg, 2.0)
         if media is not None:
             return rope_positions(len(input_tokens), media, cfg.position_id_per_seconds)
         start_of = {cfg.image_token_id: cfg.vision_start_token_id, cfg.video_token_id: cfg.vision_start_token_id,
@@ -114,94 +117,20 @@ class Qwen3OmniMoeThinker(Qwen3OmniMoeThinkerForConditionalGeneration):
         return super().get_mrope_input_positions(input_tokens, moved)
 
 
-def _seq(n: int, start: int) -> np.ndarray:
-    return np.broadcast_to(np.arange(start, start + n), (3, n))
-
-
-def _t_index(grid_t: int, seconds_per_grid: float, per_second: float) -> torch.Tensor:
-    # transformers keeps these float32 (positions too); at integral values (2 fps) they equal ours.
-    return torch.arange(grid_t) * torch.tensor(seconds_per_grid, dtype=torch.float32) * per_second
-
-
-def _grid(t_index: torch.Tensor, h: int, w: int, start: int) -> np.ndarray:
-    """[3, t*h*w] positions of a (merged) vision grid, frame by frame, row by row."""
-    t, hh, ww = np.meshgrid(t_index.long().numpy(), np.arange(h), np.arange(w), indexing="ij")
-    return np.stack([t.ravel(), hh.ravel(), ww.ravel()]) + start
-
-
 def rope_positions(n_tokens: int, media: list[tuple], per_second: float) -> tuple[torch.Tensor, int]:
-    """transformers' M-RoPE positions [3, n_tokens] and delta (max + 1 - n_tokens) for a prompt whose
-    media are, sorted by `start`: ("image", start, (t, h, w)), ("video", start, (t, h, w), seconds per
-    grid), ("audio", start, n) with `start` the first placeholder token, and ("av", start, (t, h, w),
-    seconds per grid, n audio tokens) with `start` the <|vision_start|> of an audio-in-video span.
-    Grids are in merged units. Each part starts at the previous part's max + 1, as transformers'."""
-    parts: list[np.ndarray] = []
+    """transformers' M-RoPE positions and delta for a prompt with audio-in-video spans (omni_media)."""
 
-    def nxt() -> int:
-        return int(parts[-1].max()) + 1 if parts else 0
-
-    st = 0
-    for kind, start, *info in media:
-        if start > st:
-            parts.append(_seq(start - st, nxt()))
-        p = nxt()
-        if kind == "audio":
-            parts.append(_seq(info[0], p))
-            st = start + info[0]
-            continue
-        (t, h, w), spg = info[0], (info[1] if kind != "image" else 1.0)
-        t_index = _t_index(t, spg, per_second)
-        if kind != "av":
-            parts.append(_grid(t_index, h, w, p))
-            st = start + parts[-1].shape[1]
-            continue
+    def span(p: int, thw: tuple, spg: float, n_audio: int) -> list[np.ndarray]:
         # Start tokens at p, p + 1; frames and audio from p + 2, merged by time (a frame first on a
         # tie); end tokens at q, q + 1, q the max + 1 of the run of the kind that outlasts the other.
-        n_audio = info[2]
-        video, audio = _grid(t_index, h, w, p + 2), _seq(n_audio, p + 2)
-        vt = t_index.repeat_interleave(h * w).numpy()  # (float: compared as transformers does)
+        times = t_index(thw[0], spg, per_second)
+        video, audio = grid(times, *thw[1:], p + 2), seq(n_audio, p + 2)
+        vt = times.repeat_interleave(thw[1] * thw[2]).numpy()  # (float: compared as transformers does)
         at_v = np.arange(len(vt)) + np.clip(np.ceil(vt), 0, n_audio).astype(np.int64)  # audio j < t goes first
         at_a = np.arange(n_audio) + np.searchsorted(vt, np.arange(n_audio), side="right")  # frames t <= j first
-        span = np.empty((3, len(vt) + n_audio), dtype=np.int64)
-        span[:, at_v], span[:, at_a] = video, audio
+        merged = np.empty((3, len(vt) + n_audio), dtype=np.int64)
+        merged[:, at_v], merged[:, at_a] = video, audio
         last_other = min(at_v[-1], at_a[-1]) if len(vt) and n_audio else -1
-        parts += [_seq(2, p), span, _seq(2, int(span[:, last_other + 1:].max()) + 1)]
-        st = start + 4 + span.shape[1]
-    if st < n_tokens:
-        parts.append(_seq(n_tokens - st, nxt()))
-    positions = np.concatenate(parts, axis=1)
-    if positions.shape[1] != n_tokens:
-        raise ValueError(f"M-RoPE positions cover {positions.shape[1]} of {n_tokens} prompt tokens")
-    return torch.from_numpy(positions.astype(np.int64)), int(positions.max()) + 1 - n_tokens
+        return [seq(2, p), merged, seq(2, int(merged[:, last_other + 1:].max()) + 1)]
 
-
-def audio_in_video_media(input_tokens: list[int], mm_features, cfg) -> list[tuple] | None:
-    """`rope_positions`' media for vLLM's features (offsets as vLLM records them: the first pad, or
-    <|audio_start|> for a span), or None when no video holds its audio. A video holds it when its
-    placeholder starts at <|audio_start|> (vLLM then lays the audio in it, as the per-item
-    `use_audio_in_video` flag asked; it is the layout transformers keys on). Its audio is the audio
-    item placed in that range (vLLM gives it the video's)."""
-    merge = cfg.vision_config.spatial_merge_size
-    spans = {f.mm_position.offset: f.mm_position.offset + f.mm_position.length for f in mm_features
-             if f.modality == "video" and input_tokens[f.mm_position.offset] == cfg.audio_start_token_id}
-    if not spans:
-        return None
-    media = []
-    for f in sorted(mm_features, key=lambda f: f.mm_position.offset):
-        at, n = f.mm_position.offset, f.mm_position.length
-        if f.modality == "audio":
-            if not any(s <= at < e for s, e in spans.items()):  # (a span's own audio: counted there)
-                media.append(("audio", at, input_tokens[at:at + n].count(cfg.audio_token_id)))
-            continue
-        t, h, w = f.data[f"{f.modality}_grid_thw"].data.tolist()
-        grid = (t, h // merge, w // merge)
-        if f.modality == "image":
-            media.append(("image", at, grid))
-            continue
-        spg = f.data.get("second_per_grid_ts")
-        spg = 2.0 if spg is None else spg.data.item()  # (vLLM's default)
-        if at in spans:  # (the span's own tokens tell its audio length: the audio pads in it)
-            media.append(("av", at - 1, grid, spg, input_tokens[at:at + n].count(cfg.audio_token_id)))
-        else:
-            media.append(("video", at, grid, spg))
-    return media
+    return omni_media.rope_positions(n_tokens, media, per_second, span)
