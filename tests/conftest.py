@@ -180,6 +180,12 @@ def servers(request, tiny_models, record_dir, tmp_path_factory):
         # Its own copy of the default pipeline: lifecycle tests kill its stages.
         "crash": (REPO / "tests" / "configs" / "lifecycle.yaml", {}, []),
         "replicas": (REPO / "tests" / "configs" / "replicas.yaml", {}, []),
+        # The text pipeline hearing videos' audio, its prefill cut in steps of 64 tokens (media spans
+        # across steps).
+        "chunked": (REPO / "tests" / "configs" / "text.yaml", {}, [
+            "--stage-arg", "thinker.model_class=qwen2_5_omni.thinker",
+            "--stage-arg", "thinker.max_num_batched_tokens=64", "--stage-arg", "thinker.enable_chunked_prefill=true",
+            "--stage-arg", 'thinker.limit_mm_per_prompt={"image": 1, "audio": 2, "video": 2}']),
     }
     used = {f for item in request.session.items for f in item.fixturenames}
     specs = {name: spec for name, spec in specs.items() if f"{name}_server" in used}
@@ -237,3 +243,8 @@ def crash_server(servers) -> Server:
 @pytest.fixture(scope="session")
 def replicas_server(servers) -> Server:
     return servers["replicas"]
+
+
+@pytest.fixture(scope="session")
+def chunked_server(servers) -> Server:
+    return servers["chunked"]

@@ -181,11 +181,16 @@ def decode_video_audio(data: bytes, *, target_rate: int, max_seconds: float) -> 
                                      "(server.max_audio_seconds)")
             for out in to_float.resample(None):
                 blocks.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
+            # The track's stated length, when it states one: an encoder's padding at the end (AAC's
+            # last frame) is not the sender's audio (a 30.0 s track read as 30.0002 s).
+            stated = round(float(stream.duration * stream.time_base) * rate) if stream.duration else None
     except VideoError:
         raise
     except (av.FFmpegError, ValueError, OSError):
         raise VideoError("the video's audio track could not be decoded") from None
     wave = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
+    if stated and stated < wave.size:
+        wave = wave[:stated]
     try:
         return audio.finish_decoded(wave, rate, target_rate=target_rate, max_seconds=max_seconds)
     except audio.AudioError as e:

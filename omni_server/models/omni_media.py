@@ -1,5 +1,5 @@
-"""What Qwen Omni thinkers' position code reads of a prompt's media (both families lay a video that
-holds its audio track out the same way: `use_audio_in_video`)."""
+"""What Qwen Omni thinkers read of a prompt's media for their positions and embeddings (both families
+lay a video that holds its audio track out the same way: `use_audio_in_video`)."""
 
 from __future__ import annotations
 
@@ -91,3 +91,20 @@ def rope_positions(n_tokens: int, media: list[tuple], per_second: float,
     if positions.shape[1] != n_tokens:
         raise ValueError(f"M-RoPE positions cover {positions.shape[1]} of {n_tokens} prompt tokens")
     return torch.from_numpy(positions.astype(np.int64)), int(positions.max()) + 1 - n_tokens
+
+
+def video_and_audio(input_ids: torch.Tensor, is_multimodal: torch.Tensor | None, video_id: int,
+                    audio_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(video, audio) masks of a step's tokens when it holds both kinds; else None.
+
+    vLLM's Qwen Omni thinkers merge such a step by modality only when its video and audio tokens
+    interleave within the step; otherwise they lay the step's embeddings out in feature order. A
+    chunked prefill that cut a span where its audio comes before the next frames (or an audio part
+    beside a video) then put frame embeddings on audio tokens: a wrong reply, no error. Merging by
+    modality (`merge_interleaved_embeddings`, on the modality the runner tags each with) is right for
+    every such step."""
+    if is_multimodal is None:
+        return None
+    ids = input_ids.cpu()
+    video, audio = is_multimodal & (ids == video_id), is_multimodal & (ids == audio_id)
+    return (video, audio) if bool(video.any()) and bool(audio.any()) else None

@@ -6,11 +6,13 @@ finishes, its tokens and hidden states straight to those stages.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_server.config.loader import engine_arg_problems
@@ -39,6 +41,21 @@ from omni_server.wire.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def _paired_ids(videos: list, tracks: list) -> dict[str, list[str]]:
+    """vLLM's item ids for videos heard with their tracks: one per pair, from both. vLLM keys each
+    item's processed and encoded forms by its own content, but a video's tokens and a track's depend
+    on both: the same frames with another track took the cached layout of the first (a wrong reply,
+    or the engine failed on the mismatch)."""
+    out = []
+    for frames, track in zip(videos, tracks):
+        h = hashlib.blake2b(digest_size=16)
+        for a in (frames, track):
+            h.update(f"{a.dtype}{a.shape}".encode())
+            h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+        out.append(h.hexdigest())
+    return {"video": out, "audio": out}
 
 
 class _BadMedia(ValueError):
@@ -464,6 +481,7 @@ class ARStage(Stage):
                         raise ValueError("audio in video: this stage's model cannot hear it, or the request has "
                                          "not one audio track per video")
                     prompt["mm_processor_kwargs"].update(self.audio_in_video(len(videos)))
+                    prompt["multi_modal_uuids"] = _paired_ids(videos, [a for a, _ in audio])
         return prompt
 
     def start(self, expect: ExpectRequest, stage_input: StageInput, final: bool = True) -> None:
@@ -549,7 +567,7 @@ class ARStage(Stage):
 
     def _reject(self, request_id: str, e: BaseException) -> None:
         if isinstance(e, ValueError):  # vLLM's check of the request (too long, bad params), bad media: the client's
-            log.warning("stage %d: rejected %s: %s", self.stage_id, request_id, e)
+            log.warning("stage %d: rejected %s: %s", self.stage_id, request_id, client_text(e))  # (not the media it echoes)
             self.fail(request_id, f"stage {self.stage.name}: {client_text(e)}", code=400)
         else:  # anything else is the server's: fail it, keep serving
             log.error("stage %d: could not add %s", self.stage_id, request_id, exc_info=e)

@@ -18,8 +18,8 @@ def client_text(e: BaseException) -> str:
     """An exception's text for a 400 (the client's own input is at fault): one line, without
     native libraries' source locations or the input it echoes, at most MAX_CLIENT_TEXT characters."""
     m = _PROCESSOR_FAILED.match(str(e))
-    if m and e.__cause__ is not None:
-        return f"{m.group(1)} could not process the media: {client_text(e.__cause__)}"
+    if m and e.__cause__ is not None:  # (a bare assert's text is empty: its type then)
+        return f"{m.group(1)} could not process the media: {client_text(e.__cause__) or type(e.__cause__).__name__}"
     text = " ".join(_NATIVE_PREFIX.sub("", str(e)).split())
     return text if len(text) <= MAX_CLIENT_TEXT else text[:MAX_CLIENT_TEXT - 3] + "..."
 

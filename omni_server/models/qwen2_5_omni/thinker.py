@@ -5,17 +5,21 @@ With `use_audio_in_video` vLLM 0.26 lays a video and its audio track out as tran
 the span differently: it starts the media at <|audio_bos|> (the placeholder's offset), one token late.
 transformers (`get_rope_index(..., use_audio_in_video=True)`) gives both bos tokens p, the media
 p + 1 on, and both eos tokens the last chunk's max + 1. Prompts holding such a span get
-transformers' positions (`rope_positions`); all others keep vLLM's.
+transformers' positions (`rope_positions`); all others keep vLLM's. A step holding video and audio
+tokens is merged by modality (`embed_input_ids`; omni_media.video_and_audio says why).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from vllm.model_executor.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerForConditionalGeneration
+from vllm.model_executor.models.qwen2_5_omni_thinker import (
+    Qwen2_5OmniThinkerForConditionalGeneration,
+    merge_interleaved_embeddings,
+)
 
 from omni_server.models import omni_media
-from omni_server.models.omni_media import audio_in_video_media, grid, seq, t_index
+from omni_server.models.omni_media import audio_in_video_media, grid, seq, t_index, video_and_audio
 
 
 def _chunks(values: np.ndarray, size: int) -> list[tuple[int, int]]:
@@ -50,6 +54,15 @@ def rope_positions(n_tokens: int, media: list[tuple], per_second: float,
 
 
 class Qwen2_5OmniThinker(Qwen2_5OmniThinkerForConditionalGeneration):
+    def embed_input_ids(self, input_ids, multimodal_embeddings=None, *, is_multimodal=None):
+        both = video_and_audio(input_ids, is_multimodal, self.config.video_token_index,
+                               self.config.audio_token_index) if multimodal_embeddings else None
+        if both is None:
+            return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
+        text = self._embed_text_input_ids(input_ids, self.get_language_model().embed_input_ids,
+                                          is_multimodal=is_multimodal)
+        return merge_interleaved_embeddings(text, multimodal_embeddings, *both, is_multimodal)
+
     def get_mrope_input_positions(self, input_tokens, mm_features):
         media = audio_in_video_media(input_tokens, mm_features, self.config, 1.0)
         if media is None:

@@ -10,6 +10,7 @@ its audio (`use_audio_in_video`: <|vision_start|><|audio_start|> frames and audi
 <|audio_end|><|vision_end|>) vLLM numbers differently again (both start tokens at p, media from p + 1);
 transformers gives the start tokens p, p + 1, the media p + 2 on and the end tokens q, q + 1 (q: the
 last part's max + 1). Prompts holding such a span get transformers' positions (`rope_positions`).
+A step holding video and audio tokens is merged by modality (`embed_input_ids`; omni_media says why).
 
 Talker input: the talker reads the residual stream entering decoder layer `accept_hidden_layer`
 (transformers' `hidden_states[accept_hidden_layer]`: after the previous layer, before its deepstack
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
 from vllm.distributed import get_pp_group
+from vllm.model_executor.models.qwen2_5_omni_thinker import merge_interleaved_embeddings
 from vllm.model_executor.models.qwen3_omni_moe_thinker import (
     Qwen3MoeLLMModel,
     Qwen3OmniMoeThinkerForConditionalGeneration,
@@ -34,7 +36,7 @@ from vllm.multimodal.utils import copy_mm_embedding_modality
 from vllm.sequence import IntermediateTensors
 
 from omni_server.models import omni_media
-from omni_server.models.omni_media import audio_in_video_media, grid, seq, t_index
+from omni_server.models.omni_media import audio_in_video_media, grid, seq, t_index, video_and_audio
 
 
 class _LLMWithTap(Qwen3MoeLLMModel):
@@ -65,14 +67,6 @@ class _LLMWithTap(Qwen3MoeLLMModel):
         return (hidden, taps) if self.aux_hidden_state_layers else hidden
 
 
-class _TagsKept(list):
-    """A step's media embeddings; an item replaced keeps the modality tag of the one it replaces."""
-
-    def __setitem__(self, index, value):
-        copy_mm_embedding_modality(self[index], value)
-        super().__setitem__(index, value)
-
-
 class Qwen3OmniMoeThinker(Qwen3OmniMoeThinkerForConditionalGeneration):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -92,13 +86,31 @@ class Qwen3OmniMoeThinker(Qwen3OmniMoeThinkerForConditionalGeneration):
         self.language_model.model.aux_hidden_state_layers = tuple(layers)
 
     def embed_input_ids(self, input_ids, multimodal_embeddings=None, *, is_multimodal=None):
-        # vLLM's merge of an audio-in-video span groups a step's media embeddings by the modality its
-        # runner tags each with; its own Qwen3 method first replaces each video's embedding by its
-        # main part (split from the deepstack features), losing the tag: every such request failed
-        # the engine ("Missing modality on multimodal embedding"). Replacements here keep it.
-        if multimodal_embeddings:
-            multimodal_embeddings = _TagsKept(multimodal_embeddings)
-        return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
+        cfg = self.config
+        both = video_and_audio(input_ids, is_multimodal, cfg.video_token_id,
+                               cfg.audio_token_id) if multimodal_embeddings else None
+        if both is None:
+            return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
+        # By modality (omni_media.video_and_audio says why). vLLM's own method also lost the modality
+        # tags where it splits a video's embedding from its deepstack features: every audio-in-video
+        # request failed the engine ("Missing modality on multimodal embedding").
+        text = self._embed_text_input_ids(input_ids, self.language_model.embed_input_ids, is_multimodal=is_multimodal)
+        levels = len(self.visual.deepstack_visual_indexes or ())
+        main, deep = [], []
+        for e in multimodal_embeddings:
+            if levels and e.shape[-1] != cfg.text_config.hidden_size:  # (vision: its features, then each level's)
+                dim = e.shape[-1] // (levels + 1)
+                m, d = e.split([dim, dim * levels], dim=-1)
+                main.append(copy_mm_embedding_modality(e, m))
+                deep.append(d)
+            else:
+                main.append(e)
+        if deep:  # (vision rows in token order: the features' order)
+            vision = is_multimodal & ~both[1]
+            stack = text.new_zeros(text.shape[0], levels * dim)
+            stack[vision.to(text.device)] = torch.cat(deep).to(text.dtype)
+            self._set_deepstack_input_embeds(stack.view(text.shape[0], levels, dim).permute(1, 0, 2).contiguous())
+        return merge_interleaved_embeddings(text, main, *both, is_multimodal)
 
     def get_mrope_input_positions(self, input_tokens, mm_features):
         cfg = self.config
