@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 
 import numpy as np
 import pytest
@@ -58,6 +59,46 @@ def test_tracks_that_cannot_be_heard_are_refused():
     data[200:] = bytes(len(data) - 200)  # (a Matroska header, then nothing decodable)
     with pytest.raises(VideoError):
         decode_video_audio(bytes(data), target_rate=16000, max_seconds=60)
+
+
+def _track_only(fmt: str, codec: str, rate: int, seconds: float, layout: str = "mono") -> bytes:
+    """A container holding one audio track of a 440 Hz sine (no video: all the track reader needs)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=rate, layout=layout)
+        sample_fmt, step = stream.codec_context.format.name, stream.codec_context.frame_size or 1024
+        channels = len(stream.codec_context.layout.channels)
+        sine = 0.3 * np.sin(2 * np.pi * 440 * np.arange(int(rate * seconds)) / rate)
+        for at in range(0, sine.size, step):
+            block = np.tile(sine[at:at + step], (channels, 1))
+            if not sample_fmt.endswith("p"):  # (packed: channels interleaved)
+                block = block.T.reshape(1, -1)
+            block = (block * 32767).astype(np.int16) if sample_fmt.startswith("s16") else block.astype(np.float32)
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(block), format=sample_fmt, layout=layout)
+            frame.sample_rate, frame.pts = rate, at
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+def test_only_common_codecs_and_channel_counts_are_decoded():
+    """FFmpeg has ~200 audio decoders, many rarely audited: a client's bytes reach those that
+    cameras, phones and encoders write, over at most 8 channels (each costs its decoding)."""
+    with pytest.raises(VideoError, match="codec adpcm_ms is not read here"):
+        decode_video_audio(_track_only("avi", "adpcm_ms", 16000, 1.0), target_rate=16000, max_seconds=60)
+    with pytest.raises(VideoError, match="16 channels; the limit is 8"):
+        decode_video_audio(_track_only("matroska", "pcm_s16le", 16000, 1.0, "hexadecagonal"), target_rate=16000,
+                           max_seconds=60)
+
+
+def test_a_track_whose_rate_changes_is_heard_at_each_parts_rate():
+    """Two AAC pieces in one MPEG-TS, 48 kHz then 16 kHz: the second is converted too (a converter
+    made for the first passed it through as if at 48 kHz: sped up 3x, then cut)."""
+    data = _track_only("mpegts", "aac", 48000, 2.0) + _track_only("mpegts", "aac", 16000, 2.0)
+    wave = decode_video_audio(data, target_rate=16000, max_seconds=60)
+    assert abs(wave.size / 16000 - 4.0) < 0.2, wave.size / 16000
 
 
 CONFIG = """

@@ -117,13 +117,17 @@ async def decode_media(cfg: PipelineConfig, body: ChatCompletionRequest, audio_c
         if with_track:
             count("audio", ": each video's audio track is one")
         try:
-            array = await (decode_video_with_audio if with_track else decode_part)(cfg.server, part)
+            if with_track:  # (the track first: a refused one spares decoding the frames)
+                data = await _file_bytes(cfg.server, part)
+                track = await off_loop(video.decode_video_audio, data, target_rate=AUDIO_SAMPLE_RATE,
+                                       max_seconds=cfg.server.max_audio_seconds)
+                check_clip(track, audio_clip_s, f"{part.type} {i}'s audio track", param=param)
+                hold(f"audio.{i}", track, f"{part.type} {i}")
+                array = await off_loop(_decode_video, cfg.server, data)
+            else:
+                array = await decode_part(cfg.server, part)
         except (audio.AudioError, image.ImageError, video.VideoError, fetch.FetchError) as e:
             raise APIError(400, f"{part.type} {i}: {e}", param=param) from None
-        if with_track:
-            array, track = array
-            check_clip(track, audio_clip_s, f"{part.type} {i}'s audio track", param=param)
-            hold(f"audio.{i}", track, f"{part.type} {i}")
         if kind == "audio":
             check_clip(array, audio_clip_s, f"{part.type} {i}", param=param)
         hold(f"{kind}.{i}", array, f"{part.type} {i}")
@@ -154,18 +158,12 @@ async def decode_part(limits: ServerConfig, part) -> Any:
                               max_bytes=limits.max_request_bytes, max_seconds=limits.max_audio_seconds)
     if kind == "image":
         return await off_loop(image.decode_image, data, max_pixels=limits.max_image_pixels)
-    return await off_loop(video.decode_video, data, max_pixels=limits.max_image_pixels,
-                          max_frames=limits.max_video_frames, max_total_pixels=limits.max_video_pixels)
+    return await off_loop(_decode_video, limits, data)
 
 
-async def decode_video_with_audio(limits: ServerConfig, part) -> tuple[Any, Any]:
-    """A video part's frames and its audio track (16 kHz mono float32)."""
-    data = await _file_bytes(limits, part)
-    frames = await off_loop(video.decode_video, data, max_pixels=limits.max_image_pixels,
-                            max_frames=limits.max_video_frames, max_total_pixels=limits.max_video_pixels)
-    track = await off_loop(video.decode_video_audio, data, target_rate=AUDIO_SAMPLE_RATE,
-                           max_seconds=limits.max_audio_seconds)
-    return frames, track
+def _decode_video(limits: ServerConfig, data: bytes):
+    return video.decode_video(data, max_pixels=limits.max_image_pixels, max_frames=limits.max_video_frames,
+                              max_total_pixels=limits.max_video_pixels)
 
 
 async def _file_bytes(limits: ServerConfig, part) -> bytes:

@@ -143,6 +143,14 @@ def _keep(frames: list[np.ndarray], rgb: np.ndarray, max_frames: int, max_total_
 # Audio frames decoded per second of the limit, at most (AAC's are ~21 ms, Opus's 2.5-60 ms): bounds
 # the work of a track cut into tiny frames, as DECODED_PER_KEPT does for pictures.
 _AUDIO_FRAMES_PER_S = 1000
+# The audio codecs read (FFmpeg has ~200 decoders, many rarely used or audited: these are what
+# cameras, phones and encoders write), and the most channels (each one's samples cost decoding).
+_TRACK_CODECS = {"aac", "aac_fixed", "mp3", "mp3float", "mp2", "mp2float", "opus", "libopus", "vorbis",
+                 "libvorbis", "flac", "alac", "ac3", "eac3"}
+_MAX_TRACK_CHANNELS = 8
+# Decoded audio past the track's stated length that is cut (an encoder's padding of its last frame);
+# more is kept: a container's stated length may be an estimate.
+_PADDING_S = 0.1
 
 
 def decode_video_audio(data: bytes, *, target_rate: int, max_seconds: float) -> np.ndarray:
@@ -160,36 +168,50 @@ def decode_video_audio(data: bytes, *, target_rate: int, max_seconds: float) -> 
             if not box.streams.audio:
                 raise VideoError("video has no audio track")
             stream = box.streams.audio[0]
-            rate = stream.codec_context.sample_rate
+            codec, rate = stream.codec_context.name, stream.codec_context.sample_rate
+            if codec not in _TRACK_CODECS and not codec.startswith("pcm_"):
+                raise VideoError(f"its audio track's codec {codec} is not read here; AAC, MP3, Opus, Vorbis, "
+                                 "FLAC, ALAC, AC-3 and PCM are")
+            if stream.codec_context.channels > _MAX_TRACK_CHANNELS:
+                raise VideoError(f"its audio track has {stream.codec_context.channels} channels; the limit is "
+                                 f"{_MAX_TRACK_CHANNELS}")
             try:
                 audio.check_rate(rate)
             except audio.AudioError as e:
                 raise VideoError(f"its audio track: {e}") from None
-            # Planar float at the track's first rate (a later change of rate or layout is converted).
-            to_float = av.AudioResampler(format="fltp", rate=rate)
+            # Planar float at the track's first rate, one converter per frame shape seen: a converter
+            # handed frames it was not made for passes them through as they are.
+            converters: dict[tuple, av.AudioResampler] = {}
             blocks, samples, frames_left = [], 0, math.ceil(max_seconds * _AUDIO_FRAMES_PER_S)
             for frame in box.decode(stream):
                 frames_left -= 1
                 if frames_left < 0:
                     raise VideoError(f"its audio track has more frames to decode than the limit "
                                      f"({_AUDIO_FRAMES_PER_S} a second of server.max_audio_seconds)")
-                for out in to_float.resample(frame):
+                if len(frame.layout.channels) > _MAX_TRACK_CHANNELS:
+                    raise VideoError(f"its audio track has more than {_MAX_TRACK_CHANNELS} channels")
+                shape = (frame.format.name, frame.layout.name, frame.sample_rate)
+                if shape not in converters:
+                    converters[shape] = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=rate)
+                for out in converters[shape].resample(frame):
                     blocks.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
                     samples += blocks[-1].size
                 if samples > max_seconds * rate:
                     raise VideoError(f"its audio track is longer than the limit of {max_seconds:g} s "
                                      "(server.max_audio_seconds)")
-            for out in to_float.resample(None):
-                blocks.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
+            for converter in converters.values():
+                for out in converter.resample(None):
+                    blocks.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
             # The track's stated length, when it states one: an encoder's padding at the end (AAC's
             # last frame) is not the sender's audio (a 30.0 s track read as 30.0002 s).
-            stated = round(float(stream.duration * stream.time_base) * rate) if stream.duration else None
+            stated = (round(float(stream.duration * stream.time_base) * rate)
+                      if stream.duration and stream.time_base else None)
     except VideoError:
         raise
-    except (av.FFmpegError, ValueError, OSError):
+    except Exception:  # noqa: BLE001 - FFmpeg's and PyAV's errors on a bad file name internals
         raise VideoError("the video's audio track could not be decoded") from None
     wave = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
-    if stated and stated < wave.size:
+    if stated and stated < wave.size <= stated + _PADDING_S * rate:
         wave = wave[:stated]
     try:
         return audio.finish_decoded(wave, rate, target_rate=target_rate, max_seconds=max_seconds)

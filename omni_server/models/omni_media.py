@@ -3,10 +3,13 @@ lay a video that holds its audio track out the same way: `use_audio_in_video`)."
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def seq(n: int, start: int) -> np.ndarray:
@@ -77,7 +80,7 @@ def rope_positions(n_tokens: int, media: list[tuple], per_second: float,
             parts.append(seq(start - st, p))
             p += start - st
         if kind == "audio":
-            made = [seq(info[0], p)]
+            made = [seq(info[0], p)] if info[0] else []
         elif kind == "av":
             made = span(p, *info)
         else:
@@ -108,3 +111,13 @@ def video_and_audio(input_ids: torch.Tensor, is_multimodal: torch.Tensor | None,
     ids = input_ids.cpu()
     video, audio = is_multimodal & (ids == video_id), is_multimodal & (ids == audio_id)
     return (video, audio) if bool(video.any()) and bool(audio.any()) else None
+
+
+def or_none(compute: Callable[[], tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, int] | None:
+    """`compute()`, or None (logged) when it raises: positions are computed in the engine's step,
+    where an exception ends the engine and every request on it; vLLM's own are used instead."""
+    try:
+        return compute()
+    except Exception:  # noqa: BLE001
+        log.exception("audio-in-video positions failed: the request runs on vLLM's")
+        return None

@@ -129,8 +129,9 @@ def engine_overrides(mc: ModelClass, args: dict[str, Any]) -> dict[str, Any]:
     naming its architecture (a whole checkpoint's: a dict, so vLLM reads the checkpoint's own
     quantization, or any the YAML names)."""
     args = {**mc.engine_defaults, **args}
-    if not sub_model(mc):
-        return {**args, "hf_overrides": {"architectures": [mc.architecture]}}
+    if not sub_model(mc):  # (with the YAML's own overrides, if any)
+        given = args.get("hf_overrides")
+        return {**args, "hf_overrides": {**(given if isinstance(given, dict) else {}), "architectures": [mc.architecture]}}
     # (a sub-model is quantized through its config: ONLINE_FP8)
     overrides = hf_overrides(mc, args.pop("quantization", None))
     return {**args, "hf_overrides": overrides}

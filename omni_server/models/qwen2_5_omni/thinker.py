@@ -19,7 +19,7 @@ from vllm.model_executor.models.qwen2_5_omni_thinker import (
 )
 
 from omni_server.models import omni_media
-from omni_server.models.omni_media import audio_in_video_media, grid, seq, t_index, video_and_audio
+from omni_server.models.omni_media import audio_in_video_media, grid, or_none, seq, t_index, video_and_audio
 
 
 def _chunks(values: np.ndarray, size: int) -> list[tuple[int, int]]:
@@ -45,8 +45,8 @@ def rope_positions(n_tokens: int, media: list[tuple], per_second: float,
         vc, ac = _chunks(video[0] - (p + 1), size), _chunks(audio[0] - (p + 1), size)
         parts = [seq(1, p), seq(1, p)]
         for j in range(max(len(vc), len(ac))):
-            parts += [video[:, slice(*vc[j])]] if j < len(vc) else []
-            parts += [audio[:, slice(*ac[j])]] if j < len(ac) else []
+            parts += [video[:, slice(*vc[j])]] if j < len(vc) and vc[j][1] > vc[j][0] else []
+            parts += [audio[:, slice(*ac[j])]] if j < len(ac) and ac[j][1] > ac[j][0] else []
         q = int(parts[-1].max()) + 1
         return parts + [seq(1, q), seq(1, q)]
 
@@ -64,8 +64,8 @@ class Qwen2_5OmniThinker(Qwen2_5OmniThinkerForConditionalGeneration):
         return merge_interleaved_embeddings(text, multimodal_embeddings, *both, is_multimodal)
 
     def get_mrope_input_positions(self, input_tokens, mm_features):
-        media = audio_in_video_media(input_tokens, mm_features, self.config, 1.0)
-        if media is None:
-            return super().get_mrope_input_positions(input_tokens, mm_features)
-        return rope_positions(len(input_tokens), media, self.config.position_id_per_seconds,
-                              self.config.seconds_per_chunk)
+        cfg = self.config
+        media = audio_in_video_media(input_tokens, mm_features, cfg, 1.0)
+        made = media and or_none(lambda: rope_positions(len(input_tokens), media, cfg.position_id_per_seconds,
+                                                        cfg.seconds_per_chunk))
+        return made or super().get_mrope_input_positions(input_tokens, mm_features)

@@ -36,7 +36,7 @@ from vllm.multimodal.utils import copy_mm_embedding_modality
 from vllm.sequence import IntermediateTensors
 
 from omni_server.models import omni_media
-from omni_server.models.omni_media import audio_in_video_media, grid, seq, t_index, video_and_audio
+from omni_server.models.omni_media import audio_in_video_media, grid, or_none, seq, t_index, video_and_audio
 
 
 class _LLMWithTap(Qwen3MoeLLMModel):
@@ -115,8 +115,9 @@ class Qwen3OmniMoeThinker(Qwen3OmniMoeThinkerForConditionalGeneration):
     def get_mrope_input_positions(self, input_tokens, mm_features):
         cfg = self.config
         media = audio_in_video_media(input_tokens, mm_features, cfg, 2.0)
-        if media is not None:
-            return rope_positions(len(input_tokens), media, cfg.position_id_per_seconds)
+        made = media and or_none(lambda: rope_positions(len(input_tokens), media, cfg.position_id_per_seconds))
+        if made:
+            return made
         start_of = {cfg.image_token_id: cfg.vision_start_token_id, cfg.video_token_id: cfg.vision_start_token_id,
                     cfg.audio_token_id: cfg.audio_start_token_id}
         moved = []
