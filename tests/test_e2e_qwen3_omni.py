@@ -116,11 +116,11 @@ def _collapse(ids: list[int], pad: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _serving(config: Path, log: Path):
+def _serving(config: Path, log: Path, args: list[str] = ()):
     from omni_server.models.tiny_checkpoints import ensure_all
 
     ensure_all(MODELS)
-    server = Server(config, log)
+    server = Server(config, log, args=list(args))
     try:
         server.wait_ready(time.monotonic() + STARTUP_TIMEOUT)
         yield server
@@ -131,7 +131,10 @@ def _serving(config: Path, log: Path):
 
 @pytest.fixture(scope="module")
 def qwen3_server(tmp_path_factory):
-    with _serving(CONFIG, tmp_path_factory.mktemp("qwen3-omni-logs") / "qwen3_omni_text.log") as server:
+    # The thinker's prefill in steps of 64 tokens, as long prompts run on GPUs: media spans cut across
+    # steps (a video's frames and its audio track, an image's rows and their deepstack rows).
+    chunked = ["--stage-arg", "thinker.max_num_batched_tokens=64", "--stage-arg", "thinker.enable_chunked_prefill=true"]
+    with _serving(CONFIG, tmp_path_factory.mktemp("qwen3-omni-logs") / "qwen3_omni_text.log", chunked) as server:
         yield server
 
 
