@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 import os
@@ -15,11 +14,11 @@ import uvicorn
 
 from omni_server.api.app import ServerState, create_app
 from omni_server.config.schema import PipelineConfig
-from omni_server.orchestrator.launcher import Launcher, Unit
+from omni_server.orchestrator.launcher import Launcher
 from omni_server.orchestrator.mps import MPSError
-from omni_server.orchestrator.orchestrator import HUNG, Orchestrator
-from omni_server.orchestrator.restarts import LOOPING, RestartPolicy
-from omni_server.wire.transport import make_runtime_dir, stage_address
+from omni_server.orchestrator.orchestrator import Orchestrator
+from omni_server.orchestrator.supervisor import Supervisor
+from omni_server.wire.transport import make_runtime_dir
 
 log = logging.getLogger(__name__)
 
@@ -165,115 +164,9 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
                                            log_level="info",
                                            timeout_graceful_shutdown=cfg.server.shutdown_timeout_s))
 
-        async def supervise(state: ServerState) -> None:
-            """Release held stages as the ones before them get ready, report startup progress, then
-            restart any stage process that dies."""
-            units = cfg.units()
-            waiting = list(after)
-            announced = False
-            # Each stage's own startup_timeout_s, from its launch (a held one's: from its release).
-            deadline = {u: launched + cfg.stage(u[0]).startup_timeout_s for u in units if u not in waiting}
-            restart_at: dict[Unit, float] = {}
-            restarted: dict[Unit, float] = {}  # restarted and not ready yet: by when they must be
-            # Stopping (uvicorn got SIGTERM / Ctrl-C): the requests still in flight just before its
-            # graceful shutdown gives up fail with a 503 (uvicorn's own end cancels their tasks: a
-            # bare 500 and a traceback each, and streams cut without their end).
-            give_up_at: float | None = None
-            gave_up = False
-            restarts = RestartPolicy()
-            if external_stages:  # (nothing to start or hold: `after` is empty)
-                log.info("waiting for external stages at %s",
-                         ", ".join(f"{cfg.unit_name(u)}={stage_address(cfg, u[0], runtime_dir, u[1])}" for u in units))
-            if signals:  # (one came after the last check below, before uvicorn took the signals over)
-                log.info("%s while starting: stopping the stages", signals[0])
-                uv.should_exit = True
-                return
-            while True:
-                orch = state.orch
-                ready = set(orch.ready) if orch is not None else set()
-                for unit in list(waiting):
-                    if all(e in ready for e in after[unit]):
-                        launcher.release(unit)
-                        waiting.remove(unit)
-                        deadline[unit] = time.monotonic() + cfg.stage(unit[0]).startup_timeout_s
-                await asyncio.sleep(0.2)
-                now = time.monotonic()
-                # (Before the exits: once /health has said ready, a stage that dies is a crash to
-                # restart, not a failed start that stops the server.)
-                if not announced and orch is not None and orch.all_ready:
-                    announced = True
-                    bound = [sock.getsockname()[1] for server in uv.servers for sock in server.sockets]
-                    log.info("all %d stages ready in %.1f s; serving on http://%s:%d%s", len(cfg.stages),
-                             time.monotonic() - t0, cfg.server.host, bound[0] if bound else cfg.server.port,
-                             "" if external_stages else f" (stages launched {launched - t0:.2f} s after the command)")
-                if uv.should_exit and announced and orch is not None:
-                    timeout = cfg.server.shutdown_timeout_s
-                    if give_up_at is None:
-                        give_up_at = now + timeout - min(1.0, timeout / 2)
-                    elif now >= give_up_at and not gave_up:
-                        gave_up = True
-                        n = orch.fail_all(f"the server is shutting down: the request did not finish within "
-                                          f"its shutdown_timeout_s ({timeout:g} s)")
-                        if n:
-                            log.warning("shutting down: %d request(s) still in flight failed with a 503", n)
-                for unit, code in launcher.exited().items():
-                    if unit in restart_at:
-                        continue
-                    name = cfg.unit_name(unit)
-                    launcher.kill(unit)  # (its children, if it left any)
-                    why = launcher.failure(unit)
-                    log.error("stage %d (%s) exited with code %s%s", unit[0], name, code, f": {why}" if why else "")
-                    if orch is not None:
-                        orch.mark_down(unit, f"process exited with code {code}")
-                    if not announced:  # a stage that cannot start makes the whole server fail
-                        if mps is not None:  # (e.g. a GPU whose mode MPS does not support)
-                            failed.append("the stages ran as clients of serve's CUDA MPS daemon (cuda_mps); "
-                                          "`--cuda-mps false` starts them without it")
-                        failed.append(f"stage {unit[0]} ({name}) failed to start (exit code {code})"
-                                      + (f": {why}" if why else ""))
-                        uv.should_exit = True
-                        return
-                    delay, streak = restarts.crashed(unit, now)
-                    restart_at[unit] = now + delay
-                    log.log(logging.ERROR if streak >= LOOPING else logging.WARNING,
-                            "restarting stage %d (%s) in %.0f s (crash %d in a row; the delay doubles up to %.0f s "
-                            "and starts again from 1 s once it runs %.0f s)", unit[0], name, delay, streak,
-                            restarts.max_delay_s, restarts.healthy_s)
-                if orch is not None and announced:
-                    for unit, reason in list(orch.down.items()):
-                        proc = launcher.procs.get(unit)
-                        if reason.startswith(HUNG) and proc is not None and proc.poll() is None:
-                            log.error("stage %d (%s) is hung (%s); killing it to restart it", unit[0],
-                                      cfg.unit_name(unit), reason)
-                            launcher.kill(unit)
-                for unit, at in list(restart_at.items()):
-                    if now >= at:
-                        del restart_at[unit]
-                        launcher.start(unit)
-                        restarted[unit] = now + cfg.stage(unit[0]).startup_timeout_s
-                        if orch is not None:
-                            orch.restarting(unit)
-                for unit, at in list(restarted.items()):
-                    if orch is not None and unit in orch.ready:
-                        del restarted[unit]
-                    elif now > at and unit not in restart_at:
-                        # (a restart that hangs in its start would leave the stage down for good:
-                        # killed, it is restarted again after the next delay)
-                        del restarted[unit]
-                        log.error("stage %d (%s) restarted but not ready within its startup_timeout_s (%g s); "
-                                  "killing it to restart it", unit[0], cfg.unit_name(unit),
-                                  cfg.stage(unit[0]).startup_timeout_s)
-                        launcher.kill(unit)
-                late = [u for u, at in deadline.items() if not announced and time.monotonic() > at
-                        and (orch is None or u not in orch.ready)]
-                if late:
-                    absent = [f"{cfg.unit_name(u)} ({stage_address(cfg, u[0], runtime_dir, u[1])}; startup_timeout_s "
-                              f"{cfg.stage(u[0]).startup_timeout_s:g})" for u in late]
-                    failed.append(f"stages not ready in time: {', '.join(absent)}")
-                    uv.should_exit = True
-                    return
-
-        state.on_startup = supervise
+        state.on_startup = Supervisor(cfg, launcher, uv, after=after, launched=launched, started=t0,
+                                      runtime_dir=runtime_dir, external=external_stages, mps=mps,
+                                      signals=signals, failed=failed).run
         # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, restoring the handlers it found;
         # with these in place that re-raise is harmless and the stages below still get stopped.
         for sig in (signal.SIGINT, signal.SIGTERM):
