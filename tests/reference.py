@@ -189,3 +189,33 @@ def omni_speech_of_reply(model_dir: Path, prompt_ids: list[int], reply_ids: list
     finally:
         del model.thinker.generate
     return wave.reshape(-1).float()
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.inference_mode()
+def talker_call(model, inputs: dict, **generate_kwargs) -> tuple:
+    """(the thinker's generate result, the kwargs transformers' omni generate hands its talker's
+    generate) for processor `inputs`; generation stops there."""
+    seen: dict = {}
+    thinker_generate = model.thinker.generate
+
+    def thinker(*args, **kwargs):
+        seen["thinker"] = thinker_generate(*args, **kwargs)
+        return seen["thinker"]
+
+    def talker(**kwargs):
+        seen["talker"] = kwargs
+        raise _Stop
+
+    model.thinker.generate, model.talker.generate = thinker, talker
+    try:
+        model.generate(**inputs, **generate_kwargs)
+    except _Stop:
+        pass
+    finally:
+        del model.thinker.generate, model.talker.generate
+    assert "talker" in seen, "generate never called its talker"
+    return seen["thinker"], seen["talker"]

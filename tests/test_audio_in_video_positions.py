@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from omni_server.stage import processors
+from tests import reference
 from omni_server.wire.messages import StagePayload
 
 FPS = 2.0
@@ -230,32 +231,10 @@ def _hf_qwen3(model_dir):
     return Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-class _Stop(Exception):
-    pass
-
-
-@torch.inference_mode()
 def _hf_qwen3_talker_kwargs(model_dir, hf, voice):
     """(thinker result, the kwargs transformers' generate hands talker.generate) for these inputs."""
-    model, seen = _hf_qwen3(model_dir), {}
-    thinker_generate = model.thinker.generate
-
-    def thinker(*args, **kwargs):
-        seen["thinker"] = thinker_generate(*args, **kwargs)
-        return seen["thinker"]
-
-    def talker(**kwargs):
-        seen["talker"] = kwargs
-        raise _Stop
-
-    model.thinker.generate, model.talker.generate = thinker, talker
-    try:
-        with pytest.raises(_Stop):
-            model.generate(**hf, use_audio_in_video=True, speaker=voice, thinker_max_new_tokens=4,
-                           thinker_do_sample=False, talker_max_new_tokens=2)
-    finally:
-        del model.thinker.generate, model.talker.generate
-    return seen["thinker"], seen["talker"]
+    return reference.talker_call(_hf_qwen3(model_dir), hf, use_audio_in_video=True, speaker=voice,
+                                 thinker_max_new_tokens=4, thinker_do_sample=False, talker_max_new_tokens=2)
 
 
 def test_qwen3_talker_gets_plain_positions_as_transformers_does(tiny_models):

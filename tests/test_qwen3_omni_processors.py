@@ -10,11 +10,8 @@ import torch
 
 from omni_server.stage import processors
 from omni_server.wire.messages import StagePayload
+from tests import reference
 from tests.media import tone_wav
-
-
-class _Stop(Exception):
-    pass
 
 
 @lru_cache(maxsize=None)
@@ -29,25 +26,9 @@ def _hf(model_dir):
 def _hf_talker_input(model_dir, inputs: dict, voice: str, max_new_tokens: int = 8):
     """(thinker payload as our thinker stage would send it, the talker.generate kwargs transformers built)."""
     model, _ = _hf(model_dir)
-    seen: dict = {}
-    thinker_generate = model.thinker.generate
-
-    def thinker(*args, **kwargs):
-        seen["thinker"] = thinker_generate(*args, **kwargs)
-        return seen["thinker"]
-
-    def talker(**kwargs):
-        seen["talker"] = kwargs
-        raise _Stop
-
-    model.thinker.generate, model.talker.generate = thinker, talker
-    try:
-        with pytest.raises(_Stop):
-            model.generate(**inputs, speaker=voice, thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False,
-                           talker_max_new_tokens=4)
-    finally:
-        del model.thinker.generate, model.talker.generate
-    result, n_prompt = seen["thinker"], inputs["input_ids"].shape[1]
+    result, talker_kwargs = reference.talker_call(model, inputs, speaker=voice, thinker_max_new_tokens=max_new_tokens,
+                                                  thinker_do_sample=False, talker_max_new_tokens=4)
+    n_prompt = inputs["input_ids"].shape[1]
     layer = model.config.talker_config.accept_hidden_layer
     hidden = torch.cat([step[layer] for step in result.hidden_states], dim=1)[0]  # prompt + generated - 1 rows
     ids = result.sequences[0].tolist()
@@ -59,7 +40,7 @@ def _hf_talker_input(model_dir, inputs: dict, voice: str, max_new_tokens: int = 
         False, None if audio is None else audio.sum(-1))
     payload = StagePayload(request_id="r", source_stage=0, prompt_token_ids=ids[:n_prompt],
                            output_token_ids=ids[n_prompt:], tensors={"hidden": hidden, "mrope_positions": positions[:, 0]})
-    return payload, seen["talker"]
+    return payload, talker_kwargs
 
 
 def _talker_rope_index(model_dir, ref: dict) -> torch.Tensor:
