@@ -331,7 +331,6 @@ Seed = Annotated[int | None, Field(ge=-(2**63), le=2**63 - 1)]
 CacheSalt = Annotated[str | None, Field(min_length=1, max_length=256)]
 
 
-
 class MMProcessorKwargs(BaseModel):
     """vLLM's per-request `mm_processor_kwargs`, limited to what a client may choose here (the rest
     of the processor's arguments the server sets)."""

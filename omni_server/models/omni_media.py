@@ -9,7 +9,17 @@ from typing import Callable
 import numpy as np
 import torch
 
+from omni_server.wire.messages import VIDEO_FPS
+
 log = logging.getLogger(__name__)
+
+
+def audio_in_video_kwargs(videos: int) -> dict:
+    """The processor kwargs that interleave each of a prompt's videos with its audio track (both
+    thinkers' `ModelClass.audio_in_video`). `second_per_grid_ts`: transformers' temporal_patch_size
+    (2) / fps at the api's frame rate; vLLM's defaults (Qwen2.5 1 s, Qwen3 2 s) need not be that, and
+    Qwen3's processor orders the interleaved frames and audio by it."""
+    return {"use_audio_in_video": True, "second_per_grid_ts": [2 / VIDEO_FPS] * videos}
 
 
 def seq(n: int, start: int) -> np.ndarray:

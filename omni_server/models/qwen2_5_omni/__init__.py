@@ -7,19 +7,14 @@ with transformers' positions for audio in video), `qwen2_5_omni.talker` (model c
 """
 
 from omni_server.models.qwen2_5_omni import processors  # noqa: F401  (registers the processors)
+from omni_server.models.omni_media import audio_in_video_kwargs
 from omni_server.stage import generators, model_classes
-from omni_server.wire.messages import VIDEO_FPS
-
-def _audio_in_video(videos: int) -> dict:
-    # (`second_per_grid_ts`: transformers' temporal_patch_size (2) / fps at the api's frame rate;
-    # vLLM's default, 1 s, is that at 2 frames a second only)
-    return {"use_audio_in_video": True, "second_per_grid_ts": [2 / VIDEO_FPS] * videos}
 
 
 model_classes.register("qwen2_5_omni.thinker", model_classes.ModelClass(
     architecture="OmniServerQwen2_5OmniThinker",
     target="omni_server.models.qwen2_5_omni.thinker:Qwen2_5OmniThinker",
-    audio_in_video=_audio_in_video,
+    audio_in_video=audio_in_video_kwargs,
 ))
 
 

@@ -6,19 +6,14 @@ thinker -> talker input processor is `qwen3_omni_moe.thinker_to_talker`; the tal
 """
 
 from omni_server.models.qwen3_omni_moe import processors  # noqa: F401  (registers the processors)
+from omni_server.models.omni_media import audio_in_video_kwargs
 from omni_server.stage import generators, model_classes
-from omni_server.wire.messages import VIDEO_FPS
-
-def _audio_in_video(videos: int) -> dict:
-    # vLLM orders the interleaved frames and audio by `second_per_grid_ts` from these kwargs (its
-    # default, 2 s, is not transformers' temporal_patch_size (2) / fps at the api's frame rate).
-    return {"use_audio_in_video": True, "second_per_grid_ts": [2 / VIDEO_FPS] * videos}
 
 
 model_classes.register("qwen3_omni_moe.thinker", model_classes.ModelClass(
     architecture="OmniServerQwen3OmniMoeThinker",
     target="omni_server.models.qwen3_omni_moe.thinker:Qwen3OmniMoeThinker",
-    audio_in_video=_audio_in_video,
+    audio_in_video=audio_in_video_kwargs,
 ))
 
 
