@@ -50,7 +50,7 @@ def _paired_ids(videos: list, tracks: list) -> dict[str, list[str]]:
     or the engine failed on the mismatch)."""
     out = []
     for frames, track in zip(videos, tracks):
-        h = hashlib.blake2b(digest_size=16)
+        h = hashlib.blake2b(digest_size=32)  # (as long as vLLM's own item hashes: a collision shares cached media)
         for a in (frames, track):
             h.update(f"{a.dtype}{a.shape}".encode())
             h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
