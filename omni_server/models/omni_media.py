@@ -22,6 +22,34 @@ def audio_in_video_kwargs(videos: int) -> dict:
     return {"use_audio_in_video": True, "second_per_grid_ts": [2 / VIDEO_FPS] * videos}
 
 
+# Processor kwargs under which `video_tokens` counts (the stage's own: frame rate, audio in video).
+_COUNTED_KWARGS = {"fps", "use_audio_in_video", "second_per_grid_ts"}
+
+
+def video_tokens(hf_processor, mm_kwargs: dict, frames: int, height: int, width: int) -> int | None:
+    """The tokens a video of `frames` frames of `height` x `width` pixels takes in a Qwen Omni
+    thinker's prompt, as its transformers processor lays one out (both thinkers'
+    `ModelClass.video_tokens`): each frame resized by smart_resize within the processor's video
+    size (its kwargs class's defaults win over the video processor's own, as the processor merges
+    them), frames padded to the temporal patch, patches merged. None where other kwargs or the
+    video processor's settings could lay it out otherwise (sampled frames, a per-frame pixel cap):
+    the processor alone counts then."""
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
+
+    vp = hf_processor.video_processor
+    if (set(mm_kwargs) - _COUNTED_KWARGS or vp.do_sample_frames or not vp.do_resize
+            or getattr(vp, "cap_pixels_per_frame", True)):  # (transformers after 5.21: capped, the attribute gone)
+        return None
+    size = hf_processor.valid_processor_kwargs._defaults.get("videos_kwargs", {}).get("size", {})
+    factor = vp.patch_size * vp.merge_size
+    try:
+        h, w = smart_resize(height, width, factor=factor, min_pixels=size.get("shortest_edge", vp.size.shortest_edge),
+                            max_pixels=size.get("longest_edge", vp.size.longest_edge))
+    except ValueError:  # (a shape the processor refuses: it says why)
+        return None
+    return -(-frames // vp.temporal_patch_size) * (h // factor) * (w // factor)
+
+
 def seq(n: int, start: int) -> np.ndarray:
     """[3, n] text positions from `start`."""
     return np.broadcast_to(np.arange(start, start + n), (3, n))

@@ -62,6 +62,10 @@ class _BadMedia(ValueError):
     """Media that are not what the api sends (the client's request: a 400)."""
 
 
+class _NoRoom(ValueError):
+    """A prompt the context cannot hold (the client's request: a 400)."""
+
+
 @dataclass
 class _Made:
     """A request vLLM's input processing made, ready to enter the engine."""
@@ -360,7 +364,9 @@ class ARStage(Stage):
         if prepare is not None:
             prepare(self)
         self.audio_clip_s = audio_clip_seconds(self.vllm_config.model_config)
-        self.audio_in_video = model_classes.get(self.stage.model_class).audio_in_video if self.stage.model_class else None
+        model_class = model_classes.get(self.stage.model_class) if self.stage.model_class else None
+        self.audio_in_video = model_class.audio_in_video if model_class else None
+        self.video_tokens = model_class.video_tokens if model_class else None
         self.startup_s = time.monotonic() - t0
 
     # ---- base.Stage hooks ---------------------------------------------------------------------
@@ -439,6 +445,8 @@ class ARStage(Stage):
     def _make_prompt(self, msg: AddRequest) -> _Made:
         try:
             prompt = self._prompt(msg)
+        except _NoRoom:
+            raise
         except Exception as e:  # media that are not what the api sends
             raise _BadMedia(f"bad media: {e}") from e
         return self._make(msg.request_id, prompt, msg.sampling, msg.forward_to,
@@ -459,29 +467,25 @@ class ARStage(Stage):
     def _prompt(self, msg: AddRequest) -> dict[str, Any]:
         # A typed dict is input vLLM takes as already processed; a prompt with media must go through
         # vLLM's multimodal processor (features, placeholder expansion), which an untyped one does.
-        prompt: dict[str, Any] = {"type": "token", "prompt_token_ids": msg.prompt_token_ids}
         names = sorted(msg.tensors, key=_media_index)
+        audio, images, videos = ([msg.tensors[k].numpy() for k in names if k.startswith(kind)]
+                                 for kind in ("audio.", "image.", "video."))
+        if not (audio or images or videos):
+            return {"type": "token", "prompt_token_ids": msg.prompt_token_ids}
+        prompt: dict[str, Any] = {"prompt_token_ids": msg.prompt_token_ids}
+        if videos:  # (the rate the api sampled them at; processors assume their own otherwise)
+            kwargs = prompt["mm_processor_kwargs"] = {"fps": VIDEO_FPS}
+            if msg.options.get(AUDIO_IN_VIDEO_OPTION) == "1":
+                if self.audio_in_video is None or len(audio) != len(videos):  # (the api sends one per video)
+                    raise ValueError("audio in video: this stage's model cannot hear it, or the request has "
+                                     "not one audio track per video")
+                kwargs.update(self.audio_in_video(len(videos)))
+                prompt["multi_modal_uuids"] = _paired_ids(videos, audio)
+            self._check_video_room(msg.prompt_token_ids, videos, kwargs, msg.sampling)
         # Frames are read-only zmq memory; vLLM's processor gets arrays of its own.
-        media: dict[str, list] = {}
-        audio = [(msg.tensors[k].numpy().copy(), AUDIO_SAMPLE_RATE) for k in names if k.startswith("audio.")]
-        images = [msg.tensors[k].numpy().copy() for k in names if k.startswith("image.")]
-        videos = [msg.tensors[k].numpy().copy() for k in names if k.startswith("video.")]
-        if audio:
-            media["audio"] = audio
-        if images:
-            media["image"] = images
-        if videos:
-            media["video"] = videos
-        if media:
-            prompt = {"prompt_token_ids": msg.prompt_token_ids, "multi_modal_data": media}
-            if videos:  # (the rate the api sampled them at; processors assume their own otherwise)
-                prompt["mm_processor_kwargs"] = {"fps": VIDEO_FPS}
-                if msg.options.get(AUDIO_IN_VIDEO_OPTION) == "1":
-                    if self.audio_in_video is None or len(audio) != len(videos):  # (the api sends one per video)
-                        raise ValueError("audio in video: this stage's model cannot hear it, or the request has "
-                                         "not one audio track per video")
-                    prompt["mm_processor_kwargs"].update(self.audio_in_video(len(videos)))
-                    prompt["multi_modal_uuids"] = _paired_ids(videos, [a for a, _ in audio])
+        media = {"audio": [(a.copy(), AUDIO_SAMPLE_RATE) for a in audio], "image": [a.copy() for a in images],
+                 "video": [a.copy() for a in videos]}
+        prompt["multi_modal_data"] = {kind: items for kind, items in media.items() if items}
         return prompt
 
     def start(self, expect: ExpectRequest, stage_input: StageInput, final: bool = True) -> None:
@@ -555,6 +559,33 @@ class ARStage(Stage):
             raise
         return _Made(req, wave, prompt_token_ids, prompt_len, with_hidden, list(forward_to), spec.hold_output,
                      list(spec.stop))
+
+    def _check_video_room(self, prompt_ids: list[int], videos: list[np.ndarray], mm_kwargs: dict[str, Any],
+                          spec: SamplingSpec) -> None:
+        """Refuse a prompt whose videos cannot fit the context before vLLM's processor reads their
+        frames (it checks the length only after: a 64 s video at 720p took ~8 s and ~3.7 GB of the
+        tiny CPU thinker to be refused); counted by the model class where it can."""
+        if self.video_tokens is None:
+            return
+        info = self.inputs.renderer.get_mm_processor().info
+        hf_processor, kwargs = info.get_hf_processor(), info.ctx.get_merged_mm_kwargs(mm_kwargs)
+        counts = [self.video_tokens(hf_processor, kwargs, *v.shape[:3]) for v in videos]
+        if None in counts:
+            return
+        # (vLLM's encoder cache holds an item whole: one larger than it is refused after processing too)
+        if max(counts) > self.inputs.mm_encoder_cache_size:
+            raise _NoRoom(f"a video of {max(counts)} tokens ({VIDEO_FPS:g} frames a second) is more than this "
+                          f"stage's encoder cache holds of one item, {self.inputs.mm_encoder_cache_size}; a shorter "
+                          "or smaller video fits")
+        # (each video is at least one placeholder among the prompt's ids: the rest are other tokens)
+        n = len(prompt_ids) - len(videos) + sum(counts)
+        context = self.vllm_config.model_config.max_model_len
+        if n > context or (spec.max_tokens_param and n + spec.max_tokens > context):
+            asked = f" and {spec.max_tokens_param} {spec.max_tokens}" if n <= context else ""
+            raise _NoRoom(f"this model's context is {context} tokens: the prompt's "
+                          f"{'video takes' if len(videos) == 1 else f'{len(videos)} videos take'} "
+                          f"{sum(counts)} of them ({VIDEO_FPS:g} frames a second), the prompt at least {n}{asked}; "
+                          "a shorter or smaller video fits")
 
     def _check_room(self, n: int, spec: SamplingSpec) -> None:
         """A max_tokens the client set that the context cannot hold after the prompt as the engine runs

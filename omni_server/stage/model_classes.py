@@ -28,6 +28,10 @@ class ModelClass:
     # The mm_processor_kwargs that make its processor interleave each of a prompt's n videos with
     # its audio track (the prompt's n audio inputs, in video order); None: it cannot.
     audio_in_video: Callable[[int], dict[str, Any]] | None = None
+    # The prompt tokens a video takes in its processor, (hf_processor, processor kwargs, frames,
+    # height, width) -> count (None: not known), so a prompt whose videos cannot fit the context is
+    # refused before the processor reads their frames; None: only vLLM's check, after processing.
+    video_tokens: Callable[[Any, dict[str, Any], int, int, int], int | None] | None = None
 
 
 _REGISTRY: dict[str, ModelClass] = {}

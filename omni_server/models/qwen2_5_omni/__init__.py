@@ -7,7 +7,7 @@ with transformers' positions for audio in video), `qwen2_5_omni.talker` (model c
 """
 
 from omni_server.models.qwen2_5_omni import processors  # noqa: F401  (registers the processors)
-from omni_server.models.omni_media import audio_in_video_kwargs
+from omni_server.models.omni_media import audio_in_video_kwargs, video_tokens
 from omni_server.stage import generators, model_classes
 
 
@@ -15,6 +15,7 @@ model_classes.register("qwen2_5_omni.thinker", model_classes.ModelClass(
     architecture="OmniServerQwen2_5OmniThinker",
     target="omni_server.models.qwen2_5_omni.thinker:Qwen2_5OmniThinker",
     audio_in_video=audio_in_video_kwargs,
+    video_tokens=video_tokens,
 ))
 
 

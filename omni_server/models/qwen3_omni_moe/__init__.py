@@ -6,7 +6,7 @@ thinker -> talker input processor is `qwen3_omni_moe.thinker_to_talker`; the tal
 """
 
 from omni_server.models.qwen3_omni_moe import processors  # noqa: F401  (registers the processors)
-from omni_server.models.omni_media import audio_in_video_kwargs
+from omni_server.models.omni_media import audio_in_video_kwargs, video_tokens
 from omni_server.stage import generators, model_classes
 
 
@@ -14,6 +14,7 @@ model_classes.register("qwen3_omni_moe.thinker", model_classes.ModelClass(
     architecture="OmniServerQwen3OmniMoeThinker",
     target="omni_server.models.qwen3_omni_moe.thinker:Qwen3OmniMoeThinker",
     audio_in_video=audio_in_video_kwargs,
+    video_tokens=video_tokens,
 ))
 
 
