@@ -328,7 +328,11 @@ def create_app(state: ServerState) -> FastAPI:
                              max_tokens: Annotated[int | None, Form(ge=1)] = None):
         """The uploaded audio transcribed by the text stage: the audio and an instruction as one
         chat turn (`transcription`), greedy unless `temperature` says otherwise."""
-        turn = transcription.messages(state.cfg.server, transcription.instruction(state.cfg.server, language, prompt))
+        try:
+            text = transcription.instruction(state.cfg.server, language, prompt)
+        except transcription.LanguageError as e:
+            raise APIError(400, str(e), param="language") from None
+        turn = transcription.messages(state.cfg.server, text)
         return await _audio_to_text(state, request, "transcribe", file, model, turn, response_format, temperature,
                                     stream, max_tokens)
 

@@ -10,14 +10,34 @@ import numpy as np
 
 from omni_server.config.schema import ServerConfig
 
-# OpenAI's `language` is an ISO-639-1 code; the instruction reads better with the language's name.
-# (Codes not listed go into the instruction as given.)
+# OpenAI's `language`: an ISO-639-1 code (Whisper's languages: what speech recognisers are trained on;
+# Cantonese by its ISO-639-3 code, as Whisper names it). The instruction names the language.
 LANGUAGES = {
-    "ar": "Arabic", "de": "German", "en": "English", "es": "Spanish", "fr": "French", "hi": "Hindi",
-    "id": "Indonesian", "it": "Italian", "ja": "Japanese", "ko": "Korean", "nl": "Dutch", "pl": "Polish",
-    "pt": "Portuguese", "ru": "Russian", "th": "Thai", "tr": "Turkish", "uk": "Ukrainian",
-    "vi": "Vietnamese", "yue": "Cantonese", "zh": "Chinese",
+    "af": "Afrikaans", "am": "Amharic", "ar": "Arabic", "as": "Assamese", "az": "Azerbaijani", "ba": "Bashkir",
+    "be": "Belarusian", "bg": "Bulgarian", "bn": "Bengali", "bo": "Tibetan", "br": "Breton", "bs": "Bosnian",
+    "ca": "Catalan", "cs": "Czech", "cy": "Welsh", "da": "Danish", "de": "German", "el": "Greek",
+    "en": "English", "es": "Spanish", "et": "Estonian", "eu": "Basque", "fa": "Persian", "fi": "Finnish",
+    "fo": "Faroese", "fr": "French", "gl": "Galician", "gu": "Gujarati", "ha": "Hausa", "he": "Hebrew",
+    "hi": "Hindi", "hr": "Croatian", "ht": "Haitian Creole", "hu": "Hungarian", "hy": "Armenian",
+    "id": "Indonesian", "is": "Icelandic", "it": "Italian", "ja": "Japanese", "jv": "Javanese",
+    "ka": "Georgian", "kk": "Kazakh", "km": "Khmer", "kn": "Kannada", "ko": "Korean", "la": "Latin",
+    "lb": "Luxembourgish", "ln": "Lingala", "lo": "Lao", "lt": "Lithuanian", "lv": "Latvian",
+    "mg": "Malagasy", "mi": "Maori", "mk": "Macedonian", "ml": "Malayalam", "mn": "Mongolian",
+    "mr": "Marathi", "ms": "Malay", "mt": "Maltese", "my": "Burmese", "ne": "Nepali", "nl": "Dutch",
+    "nn": "Norwegian Nynorsk", "no": "Norwegian", "oc": "Occitan", "pa": "Punjabi", "pl": "Polish",
+    "ps": "Pashto", "pt": "Portuguese", "ro": "Romanian", "ru": "Russian", "sa": "Sanskrit", "sd": "Sindhi",
+    "si": "Sinhala", "sk": "Slovak", "sl": "Slovenian", "sn": "Shona", "so": "Somali", "sq": "Albanian",
+    "sr": "Serbian", "su": "Sundanese", "sv": "Swedish", "sw": "Swahili", "ta": "Tamil", "te": "Telugu",
+    "tg": "Tajik", "th": "Thai", "tk": "Turkmen", "tl": "Tagalog", "tr": "Turkish", "tt": "Tatar",
+    "uk": "Ukrainian", "ur": "Urdu", "uz": "Uzbek", "vi": "Vietnamese", "yi": "Yiddish", "yo": "Yoruba",
+    "yue": "Cantonese", "zh": "Chinese",
 }
+
+
+class LanguageError(ValueError):
+    """A `language` that is not a code of LANGUAGES (the message is the client's)."""
+
+
 # Formats with per-segment timestamps, which a chat model does not produce.
 TIMED_FORMATS = ("verbose_json", "srt", "vtt", "diarized_json")
 FORMATS = ("json", "text")
@@ -26,7 +46,10 @@ FORMATS = ("json", "text")
 def instruction(server: ServerConfig, language: str | None, prompt: str | None) -> str:
     """The text that follows the audio in a transcription's user turn."""
     if language:
-        name = LANGUAGES.get(language.strip().lower(), language.strip())
+        name = LANGUAGES.get(language.strip().lower())
+        if name is None:  # (the instruction would carry the client's text as the language's name)
+            raise LanguageError(f"language {language!r} is not an ISO-639-1 code of a language this server "
+                                "transcribes (e.g. en, zh, de, yue)")
         text = server.transcription_language_prompt.format(language=name)
     else:
         text = server.transcription_prompt
