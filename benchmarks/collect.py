@@ -266,6 +266,9 @@ def collect(out: Path) -> dict:
         # step `mmcompile`: the same with the thinker's media encoders compiled (compile_mm_encoder)
         **{k: v for n in ("audio", "image", "text") for k, v in _served(out, f"media_mmc_{n}", f"media_mmc_{n}").items()},
         "media_mmc_ready_s": _ready_s(out / "serve_media7b_mmc.log"),
+        # step `video`: the config taking one video a chat; chats carrying a video / text alone
+        **{k: v for n in ("video", "text") for k, v in _served(out, f"media_vid_{n}", f"media_vid_{n}").items()},
+        "media_vid_ready_s": _ready_s(out / "serve_media7b_vid.log"),
         # Qwen3-Omni-30B-A3B shapes, configs/qwen3_omni.yaml (session step `qwen3`)
         **_served(out, "qwen3", "qwen3"),
         "qwen3_ready_s": _ready_s(out / "serve_qwen3.log"),

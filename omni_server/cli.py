@@ -159,12 +159,26 @@ def cmd_bench(args) -> int:
                   file=sys.stderr)
             return 2
         image = (int(w), int(h))
-    if args.speech and (image or args.input_audio):
-        print("error: --image and --input-audio go into chats; /v1/audio/speech takes text only",
+    video = None
+    if args.video:
+        size, colon, seconds = args.video.lower().partition(":")
+        w, x, h = size.partition("x")
+        try:
+            secs = float(seconds)
+        except ValueError:
+            secs = 0.0
+        if not (colon and x and w.isdigit() and h.isdigit() and 0 < int(w) <= 16384 and 0 < int(h) <= 16384
+                and 0.5 <= secs <= 3600):
+            print("error: --video takes WIDTHxHEIGHT:SECONDS, each side 1 to 16384 pixels, 0.5 to 3600 s, "
+                  f"e.g. 1280x720:10 (got {args.video!r})", file=sys.stderr)
+            return 2
+        video = (int(w), int(h), secs)
+    if args.speech and (image or args.input_audio or video):
+        print("error: --image, --input-audio and --video go into chats; /v1/audio/speech takes text only",
               file=sys.stderr)
         return 2
-    if args.reference and (image or args.input_audio):
-        print("error: --reference runs text prompts only; leave out --image / --input-audio to compare",
+    if args.reference and (image or args.input_audio or video):
+        print("error: --reference runs text prompts only; leave out --image / --input-audio / --video to compare",
               file=sys.stderr)
         return 2
     if not 0 <= args.input_audio <= 3600:  # (nan fails too)
@@ -193,7 +207,8 @@ def cmd_bench(args) -> int:
                       reference=args.reference,
                       reference_talker_max_tokens=args.reference_talker_max_tokens,
                       reference_requests=args.reference_requests, request_rate=args.request_rate,
-                      shared_prefix_words=args.shared_prefix_words, image=image, input_audio_s=args.input_audio)
+                      shared_prefix_words=args.shared_prefix_words, image=image, input_audio_s=args.input_audio,
+                      video=video)
     result = asyncio.run(run_bench(cfg))
     text = json.dumps(result, indent=2)
     if args.output:
@@ -307,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                         "each level reports prompt and cached tokens)")
     p.add_argument("--image", metavar="WxH",
                    help="every chat also carries a generated PNG of this size, e.g. 1280x720 (different per request)")
+    p.add_argument("--video", metavar="WxH:SECONDS",
+                   help="every chat also carries a generated MP4 of this size and length at 2 frames a second, "
+                        "e.g. 1280x720:10 (different per request)")
     p.add_argument("--input-audio", type=float, default=0.0, metavar="SECONDS",
                    help="every chat also carries a generated WAV clip this long (different per request)")
     p.set_defaults(fn=cmd_bench)

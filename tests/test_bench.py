@@ -305,6 +305,21 @@ def test_bench_sends_an_image_and_audio_in_every_chat(text_server, tmp_path):
     assert config["image"] == [112, 84] and isinstance(config["media_seed"], int)  # (drawn: in the JSON)
 
 
+def test_bench_sends_a_video_in_every_chat(chunked_server, tmp_path):
+    """--video WxH:SECONDS: each chat carries a generated MP4 at 2 frames a second, which the thinker
+    expands to its frames' tokens (64x48: 140 per two frames, grown to the processor's least pixels)."""
+    plain, media = tmp_path / "plain.json", tmp_path / "media.json"
+    common = ["--concurrency", "2", "--requests", "2", "--max-tokens", "4", "--prompt-words", "10"]
+    assert _bench(chunked_server.base_url, plain, *common).returncode == 0
+    proc = _bench(chunked_server.base_url, media, *common, "--video", "64x48:2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (lp,), (lm,) = json.loads(plain.read_text())["levels"], json.loads(media.read_text())["levels"]
+    assert lm["errors"] == 0 and lm["output_tokens"] == 2 * 4
+    # (each request: its placeholder and the vision start and end tokens around 2 x 140 video tokens)
+    assert lm["prompt_tokens"] - lp["prompt_tokens"] == 2 * (2 * 140 + 2), (lm["prompt_tokens"], lp["prompt_tokens"])
+    assert json.loads(media.read_text())["config"]["video"] == [64, 48, 2.0]
+
+
 def test_bench_media_parts_differ_per_request_and_bad_sizes_are_refused():
     import base64
     import io
@@ -324,7 +339,15 @@ def test_bench_media_parts_differ_per_request_and_bad_sizes_are_refused():
     png = base64.b64decode(a[0]["image_url"]["url"].split(",", 1)[1])
     assert Image.open(io.BytesIO(png)).size == (64, 32)
     assert len(base64.b64decode(a[1]["input_audio"]["data"])) == 44 + 2 * 8000  # 0.5 s of 16 kHz pcm16
+    from tests.media import kept_frames
+
+    cfg = BenchConfig(base_url="http://x", model="m", video=(40, 24, 1.5), media_seed=1)
+    videos = [media_parts(i, cfg)[0]["video_url"]["url"] for i in range(3)]
+    assert len(set(videos)) == 3 and videos[0] == media_parts(0, cfg)[0]["video_url"]["url"]
+    assert kept_frames(videos[0]).shape == (3, 24, 40, 3)  # 2 frames a second, as the server keeps them
     for args in (["--image", "64"], ["--image", "0x5"], ["--speech", "--image", "8x8"],
+                 ["--video", "64x48"], ["--video", "64x48:0"], ["--video", "0x5:1"], ["--video", "8x8:x"],
+                 ["--speech", "--video", "8x8:1"],
                  ["--input-audio", "-1"], ["--input-audio", "nan"], ["--input-audio", "inf"],
                  ["--reference", "/nowhere", "--input-audio", "1"]):
         proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "bench", "--model", "m", *args], cwd=REPO,

@@ -148,15 +148,26 @@ step_mmcompile() {
   media_bench media7b_mmc 8042 --stage-arg "thinker.compilation_config=${MMC_CONFIG:-{\"compile_mm_encoder\": true\}}"
 }
 
+step_video() {
+  # The 7B config taking one video a chat (the shipped configs take none: this measures their start
+  # with vLLM's video profiling, and the numbers): each chat carrying a MEDIA_VIDEO video (default
+  # 1280x720:10, 2 frames a second: 7,200 video tokens), then text alone, on one server (warm cache
+  # when `main` ran first). The ready time and each GPU process's memory once ready go to progress.log.
+  MEDIA_KINDS=${MEDIA_KINDS:-video text} media_bench media7b_vid 8043 \
+    --stage-arg 'thinker.limit_mm_per_prompt={"image":2,"audio":2,"video":1}'
+}
+
 media_bench() {  # NAME PORT [serve args]
   local name=$1 port=$2 tag=${1#media7b}; shift 2
   free_gpus
   export VLLM_CACHE_ROOT=/tmp/vc
   TEXT_ONLY="" serve $name $port $CFG "$@"
   wait_ready $name $port || return
+  say "$name GPU memory once ready (MiB): $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
   local B="python3 -m omni_server.cli bench --model $MODEL --max-tokens 100 --audio --base-url http://127.0.0.1:$port"
   local kind n a
-  for kind in "audio:--input-audio ${MEDIA_AUDIO:-5}" "image:--image ${MEDIA_IMAGE:-1280x720}" "text:"; do
+  for kind in "audio:--input-audio ${MEDIA_AUDIO:-5}" "image:--image ${MEDIA_IMAGE:-1280x720}" \
+              "video:--video ${MEDIA_VIDEO:-1280x720:10}" "text:"; do
     n=${kind%%:*}; a=${kind#*:}
     [[ " ${MEDIA_KINDS:-audio image text} " == *" $n "* ]] || continue
     $B $a --concurrency 1 --requests 1 --output $R/warm_media${tag}_$n.json >> $R/bench_$name.log 2>&1

@@ -16,8 +16,9 @@ With `speech`, the requests go to /v1/audio/speech instead (each prompt is the t
 streamed as SSE events): the same audio numbers, no TTFT.
 With `reference`, transformers' own pipeline runs the same prompts in this process afterwards, and
 each level reports its throughput relative to it (`vs_reference`).
-With `image` / `input_audio_s`, every chat's user turn also carries a generated image / WAV clip,
-different in each request: the thinker's media processing and encoders are part of what is timed.
+With `image` / `input_audio_s` / `video`, every chat's user turn also carries a generated image /
+WAV clip / MP4 video, different in each request: the thinker's media processing and encoders are
+part of what is timed.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class BenchConfig:
     # image of this (width, height), and/or a WAV clip of this many seconds (16 kHz tones).
     image: tuple[int, int] | None = None
     input_audio_s: float = 0.0
+    # and/or an MP4 video of (width, height, seconds) at 2 frames a second (the frames the server keeps).
+    video: tuple[int, int, float] | None = None
     # Written into every image and clip with the request's number, so no two are alike, in a run or
     # across runs against one server (its caches are keyed by the media's bytes). None: drawn at random.
     media_seed: int | None = None
@@ -107,6 +110,8 @@ def media_parts(i: int, cfg: BenchConfig) -> list[dict]:
     parts, seed = [], cfg.media_seed or 0
     if cfg.image:
         parts.append({"type": "image_url", "image_url": {"url": _image_data_url(seed, i, *cfg.image)}})
+    if cfg.video:
+        parts.append({"type": "video_url", "video_url": {"url": _video_data_url(seed, i, *cfg.video)}})
     if cfg.input_audio_s > 0:
         parts.append({"type": "input_audio", "input_audio": {"data": _tone_wav_b64(seed, i, cfg.input_audio_s),
                                                              "format": "wav"}})
@@ -128,6 +133,34 @@ def _image_data_url(seed: int, i: int, width: int, height: int) -> str:
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _video_data_url(seed: int, i: int, width: int, height: int, seconds: float) -> str:
+    import os
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    # Colour ramps drifting a few pixels a frame (small files, as camera video compresses), the seed
+    # and request number in the first pixels of each frame.
+    y, x = np.mgrid[0:height, 0:width]
+    mark = np.frombuffer(seed.to_bytes(8, "little") + i.to_bytes(8, "little"), dtype=np.uint8)
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    os.close(fd)
+    try:
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 2.0, (width, height))
+        for f in range(max(1, round(seconds * 2))):
+            bgr = np.stack([(x + 3 * f + 7 * i) % 256, (y + 2 * f + 13 * i) % 256, (x + y + 29 * i) % 256],
+                           axis=-1).astype(np.uint8)
+            flat = bgr.reshape(-1)
+            flat[:min(len(mark), flat.size)] = mark[:flat.size]
+            writer.write(bgr)
+        writer.release()
+        with open(path, "rb") as fh:
+            return "data:video/mp4;base64," + base64.b64encode(fh.read()).decode()
+    finally:
+        os.unlink(path)
 
 
 def _tone_wav_b64(seed: int, i: int, seconds: float, rate: int = 16000) -> str:
@@ -433,7 +466,7 @@ def _progress(concurrency: int, done: int, total: int) -> None:
 
 async def run_bench(cfg: BenchConfig, progress=_progress, transport: httpx.AsyncBaseTransport | None = None) -> dict:
     """`transport`: httpx's (default: the network)."""
-    if (cfg.image or cfg.input_audio_s) and cfg.media_seed is None:
+    if (cfg.image or cfg.input_audio_s or cfg.video) and cfg.media_seed is None:
         cfg = replace(cfg, media_seed=random.SystemRandom().getrandbits(63))
     levels, offset = [], 0
     for c in cfg.concurrency:
