@@ -44,6 +44,21 @@ def test_api_key_guards_v1(client):
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
 
 
+def test_api_key_guards_the_realtime_socket(client):
+    """/v1/realtime is refused at the handshake without the key (no session event); with it the
+    session starts (a text-only pipeline: text out)."""
+    from starlette.websockets import WebSocketDisconnect
+
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        with pytest.raises(WebSocketDisconnect) as e:
+            with client.websocket_connect("/v1/realtime?model=m", headers=headers) as ws:
+                ws.receive_json()
+        assert e.value.code == 1008
+    with client.websocket_connect("/v1/realtime?model=m", headers=AUTH) as ws:
+        created = ws.receive_json()
+        assert created["type"] == "session.created" and created["session"]["output_modalities"] == ["text"]
+
+
 def test_the_key_is_checked_before_the_body_is_read(client):
     """Without the key a body is not even parsed: malformed JSON or an oversized body is a 401, not
     a 400 / 413 (with the key those come back); every /v1 path, unknown ones too."""

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
-from fastapi import Body, FastAPI, Form, HTTPException, Request, UploadFile
+from fastapi import Body, FastAPI, Form, HTTPException, Request, UploadFile, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from omni_server.api import audio, completions, errors, media, responses, tools, transcription
+from omni_server.api import audio, completions, errors, media, realtime, responses, tools, transcription
 from omni_server.api.errors import APIError
 from omni_server.api.protocol import (
     ChatCompletionRequest,
@@ -257,6 +257,45 @@ def create_app(state: ServerState) -> FastAPI:
             return await _streamed(request, out, lambda first: typed_events(out.events(first), out.abort, named=True))
         return await _until_disconnect(request, out.collect(), out.abort)
 
+    @app.websocket("/v1/realtime")
+    async def realtime_session(ws: WebSocket, model: str | None = None):
+        """OpenAI's Realtime API, turns ended by the client (api/realtime.py): each response a chat
+        turn over the session's conversation on the chat path."""
+        await ws.accept()
+        if model is not None and model != state.cfg.model:
+            await ws.send_json({"type": "error", "event_id": f"event_{uuid.uuid4().hex[:20]}", "error": {
+                "type": "invalid_request_error", "code": "model_not_found", "param": "model", "event_id": None,
+                "message": f"model `{model}` is not served here; this server serves `{state.cfg.model}`"}})
+            await ws.close(code=1008)
+            return
+        lock = asyncio.Lock()
+
+        async def send(event: dict) -> None:
+            async with lock:  # (the response's task and the receive loop both send)
+                await ws.send_text(json.dumps(event))
+
+        voices = state.voices() if state.audio_stage is not None else []
+        session = realtime.Session(state.cfg.model, send, lambda body: _realtime_run(state, body), voices=voices,
+                                   has_audio=state.audio_stage is not None, max_buffer_s=state.cfg.server.max_audio_seconds,
+                                   audio_cap=media.cap(state.cfg, "audio"),
+                                   transcription_turn=None if state.text_stage is None else lambda language, prompt:
+                                   transcription.messages(state.cfg.server, transcription.instruction(
+                                       state.cfg.server, language, prompt)))
+        try:
+            await session.start()
+            while True:
+                message = await ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if message.get("text") is None:
+                    await session.receive("")  # (binary frames: an error event)
+                    continue
+                await session.receive(message["text"])
+        except (WebSocketDisconnect, RuntimeError):  # (gone while sending)
+            pass
+        finally:
+            await session.close()
+
     @app.post("/v1/completions")
     async def text_completion(body: CompletionRequest, request: Request):
         """OpenAI's legacy completion: raw prompts, the text stage alone, `n` choices per prompt."""
@@ -388,10 +427,13 @@ class KeyGuard:
         self.app, self.key = app, key
 
     async def __call__(self, scope, receive, send):
-        if self.key is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if self.key is not None and scope["type"] in ("http", "websocket") and scope["path"].startswith("/v1"):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             token = auth[7:] if auth[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key.encode()):
+                if scope["type"] == "websocket":  # (refused before the handshake: an HTTP 403)
+                    await receive()
+                    return await send({"type": "websocket.close", "code": 1008})
                 body = errors.error_body(401, "invalid or missing API key", code="invalid_api_key")
                 return await JSONResponse(body, status_code=401)(scope, receive, send)
         await self.app(scope, receive, send)
@@ -671,6 +713,27 @@ def _check_bias(state: ServerState, bias: dict[str, float]) -> dict[int, float]:
         raise APIError(400, f"logit_bias: token ids {bad[:5]} are not in the vocabulary (size {vocab})",
                        param="logit_bias")
     return out
+
+
+async def _realtime_run(state: ServerState, raw: dict[str, Any]) -> Run:
+    """A Realtime response's chat turn (one choice, streamed), checked and submitted as
+    /v1/chat/completions would."""
+    try:
+        body = ChatCompletionRequest.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg"))) from None
+    outputs = _modalities(state, body)
+    decoded, prompt_ids = await _chat_prompt(state, body)
+    options = _stage_options({}, body)
+    if "audio" in outputs:
+        options[VOICE_OPTION] = state.check_voice(body.audio.voice, "audio.output.voice")
+    sampling = _sampling(state, body)
+    _check_room(state, [prompt_ids], body)
+    orch = _orch(state)
+    [req] = await _submit(state, orch, [f"rt-{uuid.uuid4().hex}"], [prompt_ids], [sampling], outputs, options, decoded)
+    return Run(state, orch, req, body, prompt_ids, "pcm" if "audio" in outputs else None)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any], abort: Callable[[], Awaitable[None]]):

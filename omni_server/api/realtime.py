@@ -1,0 +1,574 @@
+"""OpenAI's Realtime API over a WebSocket (`/v1/realtime?model=...`, the `openai` client's
+`realtime.connect`), with turns the client ends: it appends 24 kHz PCM16 audio to the input buffer,
+commits it as a user item (or creates text items), then asks for a response (`response.create`).
+
+A response is a chat turn over the conversation so far: the session's instructions as the system
+message, user audio as `input_audio` (WAV of the buffer), earlier replies as their text or
+transcript; it runs on the chat path (`start_chat`: the same template, limits and sampling) and
+streams back as OpenAI's events (`response.output_audio.delta` of 24 kHz PCM16 with
+`response.output_audio_transcript.delta`, or `response.output_text.delta`). One response at a time
+per session; `response.cancel` aborts it. With input transcription on, each user audio item is
+transcribed by the pipeline's text stage (the /v1/audio/transcriptions turn), and audio items past
+what the pipeline hears a prompt are sent by their transcripts (the latest as audio). Server VAD
+and tools are refused with an `error` event, not ignored; a bad event is an `error` event and the
+session goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import logging
+import uuid
+import wave
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from omni_server.api import audio
+from omni_server.api.errors import APIError
+
+log = logging.getLogger(__name__)
+
+RATE = 24000  # the Realtime API's PCM rate, in and out
+_FORMAT = {"type": "audio/pcm", "rate": RATE}
+_MIN_COMMIT_S = 0.1  # (OpenAI's least committed audio)
+_KEPT_BUFFERS = 4  # a conversation keeps at most this many full input buffers of audio
+
+
+class EventError(Exception):
+    """A client event this session cannot take: an `error` event, the session goes on."""
+
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None):
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+def _wav_b64(pcm: bytes) -> str:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(RATE)
+        w.writeframes(pcm)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _pcm16(piece, rate: int) -> bytes:
+    """A waveform piece as 24 kHz little-endian PCM16 (resampled per piece if the vocoder's rate differs)."""
+    samples = audio._to_numpy(piece)
+    if rate != RATE:
+        samples = audio._resample(samples, rate, RATE)
+    return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+class Session:
+    """One WebSocket's conversation. `send(event)` writes one server event; `start_chat(body)` starts
+    a chat completion request (a dict as /v1/chat/completions takes) and returns its `Run`."""
+
+    def __init__(self, model: str, send: Callable[[dict], Awaitable[None]],
+                 start_chat: Callable[[dict], Awaitable[Any]], *, voices: list[str], has_audio: bool,
+                 max_buffer_s: float, audio_cap: int | None,
+                 transcription_turn: Callable[[str | None, str | None], list[dict]] | None = None):
+        self.model, self._send, self.start_chat = model, send, start_chat
+        self.voices, self.has_audio = voices, has_audio
+        self.max_buffer_bytes = int(max_buffer_s * RATE) * 2
+        # Audio items a response's prompt may hold (stage 0's limit_mm_per_prompt; None: any), and the
+        # audio a conversation keeps in all (what the server holds for one socket).
+        self.audio_cap = audio_cap
+        self.max_kept_bytes = _KEPT_BUFFERS * self.max_buffer_bytes
+        # (language, prompt) -> the transcription chat turn, its audio part a {"type": "audio"}
+        # placeholder; None: the pipeline cannot transcribe (no text stage).
+        self.transcription_turn = transcription_turn
+        self.transcribing: dict[str, asyncio.Task] = {}
+        self.id = _new_id("sess")
+        self.config: dict[str, Any] = {
+            "instructions": None, "output_modalities": ["audio"] if has_audio else ["text"],
+            "voice": voices[0] if voices else None, "max_output_tokens": "inf",
+            "temperature": None,  # (an extension, as the beta API had: None, the text stage's default)
+            "transcription": None,  # {"model", "language", "prompt"}: user audio items transcribed
+        }
+        self.items: list[dict[str, Any]] = []  # the conversation, as the client sees its items
+        self.audio_of: dict[str, bytes] = {}  # a user audio item's PCM16
+        self.buffer = bytearray()
+        self.response: asyncio.Task | None = None
+
+    # ---- events out ------------------------------------------------------------------------
+
+    async def send(self, kind: str, **fields) -> None:
+        await self._send({"type": kind, "event_id": _new_id("event"), **fields})
+
+    async def error(self, e: EventError | APIError, client_event_id: str | None) -> None:
+        code = e.code if isinstance(e, EventError) else (e.code or "invalid_request_error")
+        kind = "invalid_request_error" if isinstance(e, EventError) or e.status < 500 else "server_error"
+        await self.send("error", error={"type": kind, "code": code, "message": e.message, "param": e.param,
+                                        "event_id": client_event_id})
+
+    def session_object(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
+            "output_modalities": c["output_modalities"], "instructions": c["instructions"] or "",
+            "max_output_tokens": c["max_output_tokens"], "temperature": c["temperature"], "tools": [],
+            "tool_choice": "auto",
+            "audio": {"input": {"format": _FORMAT, "turn_detection": None, "transcription": c["transcription"]},
+                      "output": {"format": _FORMAT, "voice": c["voice"]}},
+        }
+
+    # ---- events in -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.send("session.created", session=self.session_object())
+
+    async def receive(self, text: str) -> None:
+        """One client event (a JSON text frame)."""
+        event_id = None
+        try:
+            try:
+                event = json.loads(text)
+            except ValueError:
+                raise EventError("the event is not JSON", code="invalid_json") from None
+            if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+                raise EventError("an event is a JSON object with a string `type`", param="type")
+            event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+            handler = _HANDLERS.get(event["type"])
+            if handler is None:
+                raise EventError(f"unsupported event type {event['type']!r} (this server takes: "
+                                 f"{', '.join(sorted(_HANDLERS))})", code="unsupported_event", param="type")
+            await handler(self, event)
+        except (EventError, APIError) as e:
+            await self.error(e, event_id)
+
+    async def close(self) -> None:
+        """The socket is gone: abort the running response and transcriptions."""
+        for task in self.transcribing.values():
+            task.cancel()
+        for task in self.transcribing.values():
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.response is not None and not self.response.done():
+            self.response.cancel()
+            try:
+                await self.response
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _session_update(self, event: dict) -> None:
+        given = event.get("session")
+        if not isinstance(given, dict):
+            raise EventError("`session` must be an object", param="session")
+        if given.get("type", "realtime") != "realtime":
+            raise EventError("only `realtime` sessions (not transcription) are served here", param="session.type")
+        config = self._settings(given, "session")
+        if given.get("tools"):
+            raise EventError("tools are not supported by /v1/realtime here (chat completions take them)",
+                             param="session.tools")
+        sound = given.get("audio") or {}
+        heard, spoken = sound.get("input") or {}, sound.get("output") or {}
+        if heard.get("turn_detection") is not None:
+            raise EventError("server-side turn detection is not supported: set `turn_detection` to null, then "
+                             "send input_audio_buffer.commit and response.create to end each turn",
+                             param="session.audio.input.turn_detection")
+        if "transcription" in heard:
+            config["transcription"] = self._transcription(heard["transcription"])
+        for where, fmt in (("input", heard.get("format")), ("output", spoken.get("format"))):
+            if fmt is not None and fmt != _FORMAT and fmt != {"type": "audio/pcm"}:
+                raise EventError(f"audio {where} format must be {json.dumps(_FORMAT)} (PCM16, mono, 24 kHz)",
+                                 param=f"session.audio.{where}.format")
+        self.config = config
+        await self.send("session.updated", session=self.session_object())
+
+    def _settings(self, given: dict, where: str) -> dict[str, Any]:
+        """The session's settings with those a session.update or response.create gives (`where`)."""
+        config = dict(self.config)
+        if "instructions" in given:
+            if given["instructions"] is not None and not isinstance(given["instructions"], str):
+                raise EventError("`instructions` must be a string", param=f"{where}.instructions")
+            config["instructions"] = given["instructions"]
+        if "output_modalities" in given:
+            config["output_modalities"] = self._modalities(given["output_modalities"], f"{where}.output_modalities")
+        if "max_output_tokens" in given:
+            config["max_output_tokens"] = _max_tokens(given["max_output_tokens"], f"{where}.max_output_tokens")
+        if "temperature" in given:
+            config["temperature"] = _temperature(given["temperature"], f"{where}.temperature")
+        sound = given.get("audio") or {}
+        if not isinstance(sound, dict) or not all(isinstance(sound.get(k) or {}, dict) for k in ("input", "output")):
+            raise EventError("`audio` must be an object of objects", param=f"{where}.audio")
+        voice = (sound.get("output") or {}).get("voice")
+        if voice is not None:
+            config["voice"] = self._voice(voice, f"{where}.audio.output.voice")
+        return config
+
+    def _transcription(self, value: Any) -> dict[str, Any] | None:
+        param = "session.audio.input.transcription"
+        if value is None:
+            return None
+        if not isinstance(value, dict) or any(not isinstance(value.get(k), (str, type(None)))
+                                              for k in ("model", "language", "prompt")):
+            raise EventError("`transcription` is null or {model, language, prompt} (strings; the served model "
+                             "transcribes, whichever `model` is named)", param=param)
+        if self.transcription_turn is None:
+            raise EventError(f"model `{self.model}` has no text output to transcribe with", param=param)
+        try:
+            self.transcription_turn(value.get("language"), value.get("prompt"))
+        except ValueError as e:  # (a language it does not know)
+            raise EventError(str(e), param=f"{param}.language") from None
+        return {"model": value.get("model") or self.model, "language": value.get("language"),
+                "prompt": value.get("prompt")}
+
+    def _transcribe(self, item_id: str) -> None:
+        """Transcribe a user audio item in the background when the session asks for it."""
+        if self.config["transcription"] is not None:
+            self.transcribing[item_id] = asyncio.create_task(self._transcript(item_id, self.config["transcription"]))
+
+    async def _transcript(self, item_id: str, config: dict[str, Any]) -> None:
+        audio_part = {"type": "input_audio", "input_audio": {"data": _wav_b64(self.audio_of[item_id]), "format": "wav"}}
+        turn = self.transcription_turn(config["language"], config["prompt"])
+        messages = [{**m, "content": [audio_part if p.get("type") == "audio" else p for p in m["content"]]}
+                    if isinstance(m["content"], list) else m for m in turn]
+        body = {"model": self.model, "messages": messages, "modalities": ["text"], "temperature": 0, "stream": True}
+        where = {"item_id": item_id, "content_index": 0}
+        try:
+            run = await self.start_chat(body)
+            try:
+                pieces = [value async for kind, value in run.stream_from(await run.first()) if kind == "text"]
+            except BaseException:
+                await run.abort()
+                raise
+        except APIError as e:
+            await self.send("conversation.item.input_audio_transcription.failed", **where, error={
+                "type": "server_error" if e.status >= 500 else "invalid_request_error", "code": e.code,
+                "message": e.message, "param": None})
+            return
+        text = "".join(pieces)
+        item = next((i for i in self.items if i["id"] == item_id), None)
+        if item is not None:
+            item["content"][0]["transcript"] = text
+        await self.send("conversation.item.input_audio_transcription.completed", **where, transcript=text,
+                        usage={"type": "tokens", "input_tokens": run.n_prompt, "output_tokens": run.completion_tokens,
+                               "total_tokens": run.n_prompt + run.completion_tokens})
+
+    def _modalities(self, value: Any, param: str) -> list[str]:
+        if value not in (["text"], ["audio"]):
+            raise EventError('`output_modalities` must be ["audio"] (speech and its transcript) or ["text"]',
+                             param=param)
+        if value == ["audio"] and not self.has_audio:
+            raise EventError(f"model `{self.model}` has no audio output", param=param)
+        return list(value)
+
+    def _voice(self, voice: Any, param: str) -> str:
+        known = {v.lower(): v for v in self.voices}
+        if not isinstance(voice, str) or voice.lower() not in known:
+            raise EventError(f"unknown voice {voice!r}; available voices: {', '.join(self.voices)}", param=param)
+        return known[voice.lower()]
+
+    async def _append(self, event: dict) -> None:
+        data = event.get("audio")
+        if not isinstance(data, str):
+            raise EventError("`audio` must be base64 PCM16 (mono, 24 kHz)", param="audio")
+        try:
+            pcm = base64.b64decode(data, validate=True)
+        except ValueError:
+            raise EventError("`audio` is not valid base64", param="audio") from None
+        if len(pcm) % 2:
+            raise EventError("`audio` must hold whole PCM16 samples (an even number of bytes)", param="audio")
+        if len(self.buffer) + len(pcm) > self.max_buffer_bytes:
+            raise EventError(f"the input audio buffer would exceed {self.max_buffer_bytes // 2 / RATE:g} s "
+                             "(`server.max_audio_seconds`); commit or clear it first", code="buffer_too_large",
+                             param="audio")
+        self.buffer += pcm
+
+    async def _clear(self, event: dict) -> None:
+        self.buffer = bytearray()
+        await self.send("input_audio_buffer.cleared")
+
+    async def _commit(self, event: dict) -> None:
+        if len(self.buffer) < int(_MIN_COMMIT_S * RATE) * 2:
+            raise EventError(f"the input audio buffer holds {len(self.buffer) // 2 / RATE * 1000:.0f} ms; a commit "
+                             f"needs at least {_MIN_COMMIT_S * 1000:.0f} ms", code="input_audio_buffer_commit_empty")
+        self._check_kept(len(self.buffer))
+        item = {"id": _new_id("item"), "type": "message", "object": "realtime.item", "status": "completed",
+                "role": "user", "content": [{"type": "input_audio", "transcript": None}]}
+        previous = self.items[-1]["id"] if self.items else None
+        self.audio_of[item["id"]] = bytes(self.buffer)
+        self.buffer = bytearray()
+        self.items.append(item)
+        await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item["id"])
+        await self.send("conversation.item.added", previous_item_id=previous, item=item)
+        await self.send("conversation.item.done", previous_item_id=previous, item=item)
+        self._transcribe(item["id"])
+
+    async def _item_create(self, event: dict) -> None:
+        given = event.get("item")
+        if not isinstance(given, dict) or given.get("type", "message") != "message":
+            raise EventError("only message items are supported (no function calls here)", param="item.type")
+        role = given.get("role")
+        if role not in ("user", "assistant", "system"):
+            raise EventError("`item.role` must be user, assistant or system", param="item.role")
+        content = given.get("content")
+        if not isinstance(content, list) or not content:
+            raise EventError("`item.content` must be a non-empty list of parts", param="item.content")
+        parts, pcm = [], None  # (one audio part an item: its transcript is the item's)
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            param = f"item.content[{j}]"
+            if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
+                parts.append({"type": kind, "text": part["text"]})
+            elif (kind == "input_audio" and role == "user" and isinstance(part.get("audio"), str) and pcm is None
+                  and isinstance(part.get("transcript"), (str, type(None)))):
+                try:
+                    pcm = base64.b64decode(part["audio"], validate=True)
+                except ValueError:
+                    raise EventError("`audio` is not valid base64", param=f"{param}.audio") from None
+                parts.append({"type": "input_audio", "transcript": part.get("transcript")})
+            else:
+                raise EventError(f"{param}: unsupported part {kind!r} (input_text; in a user item one input_audio: "
+                                 "base64 `audio`, a string `transcript` if any)", param=param)
+        pcm = pcm or b""
+        if len(pcm) % 2 or len(pcm) > self.max_buffer_bytes:
+            raise EventError("an item's audio must be whole PCM16 samples within `server.max_audio_seconds`",
+                             param="item.content")
+        self._check_kept(len(pcm))
+        item_id = given.get("id") if isinstance(given.get("id"), str) and given["id"] else _new_id("item")
+        if any(i["id"] == item_id for i in self.items):
+            raise EventError(f"an item with id {item_id!r} exists", param="item.id")
+        after = event.get("previous_item_id")
+        if after is not None and not any(i["id"] == after for i in self.items):
+            raise EventError(f"no item {after!r} to insert after", code="item_not_found", param="previous_item_id")
+        item = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
+                "content": parts}
+        at = len(self.items) if after is None else next(k for k, i in enumerate(self.items) if i["id"] == after) + 1
+        previous = self.items[at - 1]["id"] if at else None
+        self.items.insert(at, item)
+        await self.send("conversation.item.added", previous_item_id=previous, item=item)
+        await self.send("conversation.item.done", previous_item_id=previous, item=item)
+        if pcm:
+            self.audio_of[item_id] = pcm
+            if _transcript_of(item) is None:
+                self._transcribe(item_id)
+
+    def _check_kept(self, more: int) -> None:
+        kept = sum(len(a) for a in self.audio_of.values())
+        if kept + more > self.max_kept_bytes:
+            raise EventError(f"the conversation would hold over {self.max_kept_bytes // 2 / RATE:g} s of audio; "
+                             "delete earlier items first (conversation.item.delete)", code="conversation_too_large")
+
+    async def _item_delete(self, event: dict) -> None:
+        item_id = event.get("item_id")
+        at = next((k for k, i in enumerate(self.items) if i["id"] == item_id), None)
+        if at is None:
+            raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
+        del self.items[at]
+        self.audio_of.pop(item_id, None)
+        task = self.transcribing.pop(item_id, None)
+        if task is not None:
+            task.cancel()
+        await self.send("conversation.item.deleted", item_id=item_id)
+
+    async def _response_create(self, event: dict) -> None:
+        if self.response is not None and not self.response.done():
+            raise EventError("a response is in progress; wait for its response.done or send response.cancel",
+                             code="conversation_already_has_active_response")
+        given = event.get("response") or {}
+        if not isinstance(given, dict):
+            raise EventError("`response` must be an object", param="response")
+        config = self._settings(given, "response")
+        if given.get("conversation", "auto") not in ("auto", "none") or given.get("input") is not None:
+            raise EventError("a response runs on the session's conversation (`conversation` auto or none, no `input`)",
+                             param="response.conversation")
+        if not any(i["role"] == "user" for i in self.items):
+            raise EventError("the conversation has no user item yet: commit audio or create a user item first",
+                             code="conversation_empty")
+        for item_id in self._read_items():  # (their transcripts stand for them: wait for those under way)
+            task = self.transcribing.get(item_id)
+            if task is not None:
+                await asyncio.wait({task})
+            if _transcript_of(next(i for i in self.items if i["id"] == item_id)) is None:
+                raise EventError(f"the conversation holds {len(self._audio_items())} audio items; this pipeline "
+                                 f"hears at most {self.audio_cap} a prompt (stage 0's limit_mm_per_prompt): turn "
+                                 "on input transcription (earlier ones are then sent as their transcripts), "
+                                 "delete earlier ones (conversation.item.delete) or send their words as text items",
+                                 code="too_many_audio_items")
+        reply = Reply(self, config, keep=given.get("conversation", "auto") == "auto")
+        await reply.begin()  # (a refusal by the chat path is this event's error; nothing started)
+        self.response = asyncio.create_task(reply.stream())
+
+    async def _response_cancel(self, event: dict) -> None:
+        if self.response is None or self.response.done():
+            raise EventError("no response is in progress", code="response_cancel_not_active")
+        self.response.cancel()
+        try:
+            await self.response
+        except (asyncio.CancelledError, Exception):
+            pass
+
+    # ---- the conversation as a chat --------------------------------------------------------
+
+    def _audio_items(self) -> list[str]:
+        return [i["id"] for i in self.items if i["id"] in self.audio_of]
+
+    def _read_items(self) -> list[str]:
+        """Audio items sent by their transcripts: all but the latest the pipeline hears a prompt."""
+        ids = self._audio_items()
+        return [] if self.audio_cap is None or len(ids) <= self.audio_cap else ids[:len(ids) - self.audio_cap]
+
+    def chat_body(self, config: dict[str, Any]) -> dict[str, Any]:
+        messages: list[dict[str, Any]] = []
+        if config["instructions"]:
+            messages.append({"role": "system", "content": config["instructions"]})
+        read = set(self._read_items())
+        for item in self.items:
+            parts = []
+            for part in item["content"]:
+                if part["type"] == "input_audio" and item["id"] in self.audio_of and item["id"] not in read:
+                    parts.append({"type": "input_audio",
+                                  "input_audio": {"data": _wav_b64(self.audio_of[item["id"]]), "format": "wav"}})
+                elif part.get("text") is not None or part.get("transcript") is not None:
+                    parts.append({"type": "text", "text": part.get("text") or part.get("transcript") or ""})
+            if item["role"] == "user":
+                messages.append({"role": "user", "content": parts})
+            else:  # (a system or assistant turn is text: an assistant's spoken reply by its transcript)
+                messages.append({"role": item["role"], "content": "".join(p.get("text", "") for p in parts)})
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True}
+        if config["output_modalities"] == ["audio"]:
+            body |= {"modalities": ["text", "audio"], "audio": {"voice": config["voice"], "format": "pcm"}}
+        else:
+            body["modalities"] = ["text"]
+        if config["max_output_tokens"] != "inf":
+            body["max_tokens"] = config["max_output_tokens"]
+        if config["temperature"] is not None:
+            body["temperature"] = config["temperature"]
+        return body
+
+
+def _transcript_of(item: dict[str, Any]) -> str | None:
+    return next((p.get("transcript") for p in item["content"] if p["type"] == "input_audio"), None)
+
+
+def _max_tokens(value: Any, param: str) -> int | str:
+    if value == "inf" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 4096):
+        return value
+    raise EventError('`max_output_tokens` must be 1 to 4096 or "inf"', param=param)
+
+
+def _temperature(value: Any, param: str) -> float | None:
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 2):
+        return value
+    raise EventError("`temperature` must be a number from 0 to 2 (0: greedy)", param=param)
+
+
+class Reply:
+    """One response: a chat run streamed as Realtime events; added to the conversation when `keep`."""
+
+    def __init__(self, session: Session, config: dict[str, Any], keep: bool):
+        self.s, self.config, self.keep = session, config, keep
+        self.id, self.item_id = _new_id("resp"), _new_id("item")
+        self.spoken = config["output_modalities"] == ["audio"]
+        self.run = None
+        self.first = None
+        self.text: list[str] = []
+        self.status = "in_progress"
+
+    def _item(self, status: str) -> dict[str, Any]:
+        text = "".join(self.text)
+        part = {"type": "output_audio", "transcript": text} if self.spoken else {"type": "output_text", "text": text}
+        return {"id": self.item_id, "type": "message", "object": "realtime.item", "status": status,
+                "role": "assistant", "content": [part] if status != "in_progress" else []}
+
+    def _response(self, status: str, details: dict | None = None) -> dict[str, Any]:
+        done = status != "in_progress"
+        usage = None
+        if done and self.run is not None:
+            n_in, n_out = self.run.n_prompt, self.run.completion_tokens
+            usage = {"total_tokens": n_in + n_out, "input_tokens": n_in, "output_tokens": n_out,
+                     "input_token_details": {"cached_tokens": self.run.n_cached},
+                     "output_token_details": {"text_tokens": n_out, "audio_tokens": 0}}
+        return {"id": self.id, "object": "realtime.response", "status": status, "status_details": details,
+                "output": [self._item(self.status if done else "in_progress")] if done else [],
+                "output_modalities": self.config["output_modalities"],
+                "max_output_tokens": self.config["max_output_tokens"],
+                "conversation_id": self.s.id if self.keep else None,
+                "audio": {"output": {"format": _FORMAT, "voice": self.config["voice"]}}, "usage": usage}
+
+    async def begin(self) -> None:
+        """Start the chat run (its checks refuse here, before any response event)."""
+        self.run = await self.s.start_chat(self.s.chat_body(self.config))
+
+    async def stream(self) -> None:
+        s, where = self.s, {"response_id": self.id, "item_id": self.item_id, "output_index": 0, "content_index": 0}
+        previous = s.items[-1]["id"] if s.items else None
+        await s.send("response.created", response=self._response("in_progress"))
+        await s.send("response.output_item.added", response_id=self.id, output_index=0, item=self._item("in_progress"))
+        if self.keep:
+            await s.send("conversation.item.added", previous_item_id=previous, item=self._item("in_progress"))
+        part = {"type": "audio", "transcript": ""} if self.spoken else {"type": "text", "text": ""}
+        await s.send("response.content_part.added", part=part, **where)
+        status, details = "completed", None
+        try:
+            first = await self.run.first()
+            async for kind, value in self.run.stream_from(first):
+                if kind == "text":
+                    self.text.append(value)
+                    name = "response.output_audio_transcript.delta" if self.spoken else "response.output_text.delta"
+                    await s.send(name, delta=value, **where)
+                elif self.spoken:
+                    wave_piece, rate = value
+                    pcm = await asyncio.to_thread(_pcm16, wave_piece, rate)
+                    await s.send("response.output_audio.delta", delta=base64.b64encode(pcm).decode(), **where)
+            if self.run.finish_reason == "length":
+                status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
+        except asyncio.CancelledError:
+            await self.run.abort()
+            status, details = "cancelled", {"type": "cancelled", "reason": "client_cancelled"}
+            await self._finish(status, details, where, previous)
+            raise
+        except APIError as e:
+            await self.run.abort()
+            status, details = "failed", {"type": "failed", "error": {"type": "server_error" if e.status >= 500
+                                                                      else "invalid_request_error",
+                                                                      "code": e.code, "message": e.message}}
+        except Exception as e:  # (the server's fault: said, and the session goes on)
+            log.exception("realtime response %s failed", self.id)
+            await self.run.abort()
+            status, details = "failed", {"type": "failed", "error": {"type": "server_error", "code": None,
+                                                                      "message": f"{type(e).__name__}"}}
+        await self._finish(status, details, where, previous)
+
+    async def _finish(self, status: str, details: dict | None, where: dict, previous: str | None) -> None:
+        s, text = self.s, "".join(self.text)
+        self.status = "completed" if status == "completed" else "incomplete"
+        if self.spoken:
+            if status in ("completed", "incomplete"):
+                await s.send("response.output_audio.done", **where)
+            await s.send("response.output_audio_transcript.done", transcript=text, **where)
+            await s.send("response.content_part.done", part={"type": "audio", "transcript": text}, **where)
+        else:
+            await s.send("response.output_text.done", text=text, **where)
+            await s.send("response.content_part.done", part={"type": "text", "text": text}, **where)
+        item = self._item(self.status)
+        await s.send("response.output_item.done", response_id=self.id, output_index=0, item=item)
+        if self.keep:
+            s.items.append(item)
+            await s.send("conversation.item.done", previous_item_id=previous, item=item)
+        await s.send("response.done", response=self._response(status, details))
+
+
+_HANDLERS: dict[str, Callable[[Session, dict], Awaitable[None]]] = {
+    "session.update": Session._session_update,
+    "input_audio_buffer.append": Session._append,
+    "input_audio_buffer.clear": Session._clear,
+    "input_audio_buffer.commit": Session._commit,
+    "conversation.item.create": Session._item_create,
+    "conversation.item.delete": Session._item_delete,
+    "response.create": Session._response_create,
+    "response.cancel": Session._response_cancel,
+}

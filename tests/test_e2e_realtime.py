@@ -1,0 +1,242 @@
+"""OpenAI's Realtime API (`/v1/realtime`) through the official `openai` client's `realtime.connect`
+against the embedded default pipeline: a response is the chat turn of the conversation so far, so
+its transcript, text and prompt equal /v1/chat/completions' for the same messages (greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import wave
+
+import numpy as np
+import openai
+import pytest
+
+MODEL = "omni-tiny"
+PCM = (0.3 * np.sin(2 * np.pi * 330 * np.arange(24000) / 24000) * 32767).astype("<i2").tobytes()  # 1 s, 24 kHz
+
+
+def _wav_b64(pcm: bytes) -> str:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000), w.writeframes(pcm)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _connect(server, model: str = MODEL):
+    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    return client.realtime.connect(model=model)
+
+
+async def _until(conn, kind: str, seen: list | None = None, timeout: float = 120):
+    """Events up to the first of type `kind` (returned); the others appended to `seen` (an error
+    event fails the test unless it is the one awaited)."""
+    async def wait():
+        async for ev in conn:
+            if ev.type == kind:
+                return ev
+            assert ev.type != "error", ev.error
+            if seen is not None:
+                seen.append(ev)
+    return await asyncio.wait_for(wait(), timeout)
+
+
+async def _response(conn, **response) -> tuple[object, str, bytes, list]:
+    """response.create, then its events to response.done: (done, text or transcript, PCM16, events)."""
+    await conn.response.create(response=response)
+    events: list = []
+    done = await _until(conn, "response.done", events)
+    text = "".join(e.delta for e in events if e.type in ("response.output_text.delta",
+                                                          "response.output_audio_transcript.delta"))
+    pcm = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    return done, text, pcm, events
+
+
+def _chat(server, messages: list, spoken: bool, max_tokens: int):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    extra = {"modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "pcm"}} if spoken else \
+        {"modalities": ["text"]}
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens,
+                                          **extra)
+
+
+def test_a_spoken_then_a_written_turn_equal_the_chat_turns(speech_server):
+    """Audio committed from the input buffer, a spoken reply (transcript and 24 kHz PCM16 as they
+    come, the item kept in the conversation), then a text item and a written reply: each equals the
+    greedy chat completion of the same messages (the first reply back as its transcript)."""
+    async def talk():
+        async with _connect(speech_server) as conn:
+            created = await _until(conn, "session.created")
+            assert created.session.audio.output.voice == "Chelsie"
+            assert created.session.audio.input.turn_detection is None
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {"type": "realtime", "temperature": 0}}))
+            updated = await _until(conn, "session.updated")
+            assert updated.session.model_extra["temperature"] == 0
+            for k in range(0, len(PCM), 9600):  # (in pieces of 200 ms)
+                await conn.input_audio_buffer.append(audio=base64.b64encode(PCM[k:k + 9600]).decode())
+            await conn.input_audio_buffer.commit()
+            committed = await _until(conn, "input_audio_buffer.committed")
+            spoken = await _response(conn, max_output_tokens=10)
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "And then?"}]})
+            written = await _response(conn, output_modalities=["text"], max_output_tokens=6)
+            return committed, spoken, written
+
+    committed, (done, transcript, pcm, events), (done2, text, pcm2, events2) = asyncio.run(talk())
+    assert committed.item_id and done.response.status in ("completed", "incomplete")
+    heard = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": _wav_b64(PCM), "format": "wav"}}]}]
+    chat = _chat(speech_server, heard, spoken=True, max_tokens=10)
+    assert transcript == chat.choices[0].message.audio.transcript and transcript
+    assert done.response.usage.input_tokens == chat.usage.prompt_tokens
+    assert done.response.usage.output_tokens == chat.usage.completion_tokens
+    # The same talker codes (greedy): as much audio, in several deltas as it is made (waveforms
+    # differ: token2wav draws its noise per request).
+    assert len(pcm) == len(base64.b64decode(chat.choices[0].message.audio.data)) > 0
+    assert sum(e.type == "response.output_audio.delta" for e in events) > 1
+    item = done.response.output[0]
+    assert item.role == "assistant" and item.content[0].type == "output_audio" and item.content[0].transcript == transcript
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["conversation.item.added", "conversation.item.done"]  # (the committed audio's item)
+    kinds = kinds[2:]
+    assert kinds[:4] == ["response.created", "response.output_item.added", "conversation.item.added",
+                         "response.content_part.added"]
+    assert kinds[-5:] == ["response.output_audio.done", "response.output_audio_transcript.done",
+                          "response.content_part.done", "response.output_item.done", "conversation.item.done"]
+
+    chat2 = _chat(speech_server, heard + [{"role": "assistant", "content": transcript},
+                                          {"role": "user", "content": "And then?"}], spoken=False, max_tokens=6)
+    assert text == chat2.choices[0].message.content and not pcm2
+    assert done2.response.usage.input_tokens == chat2.usage.prompt_tokens
+    assert done2.response.output[0].content[0].type == "output_text"
+    assert "response.output_text.done" in [e.type for e in events2]
+
+
+def test_a_cancelled_response_ends_and_the_session_goes_on(speech_server):
+    """response.cancel mid-speech: response.done says cancelled with what was said so far, the
+    pipeline request is dropped in every stage, and the next response runs."""
+    async def talk():
+        async with _connect(speech_server) as conn:
+            await _until(conn, "session.created")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Tell a long story."}]})
+            await conn.send_raw(json.dumps({"type": "response.create", "response": {"max_output_tokens": 1000}}))
+            await _until(conn, "response.output_audio.delta")
+            await conn.response.cancel()
+            cancelled = await _until(conn, "response.done")
+            await asyncio.sleep(1)
+            busy = [speech_server.stats(s)["request_ids"] for s in range(3)]
+            again = await _response(conn, output_modalities=["text"], max_output_tokens=4)
+            return cancelled, busy, again
+
+    cancelled, busy, (done, text, _, _) = asyncio.run(talk())
+    assert cancelled.response.status == "cancelled"
+    assert cancelled.response.output[0].status == "incomplete"
+    assert busy == [[], [], []]
+    assert done.response.status in ("completed", "incomplete") and text
+
+
+def test_bad_events_get_error_events_and_the_session_goes_on(speech_server):
+    async def talk():
+        errors = []
+        async with _connect(speech_server) as conn:
+            await _until(conn, "session.created")
+            for raw in ("{not json", json.dumps({"type": "no.such.event"}),
+                        json.dumps({"type": "session.update", "event_id": "ev1", "session": {
+                            "type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}}),
+                        json.dumps({"type": "input_audio_buffer.commit"}),
+                        json.dumps({"type": "input_audio_buffer.append", "audio": "%%%"}),
+                        json.dumps({"type": "response.create"}),
+                        json.dumps({"type": "session.update", "session": {"audio": {"output": {"voice": "Nobody"}}}}),
+                        json.dumps({"type": "session.update", "session": {"output_modalities": ["text", "audio"]}})):
+                await conn.send_raw(raw)
+                errors.append(await _until(conn, "error"))
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Hi"}]})
+            await conn.send_raw(json.dumps({"type": "response.create", "response": {"max_output_tokens": 200}}))
+            await conn.send_raw(json.dumps({"type": "response.create"}))
+            errors.append(await _until(conn, "error"))
+            await _until(conn, "response.done")
+        return errors
+
+    errors = asyncio.run(talk())
+    codes = [e.error.code for e in errors]
+    assert codes == ["invalid_json", "unsupported_event", "invalid_value", "input_audio_buffer_commit_empty",
+                     "invalid_value", "conversation_empty", "invalid_value", "invalid_value",
+                     "conversation_already_has_active_response"], codes
+    assert errors[2].error.event_id == "ev1" and errors[2].error.param == "session.audio.input.turn_detection"
+    assert "Nobody" in errors[6].error.message
+
+
+def test_another_model_is_refused(speech_server):
+    async def talk():
+        async with _connect(speech_server, model="gpt-realtime") as conn:
+            return await _until(conn, "error")
+
+    err = asyncio.run(talk())
+    assert err.error.code == "model_not_found" and "omni-tiny" in err.error.message
+
+
+def test_audio_past_the_pipelines_cap_is_refused_until_earlier_audio_is_deleted(speech_server):
+    """The default pipeline hears one audio input a prompt: a second committed turn makes
+    response.create an error naming conversation.item.delete; deleting the first turn's audio item
+    lets the response run (its prompt then holds one clip)."""
+    async def talk():
+        async with _connect(speech_server) as conn:
+            await _until(conn, "session.created")
+            ids = []
+            for _ in range(2):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(PCM[:12000]).decode())
+                await conn.input_audio_buffer.commit()
+                ids.append((await _until(conn, "input_audio_buffer.committed")).item_id)
+            await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 4})
+            refused = await _until(conn, "error")
+            await conn.conversation.item.delete(item_id=ids[0])
+            deleted = await _until(conn, "conversation.item.deleted")
+            await conn.conversation.item.delete(item_id=ids[0])
+            again = await _until(conn, "error")
+            done, text, _, _ = await _response(conn, output_modalities=["text"], max_output_tokens=4)
+            return ids, refused, deleted, again, done
+
+    ids, refused, deleted, again, done = asyncio.run(talk())
+    assert refused.error.code == "too_many_audio_items" and "conversation.item.delete" in refused.error.message
+    assert deleted.item_id == ids[0] and again.error.code == "item_not_found"
+    assert done.response.status in ("completed", "incomplete") and done.response.usage.output_tokens > 0
+
+
+def test_transcribed_audio_items_stand_in_by_their_transcripts_past_the_cap(speech_server):
+    """Input transcription on: each committed turn is transcribed as /v1/audio/transcriptions would
+    (the same greedy text); with two turns on a pipeline hearing one clip a prompt, the response
+    hears the latest and reads the earlier one's transcript: the chat of those messages."""
+    second = (0.3 * np.sin(2 * np.pi * 523 * np.arange(12000) / 24000) * 32767).astype("<i2").tobytes()
+
+    async def talk():
+        async with _connect(speech_server) as conn:
+            await _until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {
+                "transcription": {"model": "whisper-1", "language": "en"}}}})
+            updated = await _until(conn, "session.updated")
+            heard = []
+            for pcm in (PCM, second):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+                await conn.input_audio_buffer.commit()
+                heard.append(await _until(conn, "conversation.item.input_audio_transcription.completed"))
+            await conn.send_raw(json.dumps({"type": "response.create", "response": {
+                "output_modalities": ["text"], "max_output_tokens": 5, "temperature": 0}}))
+            done = await _until(conn, "response.done")
+            return updated, heard, done
+
+    updated, heard, done = asyncio.run(talk())
+    assert updated.session.audio.input.transcription.language == "en"
+    client = openai.OpenAI(base_url=f"{speech_server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    for event, pcm in zip(heard, (PCM, second)):
+        wav = base64.b64decode(_wav_b64(pcm))
+        assert event.transcript == client.audio.transcriptions.create(
+            model=MODEL, file=("a.wav", wav, "audio/wav"), language="en").text
+    chat = _chat(speech_server, [{"role": "user", "content": [{"type": "text", "text": heard[0].transcript}]},
+                                 {"role": "user", "content": [{"type": "input_audio", "input_audio": {
+                                     "data": _wav_b64(second), "format": "wav"}}]}], spoken=False, max_tokens=5)
+    assert done.response.status in ("completed", "incomplete")
+    assert done.response.usage.input_tokens == chat.usage.prompt_tokens
+    assert done.response.output[0].content[0].text == chat.choices[0].message.content
