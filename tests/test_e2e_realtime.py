@@ -43,6 +43,12 @@ async def _until(conn, kind: str, seen: list | None = None, timeout: float = 120
     return await asyncio.wait_for(wait(), timeout)
 
 
+async def _manual_turns(conn) -> None:
+    """Turn detection off: the client ends each turn (commit, response.create)."""
+    await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+    assert (await _until(conn, "session.updated")).session.audio.input.turn_detection is None
+
+
 async def _response(conn, **response) -> tuple[object, str, bytes, list]:
     """response.create, then its events to response.done: (done, text or transcript, PCM16, events)."""
     await conn.response.create(response=response)
@@ -70,8 +76,9 @@ def test_a_spoken_then_a_written_turn_equal_the_chat_turns(speech_server):
         async with _connect(speech_server) as conn:
             created = await _until(conn, "session.created")
             assert created.session.audio.output.voice == "Chelsie"
-            assert created.session.audio.input.turn_detection is None
-            await conn.send_raw(json.dumps({"type": "session.update", "session": {"type": "realtime", "temperature": 0}}))
+            assert created.session.audio.input.turn_detection.type == "server_vad"  # (OpenAI's default)
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "temperature": 0, "audio": {"input": {"turn_detection": None}}}}))
             updated = await _until(conn, "session.updated")
             assert updated.session.model_extra["temperature"] == 0
             for k in range(0, len(PCM), 9600):  # (in pieces of 200 ms)
@@ -144,7 +151,7 @@ def test_bad_events_get_error_events_and_the_session_goes_on(speech_server):
             await _until(conn, "session.created")
             for raw in ("{not json", json.dumps({"type": "no.such.event"}),
                         json.dumps({"type": "session.update", "event_id": "ev1", "session": {
-                            "type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}}),
+                            "type": "realtime", "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}}),
                         json.dumps({"type": "input_audio_buffer.commit"}),
                         json.dumps({"type": "input_audio_buffer.append", "audio": "%%%"}),
                         json.dumps({"type": "response.create"}),
@@ -165,7 +172,7 @@ def test_bad_events_get_error_events_and_the_session_goes_on(speech_server):
     assert codes == ["invalid_json", "unsupported_event", "invalid_value", "input_audio_buffer_commit_empty",
                      "invalid_value", "conversation_empty", "invalid_value", "invalid_value",
                      "conversation_already_has_active_response"], codes
-    assert errors[2].error.event_id == "ev1" and errors[2].error.param == "session.audio.input.turn_detection"
+    assert errors[2].error.event_id == "ev1" and errors[2].error.param == "session.audio.input.turn_detection.type"
     assert "Nobody" in errors[6].error.message
 
 
@@ -185,6 +192,7 @@ def test_audio_past_the_pipelines_cap_is_refused_until_earlier_audio_is_deleted(
     async def talk():
         async with _connect(speech_server) as conn:
             await _until(conn, "session.created")
+            await _manual_turns(conn)
             ids = []
             for _ in range(2):
                 await conn.input_audio_buffer.append(audio=base64.b64encode(PCM[:12000]).decode())
@@ -215,7 +223,7 @@ def test_transcribed_audio_items_stand_in_by_their_transcripts_past_the_cap(spee
         async with _connect(speech_server) as conn:
             await _until(conn, "session.created")
             await conn.session.update(session={"type": "realtime", "audio": {"input": {
-                "transcription": {"model": "whisper-1", "language": "en"}}}})
+                "transcription": {"model": "whisper-1", "language": "en"}, "turn_detection": None}}})
             updated = await _until(conn, "session.updated")
             heard = []
             for pcm in (PCM, second):
@@ -240,3 +248,83 @@ def test_transcribed_audio_items_stand_in_by_their_transcripts_past_the_cap(spee
     assert done.response.status in ("completed", "incomplete")
     assert done.response.usage.input_tokens == chat.usage.prompt_tokens
     assert done.response.output[0].content[0].text == chat.choices[0].message.content
+
+
+QUIET = bytes(2 * 12000)  # 0.5 s of silence
+
+
+def test_turn_detection_commits_a_spoken_turn_and_answers_it(speech_server):
+    """server_vad (the default): silence, a 1 s tone, silence, appended in 100 ms pieces: speech
+    starts at the tone less `prefix_padding_ms`, stops `silence_duration_ms` after it, and that span
+    is committed and answered: the greedy chat of exactly that audio."""
+    async def talk():
+        async with _connect(speech_server) as conn:
+            await _until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "audio": {
+                "input": {"turn_detection": {"type": "server_vad", "prefix_padding_ms": 200,
+                                             "silence_duration_ms": 400}}}})
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {"temperature": 0,
+                                                                                  "max_output_tokens": 5}}))
+            await _until(conn, "session.updated")
+            audio = QUIET + PCM + QUIET + QUIET
+            events = []
+            for k in range(0, len(audio), 4800):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(audio[k:k + 4800]).decode())
+            done = await _until(conn, "response.done", events)
+            return events, done
+
+    events, done = asyncio.run(talk())
+    kinds = [e.type for e in events]
+    assert kinds[:5] == ["session.updated", "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                         "input_audio_buffer.committed", "conversation.item.added"], kinds
+    started, stopped, committed = events[1], events[2], events[3]
+    assert started.audio_start_ms == 300 and stopped.audio_end_ms == 1900  # (0.5 s - 200 ms; 1.5 s + 400 ms)
+    assert started.item_id == stopped.item_id == committed.item_id
+    assert "response.created" in kinds and done.response.status in ("completed", "incomplete")
+    turn = (QUIET + PCM + QUIET)[2 * 7200:2 * 45600]  # (samples 0.3 s to 1.9 s)
+    chat = _chat(speech_server, [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": _wav_b64(turn), "format": "wav"}}]}], spoken=False, max_tokens=5)
+    assert done.response.usage.input_tokens == chat.usage.prompt_tokens
+    assert done.response.output[0].content[0].text == chat.choices[0].message.content
+
+
+def test_speech_cuts_off_a_spoken_reply_and_truncate_trims_what_was_not_heard(speech_server):
+    """A spoken reply under way when the user speaks again: response.done `cancelled` by
+    `turn_detected`; the new turn is committed and answered. conversation.item.truncate to 0 ms
+    leaves the cut reply empty, so the next response's prompt is the chat with an empty assistant turn."""
+    async def talk():
+        async with _connect(speech_server) as conn:
+            await _until(conn, "session.created")
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {"temperature": 0}}))
+            await _until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Tell a long story."}]})
+            await conn.send_raw(json.dumps({"type": "response.create", "response": {"max_output_tokens": 1000}}))
+            await _until(conn, "response.output_audio.delta")
+            for piece in (PCM, QUIET, QUIET):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(piece).decode())
+            cut = await _until(conn, "response.done")
+            events = []
+            answer = await _until(conn, "response.done", events)
+            await conn.conversation.item.truncate(item_id=cut.response.output[0].id, content_index=0,
+                                                  audio_end_ms=10 ** 9)
+            too_far = await _until(conn, "error")
+            await conn.conversation.item.truncate(item_id=cut.response.output[0].id, content_index=0, audio_end_ms=0)
+            truncated = await _until(conn, "conversation.item.truncated")
+            await conn.conversation.item.delete(item_id=answer.response.output[0].id)
+            await _until(conn, "conversation.item.deleted")
+            again = await _response(conn, output_modalities=["text"], max_output_tokens=3)
+            return cut, events, answer, too_far, truncated, again
+
+    cut, events, answer, too_far, truncated, (done, text, _, _) = asyncio.run(talk())
+    assert cut.response.status == "cancelled" and cut.response.status_details.reason == "turn_detected"
+    kinds = [e.type for e in events]
+    assert "input_audio_buffer.committed" in kinds and "response.created" in kinds
+    assert answer.response.status in ("completed", "incomplete")
+    assert too_far.error.param == "audio_end_ms" and truncated.audio_end_ms == 0
+    turn = PCM + QUIET  # (no audio before it to pad with; its silence up to the stop)
+    heard = {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": _wav_b64(turn), "format": "wav"}}]}
+    chat = _chat(speech_server, [{"role": "user", "content": [{"type": "text", "text": "Tell a long story."}]},
+                                 {"role": "assistant", "content": ""}, heard], spoken=False, max_tokens=3)
+    assert done.response.usage.input_tokens == chat.usage.prompt_tokens
+    assert text == chat.choices[0].message.content

@@ -9,8 +9,10 @@ streams back as OpenAI's events (`response.output_audio.delta` of 24 kHz PCM16 w
 `response.output_audio_transcript.delta`, or `response.output_text.delta`). One response at a time
 per session; `response.cancel` aborts it. With input transcription on, each user audio item is
 transcribed by the pipeline's text stage (the /v1/audio/transcriptions turn), and audio items past
-what the pipeline hears a prompt are sent by their transcripts (the latest as audio). Server VAD
-and tools are refused with an `error` event, not ignored; a bad event is an `error` event and the
+what the pipeline hears a prompt are sent by their transcripts (the latest as audio). Turn
+detection (`server_vad`, on by default as OpenAI's is; `turns.py`) ends turns in the appended
+audio instead of the client: a detected turn is committed, answered, and cuts off a response under
+way. Tools are refused with an `error` event, not ignored; a bad event is an `error` event and the
 session goes on.
 """
 
@@ -30,6 +32,7 @@ import numpy as np
 
 from omni_server.api import audio
 from omni_server.api.errors import APIError
+from omni_server.api.turns import TurnDetector
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,9 @@ RATE = 24000  # the Realtime API's PCM rate, in and out
 _FORMAT = {"type": "audio/pcm", "rate": RATE}
 _MIN_COMMIT_S = 0.1  # (OpenAI's least committed audio)
 _KEPT_BUFFERS = 4  # a conversation keeps at most this many full input buffers of audio
+# OpenAI's server_vad defaults (a session starts with it on, as theirs do)
+_VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
+        "create_response": True, "interrupt_response": True, "idle_timeout_ms": None}
 
 
 class EventError(Exception):
@@ -94,11 +100,17 @@ class Session:
             "voice": voices[0] if voices else None, "max_output_tokens": "inf",
             "temperature": None,  # (an extension, as the beta API had: None, the text stage's default)
             "transcription": None,  # {"model", "language", "prompt"}: user audio items transcribed
+            "turn_detection": dict(_VAD),  # (None: the client ends each turn)
         }
         self.items: list[dict[str, Any]] = []  # the conversation, as the client sees its items
         self.audio_of: dict[str, bytes] = {}  # a user audio item's PCM16
+        self.spoken_ms: dict[str, int] = {}  # an assistant audio item's length (conversation.item.truncate)
         self.buffer = bytearray()
+        self.buffer_at = 0  # the session's sample index of buffer[0] (turn detection cuts the buffer)
+        self.detector = self._detector(self.config["turn_detection"])
+        self.turn_item: str | None = None  # the item id a detected turn will commit as
         self.response: asyncio.Task | None = None
+        self.reply: Reply | None = None
 
     # ---- events out ------------------------------------------------------------------------
 
@@ -118,7 +130,8 @@ class Session:
             "output_modalities": c["output_modalities"], "instructions": c["instructions"] or "",
             "max_output_tokens": c["max_output_tokens"], "temperature": c["temperature"], "tools": [],
             "tool_choice": "auto",
-            "audio": {"input": {"format": _FORMAT, "turn_detection": None, "transcription": c["transcription"]},
+            "audio": {"input": {"format": _FORMAT, "turn_detection": c["turn_detection"],
+                                "transcription": c["transcription"]},
                       "output": {"format": _FORMAT, "voice": c["voice"]}},
         }
 
@@ -174,18 +187,23 @@ class Session:
                              param="session.tools")
         sound = given.get("audio") or {}
         heard, spoken = sound.get("input") or {}, sound.get("output") or {}
-        if heard.get("turn_detection") is not None:
-            raise EventError("server-side turn detection is not supported: set `turn_detection` to null, then "
-                             "send input_audio_buffer.commit and response.create to end each turn",
-                             param="session.audio.input.turn_detection")
+        if "turn_detection" in heard:
+            config["turn_detection"] = _turn_detection(heard["turn_detection"])
         if "transcription" in heard:
             config["transcription"] = self._transcription(heard["transcription"])
         for where, fmt in (("input", heard.get("format")), ("output", spoken.get("format"))):
             if fmt is not None and fmt != _FORMAT and fmt != {"type": "audio/pcm"}:
                 raise EventError(f"audio {where} format must be {json.dumps(_FORMAT)} (PCM16, mono, 24 kHz)",
                                  param=f"session.audio.{where}.format")
+        if config["turn_detection"] != self.config["turn_detection"]:
+            self.detector = self._detector(config["turn_detection"])  # (a turn under way is dropped)
+            self.turn_item = None
         self.config = config
         await self.send("session.updated", session=self.session_object())
+
+    def _detector(self, vad: dict[str, Any] | None) -> TurnDetector | None:
+        return None if vad is None else TurnDetector(RATE, vad["threshold"], vad["silence_duration_ms"],
+                                                      at=self.buffer_at + len(self.buffer) // 2)
 
     def _settings(self, given: dict, where: str) -> dict[str, Any]:
         """The session's settings with those a session.update or response.create gives (`where`)."""
@@ -281,14 +299,66 @@ class Session:
             raise EventError("`audio` is not valid base64", param="audio") from None
         if len(pcm) % 2:
             raise EventError("`audio` must hold whole PCM16 samples (an even number of bytes)", param="audio")
-        if len(self.buffer) + len(pcm) > self.max_buffer_bytes:
-            raise EventError(f"the input audio buffer would exceed {self.max_buffer_bytes // 2 / RATE:g} s "
-                             "(`server.max_audio_seconds`); commit or clear it first", code="buffer_too_large",
-                             param="audio")
+        if self.detector is None:
+            if len(self.buffer) + len(pcm) > self.max_buffer_bytes:
+                raise EventError(f"the input audio buffer would exceed {self.max_buffer_bytes // 2 / RATE:g} s "
+                                 "(`server.max_audio_seconds`); commit or clear it first", code="buffer_too_large",
+                                 param="audio")
+            self.buffer += pcm
+            return
+        for k in range(0, len(pcm), self.max_buffer_bytes // 4):  # (a turn ends at the buffer's size at the latest)
+            await self._hear(pcm[k:k + self.max_buffer_bytes // 4])
+
+    async def _hear(self, pcm: bytes) -> None:
+        """Audio through turn detection: a turn's start and stop as events, its audio committed at the
+        stop (with `prefix_padding_ms` before the start); outside a turn the buffer keeps only that padding."""
+        vad = self.config["turn_detection"]
         self.buffer += pcm
+        for kind, at in self.detector.feed(pcm):
+            ms = at * 1000 // RATE
+            if kind == "started":
+                at = max(self.buffer_at, at - vad["prefix_padding_ms"] * RATE // 1000)
+                del self.buffer[:(at - self.buffer_at) * 2]
+                self.buffer_at, self.turn_item = at, _new_id("item")
+                await self.send("input_audio_buffer.speech_started", audio_start_ms=at * 1000 // RATE,
+                                item_id=self.turn_item)
+                if vad["interrupt_response"] and self._responding() and self.reply.keep:
+                    await self._cancel("turn_detected")
+            elif self.turn_item is not None:
+                await self.send("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=self.turn_item)
+                await self._end_turn(at, vad)
+        if self.turn_item is not None and len(self.buffer) >= self.max_buffer_bytes:  # (no stop in time)
+            self.detector.end()
+            at = self.buffer_at + len(self.buffer) // 2
+            await self.send("input_audio_buffer.speech_stopped", audio_end_ms=at * 1000 // RATE, item_id=self.turn_item)
+            await self._end_turn(at, vad)
+        if self.turn_item is None:
+            keep = vad["prefix_padding_ms"] * RATE // 1000 * 2
+            if len(self.buffer) > keep:
+                self.buffer_at += (len(self.buffer) - keep) // 2
+                del self.buffer[:len(self.buffer) - keep]
+
+    async def _end_turn(self, at: int, vad: dict[str, Any]) -> None:
+        """A detected turn's audio (up to sample `at`) committed; then a response, when asked for."""
+        item_id, self.turn_item = self.turn_item, None
+        cut = (at - self.buffer_at) * 2
+        pcm, self.buffer, self.buffer_at = bytes(self.buffer[:cut]), self.buffer[cut:], at
+        try:
+            self._check_kept(len(pcm))
+            await self._add_audio(pcm, item_id)
+            if vad["create_response"] and not self._responding():
+                await self._response_create({})
+        except (EventError, APIError) as e:  # (said; the session and its audio go on)
+            await self.error(e, None)
+
+    def _responding(self) -> bool:
+        return self.response is not None and not self.response.done()
 
     async def _clear(self, event: dict) -> None:
-        self.buffer = bytearray()
+        self.buffer_at += len(self.buffer) // 2
+        self.buffer, self.turn_item = bytearray(), None
+        if self.detector is not None:
+            self.detector.end()
         await self.send("input_audio_buffer.cleared")
 
     async def _commit(self, event: dict) -> None:
@@ -296,11 +366,19 @@ class Session:
             raise EventError(f"the input audio buffer holds {len(self.buffer) // 2 / RATE * 1000:.0f} ms; a commit "
                              f"needs at least {_MIN_COMMIT_S * 1000:.0f} ms", code="input_audio_buffer_commit_empty")
         self._check_kept(len(self.buffer))
-        item = {"id": _new_id("item"), "type": "message", "object": "realtime.item", "status": "completed",
+        pcm = bytes(self.buffer)
+        self.buffer_at += len(self.buffer) // 2
+        self.buffer, self.turn_item = bytearray(), None
+        if self.detector is not None:
+            self.detector.end()
+        await self._add_audio(pcm, _new_id("item"))
+
+    async def _add_audio(self, pcm: bytes, item_id: str) -> None:
+        """Committed audio as a user item at the conversation's end."""
+        item = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed",
                 "role": "user", "content": [{"type": "input_audio", "transcript": None}]}
         previous = self.items[-1]["id"] if self.items else None
-        self.audio_of[item["id"]] = bytes(self.buffer)
-        self.buffer = bytearray()
+        self.audio_of[item["id"]] = pcm
         self.items.append(item)
         await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item["id"])
         await self.send("conversation.item.added", previous_item_id=previous, item=item)
@@ -369,13 +447,35 @@ class Session:
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
         del self.items[at]
         self.audio_of.pop(item_id, None)
+        self.spoken_ms.pop(item_id, None)
         task = self.transcribing.pop(item_id, None)
         if task is not None:
             task.cancel()
         await self.send("conversation.item.deleted", item_id=item_id)
 
+    async def _item_truncate(self, event: dict) -> None:
+        """The client played `audio_end_ms` of an assistant's spoken reply (it was cut off): the
+        reply's transcript is cut to about as much, so later responses read what was heard."""
+        item_id, end = event.get("item_id"), event.get("audio_end_ms")
+        item = next((i for i in self.items if i["id"] == item_id), None)
+        if item is None or item_id not in self.spoken_ms:
+            raise EventError(f"no spoken assistant item {item_id!r} in the conversation", code="item_not_found",
+                             param="item_id")
+        if event.get("content_index", 0) != 0:
+            raise EventError("an assistant item has one content part (index 0)", param="content_index")
+        total = self.spoken_ms[item_id]
+        if not isinstance(end, int) or isinstance(end, bool) or not 0 <= end <= total:
+            raise EventError(f"`audio_end_ms` must be an integer from 0 to the item's {total} ms of audio",
+                             param="audio_end_ms")
+        part = item["content"][0]
+        text = part["transcript"] or ""
+        keep = len(text) if end >= total else round(len(text) * end / total) if total else 0
+        part["transcript"] = text[:keep].rsplit(" ", 1)[0] if keep < len(text) else text  # (whole words)
+        self.spoken_ms[item_id] = end
+        await self.send("conversation.item.truncated", item_id=item_id, content_index=0, audio_end_ms=end)
+
     async def _response_create(self, event: dict) -> None:
-        if self.response is not None and not self.response.done():
+        if self._responding():
             raise EventError("a response is in progress; wait for its response.done or send response.cancel",
                              code="conversation_already_has_active_response")
         given = event.get("response") or {}
@@ -400,11 +500,15 @@ class Session:
                                  code="too_many_audio_items")
         reply = Reply(self, config, keep=given.get("conversation", "auto") == "auto")
         await reply.begin()  # (a refusal by the chat path is this event's error; nothing started)
-        self.response = asyncio.create_task(reply.stream())
+        self.reply, self.response = reply, asyncio.create_task(reply.stream())
 
     async def _response_cancel(self, event: dict) -> None:
-        if self.response is None or self.response.done():
+        if not self._responding():
             raise EventError("no response is in progress", code="response_cancel_not_active")
+        await self._cancel("client_cancelled")
+
+    async def _cancel(self, reason: str) -> None:
+        self.reply.cancel_reason = reason
         self.response.cancel()
         try:
             await self.response
@@ -454,6 +558,35 @@ def _transcript_of(item: dict[str, Any]) -> str | None:
     return next((p.get("transcript") for p in item["content"] if p["type"] == "input_audio"), None)
 
 
+def _turn_detection(value: Any) -> dict[str, Any] | None:
+    """A session's `turn_detection`: null (the client ends turns) or server_vad (the turns module's level gate)."""
+    param = "session.audio.input.turn_detection"
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "server_vad":
+        raise EventError("`turn_detection` must be null or {\"type\": \"server_vad\", ...} (semantic_vad is not "
+                         "served)", param=f"{param}.type")
+    unknown = set(value) - set(_VAD)
+    if unknown:
+        raise EventError(f"unknown turn_detection field(s): {', '.join(sorted(unknown))}", param=param)
+    vad = {**_VAD, **{k: v for k, v in value.items() if v is not None}}
+
+    def number(key: str, low: float, high: float, whole: bool) -> None:
+        v = vad[key]
+        if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not low <= v <= high:
+            raise EventError(f"`{key}` must be {'an integer' if whole else 'a number'} from {low:g} to {high:g}",
+                             param=f"{param}.{key}")
+    number("threshold", 0, 1, whole=False)
+    number("prefix_padding_ms", 0, 5000, whole=True)
+    number("silence_duration_ms", 20, 10000, whole=True)
+    for key in ("create_response", "interrupt_response"):
+        if not isinstance(vad[key], bool):
+            raise EventError(f"`{key}` must be true or false", param=f"{param}.{key}")
+    if vad["idle_timeout_ms"] is not None:
+        raise EventError("`idle_timeout_ms` is not served (null)", param=f"{param}.idle_timeout_ms")
+    return vad
+
+
 def _max_tokens(value: Any, param: str) -> int | str:
     if value == "inf" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 4096):
         return value
@@ -476,7 +609,9 @@ class Reply:
         self.run = None
         self.first = None
         self.text: list[str] = []
+        self.samples = 0  # (24 kHz samples sent)
         self.status = "in_progress"
+        self.cancel_reason = "client_cancelled"
 
     def _item(self, status: str) -> dict[str, Any]:
         text = "".join(self.text)
@@ -523,12 +658,13 @@ class Reply:
                 elif self.spoken:
                     wave_piece, rate = value
                     pcm = await asyncio.to_thread(_pcm16, wave_piece, rate)
+                    self.samples += len(pcm) // 2
                     await s.send("response.output_audio.delta", delta=base64.b64encode(pcm).decode(), **where)
             if self.run.finish_reason == "length":
                 status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         except asyncio.CancelledError:
             await self.run.abort()
-            status, details = "cancelled", {"type": "cancelled", "reason": "client_cancelled"}
+            status, details = "cancelled", {"type": "cancelled", "reason": self.cancel_reason}
             await self._finish(status, details, where, previous)
             raise
         except APIError as e:
@@ -558,6 +694,8 @@ class Reply:
         await s.send("response.output_item.done", response_id=self.id, output_index=0, item=item)
         if self.keep:
             s.items.append(item)
+            if self.spoken:
+                s.spoken_ms[self.item_id] = self.samples * 1000 // RATE
             await s.send("conversation.item.done", previous_item_id=previous, item=item)
         await s.send("response.done", response=self._response(status, details))
 
@@ -569,6 +707,7 @@ _HANDLERS: dict[str, Callable[[Session, dict], Awaitable[None]]] = {
     "input_audio_buffer.commit": Session._commit,
     "conversation.item.create": Session._item_create,
     "conversation.item.delete": Session._item_delete,
+    "conversation.item.truncate": Session._item_truncate,
     "response.create": Session._response_create,
     "response.cancel": Session._response_cancel,
 }
