@@ -109,6 +109,9 @@ class Session:
         self.buffer_at = 0  # the session's sample index of buffer[0] (turn detection cuts the buffer)
         self.detector = self._detector(self.config["turn_detection"])
         self.turn_item: str | None = None  # the item id a detected turn will commit as
+        # After a turn cut at the buffer's size: the sample by which the speech going on opens the next
+        # turn, which then takes all the buffer (None: no cut pending).
+        self.cut_short: int | None = None
         self.response: asyncio.Task | None = None
         self.reply: Reply | None = None
 
@@ -306,8 +309,9 @@ class Session:
                                  param="audio")
             self.buffer += pcm
             return
-        for k in range(0, len(pcm), self.max_buffer_bytes // 4):  # (a turn ends at the buffer's size at the latest)
-            await self._hear(pcm[k:k + self.max_buffer_bytes // 4])
+        step = max(2, self.max_buffer_bytes // 8 * 2)  # (whole samples; a turn ends at the buffer's size at the latest)
+        for k in range(0, len(pcm), step):
+            await self._hear(pcm[k:k + step])
 
     async def _hear(self, pcm: bytes) -> None:
         """Audio through turn detection: a turn's start and stop as events, its audio committed at the
@@ -317,7 +321,10 @@ class Session:
         for kind, at in self.detector.feed(pcm):
             ms = at * 1000 // RATE
             if kind == "started":
-                at = max(self.buffer_at, at - vad["prefix_padding_ms"] * RATE // 1000)
+                # (after a turn cut at the buffer's size, the speech going on: all the audio since)
+                pad = vad["prefix_padding_ms"] * RATE // 1000
+                at = self.buffer_at if self.cut_short is not None else max(self.buffer_at, at - pad)
+                self.cut_short = None
                 del self.buffer[:(at - self.buffer_at) * 2]
                 self.buffer_at, self.turn_item = at, _new_id("item")
                 await self.send("input_audio_buffer.speech_started", audio_start_ms=at * 1000 // RATE,
@@ -329,10 +336,14 @@ class Session:
                 await self._end_turn(at, vad)
         if self.turn_item is not None and len(self.buffer) >= self.max_buffer_bytes:  # (no stop in time)
             self.detector.end()
-            at = self.buffer_at + len(self.buffer) // 2
+            # (the detector restarts a turn within its first two frames if the speech goes on)
+            self.cut_short = self.buffer_at + len(self.buffer) // 2 + 3 * self.detector.frame
+            at = self.buffer_at + self.max_buffer_bytes // 2
             await self.send("input_audio_buffer.speech_stopped", audio_end_ms=at * 1000 // RATE, item_id=self.turn_item)
             await self._end_turn(at, vad)
-        if self.turn_item is None:
+        if self.cut_short is not None and self.buffer_at + len(self.buffer) // 2 >= self.cut_short:
+            self.cut_short = None  # (no speech after the cut: the silence since is trimmed as any)
+        if self.turn_item is None and self.cut_short is None:
             keep = vad["prefix_padding_ms"] * RATE // 1000 * 2
             if len(self.buffer) > keep:
                 self.buffer_at += (len(self.buffer) - keep) // 2
@@ -356,7 +367,7 @@ class Session:
 
     async def _clear(self, event: dict) -> None:
         self.buffer_at += len(self.buffer) // 2
-        self.buffer, self.turn_item = bytearray(), None
+        self.buffer, self.turn_item, self.cut_short = bytearray(), None, None
         if self.detector is not None:
             self.detector.end()
         await self.send("input_audio_buffer.cleared")
@@ -368,7 +379,7 @@ class Session:
         self._check_kept(len(self.buffer))
         pcm = bytes(self.buffer)
         self.buffer_at += len(self.buffer) // 2
-        self.buffer, self.turn_item = bytearray(), None
+        self.buffer, self.turn_item, self.cut_short = bytearray(), None, None
         if self.detector is not None:
             self.detector.end()
         await self._add_audio(pcm, _new_id("item"))
