@@ -328,3 +328,43 @@ def test_speech_cuts_off_a_spoken_reply_and_truncate_trims_what_was_not_heard(sp
                                  {"role": "assistant", "content": ""}, heard], spoken=False, max_tokens=3)
     assert done.response.usage.input_tokens == chat.usage.prompt_tokens
     assert text == chat.choices[0].message.content
+
+
+def test_a_conversation_past_the_context_leaves_out_its_oldest_items(speech_server):
+    """Six long text turns (~2,400 tokens) against a 2,048-token context: with truncation `auto`
+    (the default) the response's prompt is the chat of the latest items that fit; with `disabled`
+    response.create is an error (context_length_exceeded)."""
+    turns = [" ".join(f"w{k}x{j}" for j in range(130)) for k in range(6)]  # (~400 tokens each)
+
+    async def talk():
+        async with _connect(speech_server) as conn:
+            created = await _until(conn, "session.created")
+            for text in turns:
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": text}]})
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {"truncation": "disabled"}}))
+            await _until(conn, "session.updated")
+            await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 3})
+            refused = await _until(conn, "error")
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {"truncation": "auto",
+                                                                                  "temperature": 0}}))
+            await _until(conn, "session.updated")
+            done, text, _, _ = await _response(conn, output_modalities=["text"], max_output_tokens=3)
+            return created, refused, done, text
+
+    created, refused, done, text = asyncio.run(talk())
+    assert created.session.truncation == "auto"
+    assert refused.error.code == "context_length_exceeded"
+    fits = None
+    for skip in range(1, 6):
+        chat_messages = [{"role": "user", "content": [{"type": "text", "text": t}]} for t in turns[skip:]]
+        try:
+            chat = _chat(speech_server, chat_messages, spoken=False, max_tokens=3)
+        except openai.BadRequestError as e:
+            assert e.code == "context_length_exceeded"
+            continue
+        fits = skip
+        break
+    assert fits is not None and fits < 5
+    assert done.response.status in ("completed", "incomplete")
+    assert done.response.usage.input_tokens == chat.usage.prompt_tokens and text == chat.choices[0].message.content

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import json
-
 import numpy as np
 
 from omni_server.api.turns import TurnDetector, level_db
@@ -55,39 +51,3 @@ def test_positions_count_from_where_the_detector_joined_and_end_forgets_a_turn()
     d.end()  # (the client committed)
     assert d.feed(_quiet(1.0).tobytes()) == []
 
-
-def test_a_session_commits_a_turn_longer_than_its_buffer_at_the_buffers_length():
-    """Realtime session, server_vad without responses: 2.5 s of speech against a 1 s buffer is
-    committed as 1 s turns (the rest goes on as the next turn); silence outside a turn is not kept
-    beyond the prefix padding, however long it runs."""
-    from omni_server.api.realtime import Session
-
-    sent = []
-
-    async def send(event):
-        sent.append(event)
-
-    async def no_chat(body):
-        raise AssertionError("no response asked for")
-
-    async def talk():
-        s = Session("m", send, no_chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None)
-        await s.receive(json.dumps({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
-            "type": "server_vad", "create_response": False, "prefix_padding_ms": 100}}}}}))
-        for piece in (_quiet(5.0), _tone(2.5, -20), _quiet(0.6)):
-            await s.receive(json.dumps({"type": "input_audio_buffer.append",
-                                        "audio": base64.b64encode(piece.tobytes()).decode()}))
-            kept = len(s.buffer)
-        return s, kept
-
-    s, kept = asyncio.run(talk())
-    assert not [e for e in sent if e["type"] == "error"], sent
-    kinds = [e["type"] for e in sent if e["type"].startswith("input_audio_buffer.")]
-    assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-                     "input_audio_buffer.committed"] * 2 + ["input_audio_buffer.speech_started",
-                                                            "input_audio_buffer.speech_stopped",
-                                                            "input_audio_buffer.committed"]
-    lengths = [len(s.audio_of[i["id"]]) // 2 for i in s.items]
-    # (4.9 s to 5.9 s, 5.9 to 6.9, then 6.9 s to the stop at 7.5 + 0.5 s)
-    assert lengths == [RATE, RATE, int(1.1 * RATE)], lengths
-    assert kept == 2 * int(0.1 * RATE)  # (after the last turn: 0.1 s of its trailing silence kept as padding)

@@ -482,7 +482,8 @@ def _check_model(state: ServerState, model: str) -> None:
 def _check_prompt(state: ServerState, prompt_ids: list[int], param: str = "messages") -> None:
     limit = state.prompt_limit
     if limit is not None and len(prompt_ids) > limit:
-        raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param=param)
+        raise APIError(400, f"prompt has {len(prompt_ids)} tokens, the limit is {limit}", param=param,
+                       code="context_length_exceeded")
 
 
 def _check_room(state: ServerState, prompts: list[list[int]], body: ChatCompletionRequest) -> None:
@@ -493,7 +494,8 @@ def _check_room(state: ServerState, prompts: list[list[int]], body: ChatCompleti
     longest = max(map(len, prompts), default=0)
     if asked is not None and context and state.sampling_stage == 0 and longest + asked > context:
         raise APIError(400, f"this model's context is {context} tokens: the prompt's {longest} and "
-                            f"{body.max_tokens_param()} {asked} do not fit", param=body.max_tokens_param())
+                            f"{body.max_tokens_param()} {asked} do not fit", param=body.max_tokens_param(),
+                       code="context_length_exceeded")
 
 
 async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,

@@ -101,7 +101,11 @@ class Session:
             "temperature": None,  # (an extension, as the beta API had: None, the text stage's default)
             "transcription": None,  # {"model", "language", "prompt"}: user audio items transcribed
             "turn_detection": dict(_VAD),  # (None: the client ends each turn)
+            # auto: a response's prompt leaves out the oldest items the context cannot hold, and the
+            # oldest audio gives way past what a session keeps; disabled: errors instead
+            "truncation": "auto",
         }
+        self.first_kept: str | None = None  # the oldest item the last response's prompt held (truncation)
         self.items: list[dict[str, Any]] = []  # the conversation, as the client sees its items
         self.audio_of: dict[str, bytes] = {}  # a user audio item's PCM16
         self.spoken_ms: dict[str, int] = {}  # an assistant audio item's length (conversation.item.truncate)
@@ -132,6 +136,7 @@ class Session:
             "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
             "output_modalities": c["output_modalities"], "instructions": c["instructions"] or "",
             "max_output_tokens": c["max_output_tokens"], "temperature": c["temperature"], "tools": [],
+            "truncation": c["truncation"],
             "tool_choice": "auto",
             "audio": {"input": {"format": _FORMAT, "turn_detection": c["turn_detection"],
                                 "transcription": c["transcription"]},
@@ -221,6 +226,10 @@ class Session:
             config["max_output_tokens"] = _max_tokens(given["max_output_tokens"], f"{where}.max_output_tokens")
         if "temperature" in given:
             config["temperature"] = _temperature(given["temperature"], f"{where}.temperature")
+        if "truncation" in given and where == "session":
+            if given["truncation"] not in ("auto", "disabled"):
+                raise EventError('`truncation` must be "auto" or "disabled"', param="session.truncation")
+            config["truncation"] = given["truncation"]
         sound = given.get("audio") or {}
         if not isinstance(sound, dict) or not all(isinstance(sound.get(k) or {}, dict) for k in ("input", "output")):
             raise EventError("`audio` must be an object of objects", param=f"{where}.audio")
@@ -249,10 +258,11 @@ class Session:
     def _transcribe(self, item_id: str) -> None:
         """Transcribe a user audio item in the background when the session asks for it."""
         if self.config["transcription"] is not None:
-            self.transcribing[item_id] = asyncio.create_task(self._transcript(item_id, self.config["transcription"]))
+            self.transcribing[item_id] = asyncio.create_task(
+                self._transcript(item_id, self.audio_of[item_id], self.config["transcription"]))
 
-    async def _transcript(self, item_id: str, config: dict[str, Any]) -> None:
-        audio_part = {"type": "input_audio", "input_audio": {"data": _wav_b64(self.audio_of[item_id]), "format": "wav"}}
+    async def _transcript(self, item_id: str, pcm: bytes, config: dict[str, Any]) -> None:
+        audio_part = {"type": "input_audio", "input_audio": {"data": _wav_b64(pcm), "format": "wav"}}
         turn = self.transcription_turn(config["language"], config["prompt"])
         messages = [{**m, "content": [audio_part if p.get("type") == "audio" else p for p in m["content"]]}
                     if isinstance(m["content"], list) else m for m in turn]
@@ -355,7 +365,7 @@ class Session:
         cut = (at - self.buffer_at) * 2
         pcm, self.buffer, self.buffer_at = bytes(self.buffer[:cut]), self.buffer[cut:], at
         try:
-            self._check_kept(len(pcm))
+            await self._room_for(len(pcm))
             await self._add_audio(pcm, item_id)
             if vad["create_response"] and not self._responding():
                 await self._response_create({})
@@ -376,7 +386,7 @@ class Session:
         if len(self.buffer) < int(_MIN_COMMIT_S * RATE) * 2:
             raise EventError(f"the input audio buffer holds {len(self.buffer) // 2 / RATE * 1000:.0f} ms; a commit "
                              f"needs at least {_MIN_COMMIT_S * 1000:.0f} ms", code="input_audio_buffer_commit_empty")
-        self._check_kept(len(self.buffer))
+        await self._room_for(len(self.buffer))
         pcm = bytes(self.buffer)
         self.buffer_at += len(self.buffer) // 2
         self.buffer, self.turn_item, self.cut_short = bytearray(), None, None
@@ -426,7 +436,7 @@ class Session:
         if len(pcm) % 2 or len(pcm) > self.max_buffer_bytes:
             raise EventError("an item's audio must be whole PCM16 samples within `server.max_audio_seconds`",
                              param="item.content")
-        self._check_kept(len(pcm))
+        await self._room_for(len(pcm))
         item_id = given.get("id") if isinstance(given.get("id"), str) and given["id"] else _new_id("item")
         if any(i["id"] == item_id for i in self.items):
             raise EventError(f"an item with id {item_id!r} exists", param="item.id")
@@ -445,18 +455,35 @@ class Session:
             if _transcript_of(item) is None:
                 self._transcribe(item_id)
 
-    def _check_kept(self, more: int) -> None:
+    async def _room_for(self, more: int) -> None:
+        """Room for `more` bytes of audio in what the conversation keeps: with truncation `auto` the
+        oldest audio items give theirs up (a transcribed one stays as its transcript, one without is
+        deleted: conversation.item.deleted); with `disabled`, an error."""
         kept = sum(len(a) for a in self.audio_of.values())
-        if kept + more > self.max_kept_bytes:
+        if kept + more <= self.max_kept_bytes:
+            return
+        if self.config["truncation"] == "disabled" or more > self.max_kept_bytes:
             raise EventError(f"the conversation would hold over {self.max_kept_bytes // 2 / RATE:g} s of audio; "
                              "delete earlier items first (conversation.item.delete)", code="conversation_too_large")
+        for item_id in self._audio_items():
+            if kept + more <= self.max_kept_bytes:
+                break
+            kept -= len(self.audio_of[item_id])
+            item = next(i for i in self.items if i["id"] == item_id)
+            task = self.transcribing.get(item_id)
+            if _transcript_of(item) is not None and (task is None or task.done()):
+                del self.audio_of[item_id]
+            else:
+                await self._forget(item_id)
 
     async def _item_delete(self, event: dict) -> None:
         item_id = event.get("item_id")
-        at = next((k for k, i in enumerate(self.items) if i["id"] == item_id), None)
-        if at is None:
+        if not any(i["id"] == item_id for i in self.items):
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
-        del self.items[at]
+        await self._forget(item_id)
+
+    async def _forget(self, item_id: str) -> None:
+        self.items = [i for i in self.items if i["id"] != item_id]
         self.audio_of.pop(item_id, None)
         self.spoken_ms.pop(item_id, None)
         task = self.transcribing.pop(item_id, None)
@@ -536,12 +563,13 @@ class Session:
         ids = self._audio_items()
         return [] if self.audio_cap is None or len(ids) <= self.audio_cap else ids[:len(ids) - self.audio_cap]
 
-    def chat_body(self, config: dict[str, Any]) -> dict[str, Any]:
+    def chat_body(self, config: dict[str, Any], skip: int = 0) -> dict[str, Any]:
+        """The conversation as a chat request, less its first `skip` items (the instructions stay)."""
         messages: list[dict[str, Any]] = []
         if config["instructions"]:
             messages.append({"role": "system", "content": config["instructions"]})
         read = set(self._read_items())
-        for item in self.items:
+        for item in self.items[skip:]:
             parts = []
             for part in item["content"]:
                 if part["type"] == "input_audio" and item["id"] in self.audio_of and item["id"] not in read:
@@ -646,8 +674,22 @@ class Reply:
                 "audio": {"output": {"format": _FORMAT, "voice": self.config["voice"]}}, "usage": usage}
 
     async def begin(self) -> None:
-        """Start the chat run (its checks refuse here, before any response event)."""
-        self.run = await self.s.start_chat(self.s.chat_body(self.config))
+        """Start the chat run (its checks refuse here, before any response event). With truncation
+        `auto`, a prompt over the context leaves out the conversation's oldest items, one more a try
+        (from where the last response settled), down to the latest user item."""
+        s = self.s
+        latest_user = max(k for k, i in enumerate(s.items) if i["role"] == "user")
+        kept = next((k for k, i in enumerate(s.items) if i["id"] == s.first_kept), 0)
+        skip = min(kept, latest_user) if s.config["truncation"] == "auto" else 0
+        while True:
+            try:
+                self.run = await s.start_chat(s.chat_body(self.config, skip))
+                break
+            except APIError as e:
+                if e.code != "context_length_exceeded" or s.config["truncation"] != "auto" or skip >= latest_user:
+                    raise
+                skip += 1
+        s.first_kept = s.items[skip]["id"]
 
     async def stream(self) -> None:
         s, where = self.s, {"response_id": self.id, "item_id": self.item_id, "output_index": 0, "content_index": 0}
