@@ -97,3 +97,22 @@ def test_past_what_a_session_keeps_the_oldest_audio_gives_way():
     body = s.chat_body(s.config)
     assert body["messages"][0]["content"] == [{"type": "text", "text": "hello there"}]
     assert len(body["messages"]) == 5 and all(m["content"][0]["type"] == "input_audio" for m in body["messages"][1:])
+
+
+def test_an_item_is_retrieved_with_its_audio():
+    sent: list = []
+    s = _session(sent)
+    pcm = _tone(0.5)
+
+    async def talk():
+        await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": None}}})
+        await _event(s, type="input_audio_buffer.append", audio=_b64(pcm))
+        await _event(s, type="input_audio_buffer.commit")
+        await _event(s, type="conversation.item.retrieve", item_id=s.items[0]["id"])
+        await _event(s, type="conversation.item.retrieve", item_id="item_nope")
+
+    asyncio.run(talk())
+    got = next(e for e in sent if e["type"] == "conversation.item.retrieved")["item"]
+    assert got["id"] == s.items[0]["id"] and base64.b64decode(got["content"][0]["audio"]) == pcm.tobytes()
+    assert "audio" not in s.items[0]["content"][0]  # (the conversation's own item is not grown by it)
+    assert [e["error"]["code"] for e in sent if e["type"] == "error"] == ["item_not_found"]

@@ -491,6 +491,16 @@ class Session:
             task.cancel()
         await self.send("conversation.item.deleted", item_id=item_id)
 
+    async def _item_retrieve(self, event: dict) -> None:
+        item_id = event.get("item_id")
+        item = next((i for i in self.items if i["id"] == item_id), None)
+        if item is None:
+            raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
+        if item_id in self.audio_of:  # (a user audio item comes back with its audio, as OpenAI's does)
+            item = {**item, "content": [{**p, "audio": base64.b64encode(self.audio_of[item_id]).decode()}
+                                        if p["type"] == "input_audio" else p for p in item["content"]]}
+        await self.send("conversation.item.retrieved", item=item)
+
     async def _item_truncate(self, event: dict) -> None:
         """The client played `audio_end_ms` of an assistant's spoken reply (it was cut off): the
         reply's transcript is cut to about as much, so later responses read what was heard."""
@@ -761,6 +771,7 @@ _HANDLERS: dict[str, Callable[[Session, dict], Awaitable[None]]] = {
     "conversation.item.create": Session._item_create,
     "conversation.item.delete": Session._item_delete,
     "conversation.item.truncate": Session._item_truncate,
+    "conversation.item.retrieve": Session._item_retrieve,
     "response.create": Session._response_create,
     "response.cancel": Session._response_cancel,
 }
