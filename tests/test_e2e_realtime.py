@@ -185,32 +185,43 @@ def test_another_model_is_refused(speech_server):
     assert err.error.code == "model_not_found" and "omni-tiny" in err.error.message
 
 
-def test_audio_past_the_pipelines_cap_is_refused_until_earlier_audio_is_deleted(speech_server):
-    """The default pipeline hears one audio input a prompt: a second committed turn makes
-    response.create an error naming conversation.item.delete; deleting the first turn's audio item
-    lets the response run (its prompt then holds one clip)."""
+def test_audio_past_the_pipelines_cap_is_read_by_the_sessions_own_transcript(speech_server):
+    """The default pipeline hears one audio input a prompt and the session asks for no input
+    transcription: after two committed turns the response hears the latest and reads the earlier one
+    by a transcript the session made itself (unannounced: no transcription events), the one
+    /v1/audio/transcriptions gives; deleting an item twice is item_not_found the second time."""
+    second = (0.3 * np.sin(2 * np.pi * 523 * np.arange(12000) / 24000) * 32767).astype("<i2").tobytes()
+
     async def talk():
         async with _connect(speech_server) as conn:
             await _until(conn, "session.created")
             await _manual_turns(conn)
-            ids = []
-            for _ in range(2):
-                await conn.input_audio_buffer.append(audio=base64.b64encode(PCM[:12000]).decode())
+            ids, events = [], []
+            for pcm in (PCM, second):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
                 await conn.input_audio_buffer.commit()
-                ids.append((await _until(conn, "input_audio_buffer.committed")).item_id)
-            await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 4})
-            refused = await _until(conn, "error")
+                ids.append((await _until(conn, "input_audio_buffer.committed", events)).item_id)
+            done, text, _, more = await _response(conn, output_modalities=["text"], max_output_tokens=5,
+                                                  temperature=0)
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "x"}]})
             await conn.conversation.item.delete(item_id=ids[0])
-            deleted = await _until(conn, "conversation.item.deleted")
+            await _until(conn, "conversation.item.deleted", events)
             await conn.conversation.item.delete(item_id=ids[0])
             again = await _until(conn, "error")
-            done, text, _, _ = await _response(conn, output_modalities=["text"], max_output_tokens=4)
-            return ids, refused, deleted, again, done
+            return done, text, events + more, again
 
-    ids, refused, deleted, again, done = asyncio.run(talk())
-    assert refused.error.code == "too_many_audio_items" and "conversation.item.delete" in refused.error.message
-    assert deleted.item_id == ids[0] and again.error.code == "item_not_found"
-    assert done.response.status in ("completed", "incomplete") and done.response.usage.output_tokens > 0
+    done, text, events, again = asyncio.run(talk())
+    assert not [e.type for e in events if "transcription" in e.type]
+    assert again.error.code == "item_not_found"
+    client = openai.OpenAI(base_url=f"{speech_server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    words = client.audio.transcriptions.create(model=MODEL, file=("a.wav", base64.b64decode(_wav_b64(PCM)),
+                                                                  "audio/wav")).text
+    chat = _chat(speech_server, [{"role": "user", "content": [{"type": "text", "text": words}]},
+                                 {"role": "user", "content": [{"type": "input_audio", "input_audio": {
+                                     "data": _wav_b64(second), "format": "wav"}}]}], spoken=False, max_tokens=5)
+    assert done.response.status in ("completed", "incomplete")
+    assert done.response.usage.input_tokens == chat.usage.prompt_tokens and text == chat.choices[0].message.content
 
 
 def test_transcribed_audio_items_stand_in_by_their_transcripts_past_the_cap(speech_server):

@@ -61,9 +61,10 @@ def test_a_turn_longer_than_the_buffer_is_committed_at_the_buffers_length():
     assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
                      "input_audio_buffer.committed"] * 3
     lengths = [len(s.audio_of[i["id"]]) // 2 for i in s.items]
-    # (4.9 s to 5.9 s, 5.9 to 6.9, then 6.9 s to the stop at 7.5 + 0.5 s)
-    assert lengths == [RATE, RATE, int(1.1 * RATE)], lengths
-    assert len(s.buffer) == 2 * int(0.1 * RATE)  # (after the last turn: 0.1 s of its silence, as padding)
+    # (4.9 s to 5.9 s, 5.9 to 6.9, 6.9 to 7.9: its stop would have come at 7.5 + 0.5 s)
+    assert lengths == [RATE, RATE, RATE], lengths
+    # (after the last turn: the padding and the detector's look-back of 3 frames)
+    assert len(s.buffer) == 2 * int(0.16 * RATE)
 
 
 def test_past_what_a_session_keeps_the_oldest_audio_gives_way():
@@ -116,3 +117,116 @@ def test_an_item_is_retrieved_with_its_audio():
     assert got["id"] == s.items[0]["id"] and base64.b64decode(got["content"][0]["audio"]) == pcm.tobytes()
     assert "audio" not in s.items[0]["content"][0]  # (the conversation's own item is not grown by it)
     assert [e["error"]["code"] for e in sent if e["type"] == "error"] == ["item_not_found"]
+
+
+class _FakeRun:
+    """A chat run that yields `pieces` of text, slowly; records its abort."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces, self.aborted = pieces, False
+        self.n_prompt, self.completion_tokens, self.n_cached, self.finish_reason = 3, 0, 0, "stop"
+
+    async def first(self):
+        return None
+
+    async def stream_from(self, first):
+        for p in self.pieces:
+            await asyncio.sleep(0.01)
+            self.completion_tokens += 1
+            yield "text", p
+
+    async def abort(self):
+        self.aborted = True
+
+
+def test_a_response_cancelled_before_it_ran_is_dropped_and_said():
+    """response.create then response.cancel at once (the response's task not yet run): its request
+    is dropped and the client still gets response.created and response.done (cancelled)."""
+    sent, runs = [], []
+
+    async def send(event):
+        sent.append(event)
+
+    async def chat(body):
+        runs.append(_FakeRun(["a", "b", "c"]))
+        return runs[-1]
+
+    async def talk():
+        s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None)
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _event(s, type="response.create")
+        await _event(s, type="response.cancel")
+        await _event(s, type="response.create")
+        await s.response
+
+    asyncio.run(talk())
+    assert runs[0].aborted and not runs[1].aborted
+    done = [e["response"] for e in sent if e["type"] == "response.done"]
+    assert [d["status"] for d in done] == ["cancelled", "completed"]
+    assert [e["type"] for e in sent].count("response.created") == 2
+    assert done[1]["output"][0]["content"][0]["text"] == "abc"
+
+
+def test_prefix_padding_holds_with_small_appends():
+    """20 ms appends, speech from 1.0 s, 300 ms of padding: the turn starts at 0.7 s exactly."""
+    sent: list = []
+    s = _session(sent, max_buffer_s=5.0)
+    audio = np.concatenate([_quiet(1.0), _tone(0.5), _quiet(0.6)])
+
+    async def talk():
+        await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": {
+            "type": "server_vad", "create_response": False}}}})
+        for k in range(0, len(audio), 480):
+            await _event(s, type="input_audio_buffer.append", audio=_b64(audio[k:k + 480]))
+
+    asyncio.run(talk())
+    started = next(e for e in sent if e["type"] == "input_audio_buffer.speech_started")
+    assert started["audio_start_ms"] == 700
+    assert s.audio_of[s.items[0]["id"]] == audio[int(0.7 * RATE):int(2.0 * RATE)].tobytes()
+
+
+def test_what_a_session_refuses_at_once():
+    """Settings it would ignore, audio items it could not send, and audio past the cap with no way
+    to transcribe it: each an error event when asked, not a failure later."""
+    sent: list = []
+    s = Session("m", lambda e: _append(sent, e), _no_chat, voices=[], has_audio=False, max_buffer_s=1.0,
+                audio_cap=1, clip_s=0.5)
+
+    async def talk():
+        bad = [
+            {"type": "session.update", "session": {"bogus": 1}},
+            {"type": "session.update", "session": {"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}},
+            {"type": "session.update", "session": {"audio": {"output": {"speed": 1.5}}}},
+            {"type": "session.update", "session": {"tool_choice": "required"}},
+            {"type": "response.create", "response": {"tools": [{"type": "function", "name": "f"}]}},
+            {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": ""}]}},
+            {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": _b64(_tone(0.6))}]}},
+        ]
+        for event in bad:
+            await s.receive(json.dumps(event))
+        for _ in range(2):
+            await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": _b64(_tone(0.4))}]})
+        await _event(s, type="conversation.item.create", previous_item_id="root", item={
+            "type": "message", "role": "assistant", "content": [{"type": "output_audio", "transcript": "Hello."}]})
+        await _event(s, type="response.create")
+
+    asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [e["code"] for e in errors] == ["unknown_parameter", "invalid_value", "invalid_value", "invalid_value",
+                                           "invalid_value", "invalid_audio_length", "invalid_audio_length",
+                                           "too_many_audio_items"], errors
+    assert errors[0]["param"] == "session.bogus" and errors[4]["param"] == "response.tools"
+    assert s.items[0]["role"] == "assistant" and s.chat_body(s.config)["messages"][0] == {
+        "role": "assistant", "content": "Hello."}
+
+
+async def _append(sent: list, event: dict) -> None:
+    sent.append(event)
+
+
+async def _no_chat(body):
+    raise AssertionError("no chat expected")

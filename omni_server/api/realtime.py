@@ -81,11 +81,14 @@ class Session:
 
     def __init__(self, model: str, send: Callable[[dict], Awaitable[None]],
                  start_chat: Callable[[dict], Awaitable[Any]], *, voices: list[str], has_audio: bool,
-                 max_buffer_s: float, audio_cap: int | None,
+                 max_buffer_s: float, audio_cap: int | None, clip_s: float | None = None,
                  transcription_turn: Callable[[str | None, str | None], list[dict]] | None = None):
         self.model, self._send, self.start_chat = model, send, start_chat
         self.voices, self.has_audio = voices, has_audio
         self.max_buffer_bytes = int(max_buffer_s * RATE) * 2
+        # The longest audio item: what stage 0 hears of one clip (None: whole clips), within the buffer;
+        # a detected turn is committed at this length.
+        self.max_item_bytes = min(self.max_buffer_bytes, int(clip_s * RATE) * 2 if clip_s else self.max_buffer_bytes)
         # Audio items a response's prompt may hold (stage 0's limit_mm_per_prompt; None: any), and the
         # audio a conversation keeps in all (what the server holds for one socket).
         self.audio_cap = audio_cap
@@ -94,6 +97,7 @@ class Session:
         # placeholder; None: the pipeline cannot transcribe (no text stage).
         self.transcription_turn = transcription_turn
         self.transcribing: dict[str, asyncio.Task] = {}
+        self.read_as: dict[str, str] = {}  # the session's own transcripts (no input transcription asked)
         self.id = _new_id("sess")
         self.config: dict[str, Any] = {
             "instructions": None, "output_modalities": ["audio"] if has_audio else ["text"],
@@ -176,12 +180,8 @@ class Session:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
-        if self.response is not None and not self.response.done():
-            self.response.cancel()
-            try:
-                await self.response
-            except (asyncio.CancelledError, Exception):
-                pass
+        if self._responding():
+            await self._cancel("client_cancelled", gone=True)
 
     async def _session_update(self, event: dict) -> None:
         given = event.get("session")
@@ -190,11 +190,22 @@ class Session:
         if given.get("type", "realtime") != "realtime":
             raise EventError("only `realtime` sessions (not transcription) are served here", param="session.type")
         config = self._settings(given, "session")
-        if given.get("tools"):
-            raise EventError("tools are not supported by /v1/realtime here (chat completions take them)",
-                             param="session.tools")
+        _only(given, _SESSION_FIELDS, "session")
+        if given.get("model") not in (None, self.model):
+            raise EventError(f"this session serves `{self.model}`", code="model_not_found", param="session.model")
+        if given.get("include"):
+            raise EventError("`include` is not served (no transcription logprobs)", param="session.include")
+        if given.get("prompt") is not None:
+            raise EventError("stored prompts are not served: send `instructions`", param="session.prompt")
         sound = given.get("audio") or {}
         heard, spoken = sound.get("input") or {}, sound.get("output") or {}
+        _only(heard, {"format", "transcription", "turn_detection", "noise_reduction"}, "session.audio.input")
+        _only(spoken, {"format", "voice", "speed"}, "session.audio.output")
+        if heard.get("noise_reduction") is not None:
+            raise EventError("`noise_reduction` is not served (null)", param="session.audio.input.noise_reduction")
+        if spoken.get("speed") not in (None, 1, 1.0):
+            raise EventError("`speed` is not served here (1.0; /v1/audio/speech takes a speed)",
+                             param="session.audio.output.speed")
         if "turn_detection" in heard:
             config["turn_detection"] = _turn_detection(heard["turn_detection"])
         if "transcription" in heard:
@@ -216,6 +227,11 @@ class Session:
     def _settings(self, given: dict, where: str) -> dict[str, Any]:
         """The session's settings with those a session.update or response.create gives (`where`)."""
         config = dict(self.config)
+        if given.get("tools"):
+            raise EventError("tools are not served by /v1/realtime here (chat completions take them)",
+                             param=f"{where}.tools")
+        if given.get("tool_choice") not in (None, "auto", "none"):
+            raise EventError("`tool_choice` must be auto or none (no tools here)", param=f"{where}.tool_choice")
         if "instructions" in given:
             if given["instructions"] is not None and not isinstance(given["instructions"], str):
                 raise EventError("`instructions` must be a string", param=f"{where}.instructions")
@@ -261,7 +277,27 @@ class Session:
             self.transcribing[item_id] = asyncio.create_task(
                 self._transcript(item_id, self.audio_of[item_id], self.config["transcription"]))
 
-    async def _transcript(self, item_id: str, pcm: bytes, config: dict[str, Any]) -> None:
+    def _read_ahead(self, also_latest: bool) -> None:
+        """Without input transcription, audio items past what a prompt hears are read by transcripts
+        the session makes for itself, unannounced: those not made yet are started (`also_latest`:
+        the latest audio items too, which the next audio item pushes past; started after a
+        response, while the user listens)."""
+        if self.audio_cap is None or self.transcription_turn is None:
+            return
+        ids = self._audio_items() if also_latest else self._read_items()
+        quiet = {"model": self.model, "language": None, "prompt": None}
+        for item_id in ids:
+            if item_id not in self.transcribing and self._words(item_id) is None:
+                self.transcribing[item_id] = asyncio.create_task(
+                    self._transcript(item_id, self.audio_of[item_id], quiet, announce=False))
+
+    def _words(self, item_id: str) -> str | None:
+        """A user audio item's transcript: the client's or input transcription's, else the session's own."""
+        item = next((i for i in self.items if i["id"] == item_id), None)
+        said = _transcript_of(item) if item is not None else None
+        return said if said is not None else self.read_as.get(item_id)
+
+    async def _transcript(self, item_id: str, pcm: bytes, config: dict[str, Any], announce: bool = True) -> None:
         audio_part = {"type": "input_audio", "input_audio": {"data": _wav_b64(pcm), "format": "wav"}}
         turn = self.transcription_turn(config["language"], config["prompt"])
         messages = [{**m, "content": [audio_part if p.get("type") == "audio" else p for p in m["content"]]}
@@ -276,11 +312,17 @@ class Session:
                 await run.abort()
                 raise
         except APIError as e:
+            if not announce:
+                log.info("realtime %s: reading item %s failed: %s", self.id, item_id, e.message)
+                return
             await self.send("conversation.item.input_audio_transcription.failed", **where, error={
                 "type": "server_error" if e.status >= 500 else "invalid_request_error", "code": e.code,
                 "message": e.message, "param": None})
             return
         text = "".join(pieces)
+        if not announce:
+            self.read_as[item_id] = text
+            return
         item = next((i for i in self.items if i["id"] == item_id), None)
         if item is not None:
             item["content"][0]["transcript"] = text
@@ -319,9 +361,12 @@ class Session:
                                  param="audio")
             self.buffer += pcm
             return
-        step = max(2, self.max_buffer_bytes // 8 * 2)  # (whole samples; a turn ends at the buffer's size at the latest)
-        for k in range(0, len(pcm), step):
-            await self._hear(pcm[k:k + step])
+        # In pieces that end a turn under way exactly at the longest item (whole samples).
+        step, k = max(2, self.max_item_bytes // 8 * 2), 0
+        while k < len(pcm):
+            n = min(step, self.max_item_bytes - len(self.buffer)) if self.turn_item is not None else step
+            await self._hear(pcm[k:k + n])
+            k += n
 
     async def _hear(self, pcm: bytes) -> None:
         """Audio through turn detection: a turn's start and stop as events, its audio committed at the
@@ -344,17 +389,18 @@ class Session:
             elif self.turn_item is not None:
                 await self.send("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=self.turn_item)
                 await self._end_turn(at, vad)
-        if self.turn_item is not None and len(self.buffer) >= self.max_buffer_bytes:  # (no stop in time)
+        if self.turn_item is not None and len(self.buffer) >= self.max_item_bytes:  # (no stop in time)
             self.detector.end()
             # (the detector restarts a turn within its first two frames if the speech goes on)
             self.cut_short = self.buffer_at + len(self.buffer) // 2 + 3 * self.detector.frame
-            at = self.buffer_at + self.max_buffer_bytes // 2
+            at = self.buffer_at + self.max_item_bytes // 2
             await self.send("input_audio_buffer.speech_stopped", audio_end_ms=at * 1000 // RATE, item_id=self.turn_item)
             await self._end_turn(at, vad)
         if self.cut_short is not None and self.buffer_at + len(self.buffer) // 2 >= self.cut_short:
             self.cut_short = None  # (no speech after the cut: the silence since is trimmed as any)
         if self.turn_item is None and self.cut_short is None:
-            keep = vad["prefix_padding_ms"] * RATE // 1000 * 2
+            # (the padding, and the frames the detector sees before it says a turn started)
+            keep = (vad["prefix_padding_ms"] * RATE // 1000 + self.detector.lookback) * 2
             if len(self.buffer) > keep:
                 self.buffer_at += (len(self.buffer) - keep) // 2
                 del self.buffer[:len(self.buffer) - keep]
@@ -365,6 +411,7 @@ class Session:
         cut = (at - self.buffer_at) * 2
         pcm, self.buffer, self.buffer_at = bytes(self.buffer[:cut]), self.buffer[cut:], at
         try:
+            self._check_length(len(pcm), "audio")
             await self._room_for(len(pcm))
             await self._add_audio(pcm, item_id)
             if vad["create_response"] and not self._responding():
@@ -386,13 +433,21 @@ class Session:
         if len(self.buffer) < int(_MIN_COMMIT_S * RATE) * 2:
             raise EventError(f"the input audio buffer holds {len(self.buffer) // 2 / RATE * 1000:.0f} ms; a commit "
                              f"needs at least {_MIN_COMMIT_S * 1000:.0f} ms", code="input_audio_buffer_commit_empty")
+        self._check_length(len(self.buffer), "audio")
         await self._room_for(len(self.buffer))
-        pcm = bytes(self.buffer)
+        pcm, item_id = bytes(self.buffer), self.turn_item or _new_id("item")  # (a turn under way: its id)
         self.buffer_at += len(self.buffer) // 2
         self.buffer, self.turn_item, self.cut_short = bytearray(), None, None
         if self.detector is not None:
             self.detector.end()
-        await self._add_audio(pcm, _new_id("item"))
+        await self._add_audio(pcm, item_id)
+
+    def _check_length(self, n: int, param: str) -> None:
+        """An audio item is at least 100 ms and at most what the model hears of a clip."""
+        if n < int(_MIN_COMMIT_S * RATE) * 2 or n > self.max_item_bytes:
+            raise EventError(f"an audio item is {n // 2 / RATE:g} s; it must be {_MIN_COMMIT_S * 1000:.0f} ms to "
+                             f"{self.max_item_bytes // 2 / RATE:g} s (what this model hears of one clip, within "
+                             "`server.max_audio_seconds`)", code="invalid_audio_length", param=param)
 
     async def _add_audio(self, pcm: bytes, item_id: str) -> None:
         """Committed audio as a user item at the conversation's end."""
@@ -429,23 +484,29 @@ class Session:
                 except ValueError:
                     raise EventError("`audio` is not valid base64", param=f"{param}.audio") from None
                 parts.append({"type": "input_audio", "transcript": part.get("transcript")})
+            elif kind == "output_audio" and role == "assistant" and isinstance(part.get("transcript"), str):
+                parts.append({"type": "output_audio", "transcript": part["transcript"]})  # (read by its transcript)
             else:
                 raise EventError(f"{param}: unsupported part {kind!r} (input_text; in a user item one input_audio: "
-                                 "base64 `audio`, a string `transcript` if any)", param=param)
+                                 "base64 `audio`, a string `transcript` if any; in an assistant item output_text, "
+                                 "or output_audio by its `transcript`)", param=param)
+        if pcm is not None:
+            if len(pcm) % 2:
+                raise EventError("an item's audio must be whole PCM16 samples (an even number of bytes)",
+                                 param="item.content")
+            self._check_length(len(pcm), "item.content")
         pcm = pcm or b""
-        if len(pcm) % 2 or len(pcm) > self.max_buffer_bytes:
-            raise EventError("an item's audio must be whole PCM16 samples within `server.max_audio_seconds`",
-                             param="item.content")
-        await self._room_for(len(pcm))
         item_id = given.get("id") if isinstance(given.get("id"), str) and given["id"] else _new_id("item")
         if any(i["id"] == item_id for i in self.items):
             raise EventError(f"an item with id {item_id!r} exists", param="item.id")
-        after = event.get("previous_item_id")
-        if after is not None and not any(i["id"] == after for i in self.items):
+        after = event.get("previous_item_id")  # ("root": the conversation's start)
+        if after not in (None, "root") and not any(i["id"] == after for i in self.items):
             raise EventError(f"no item {after!r} to insert after", code="item_not_found", param="previous_item_id")
+        await self._room_for(len(pcm), spare=after)
         item = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
                 "content": parts}
-        at = len(self.items) if after is None else next(k for k, i in enumerate(self.items) if i["id"] == after) + 1
+        at = len(self.items) if after is None else 0 if after == "root" else \
+            next(k for k, i in enumerate(self.items) if i["id"] == after) + 1
         previous = self.items[at - 1]["id"] if at else None
         self.items.insert(at, item)
         await self.send("conversation.item.added", previous_item_id=previous, item=item)
@@ -455,10 +516,10 @@ class Session:
             if _transcript_of(item) is None:
                 self._transcribe(item_id)
 
-    async def _room_for(self, more: int) -> None:
+    async def _room_for(self, more: int, spare: str | None = None) -> None:
         """Room for `more` bytes of audio in what the conversation keeps: with truncation `auto` the
         oldest audio items give theirs up (a transcribed one stays as its transcript, one without is
-        deleted: conversation.item.deleted); with `disabled`, an error."""
+        deleted: conversation.item.deleted; `spare` is not deleted); with `disabled`, an error."""
         kept = sum(len(a) for a in self.audio_of.values())
         if kept + more <= self.max_kept_bytes:
             return
@@ -469,9 +530,8 @@ class Session:
             if kept + more <= self.max_kept_bytes:
                 break
             kept -= len(self.audio_of[item_id])
-            item = next(i for i in self.items if i["id"] == item_id)
             task = self.transcribing.get(item_id)
-            if _transcript_of(item) is not None and (task is None or task.done()):
+            if (self._words(item_id) is not None and (task is None or task.done())) or item_id == spare:
                 del self.audio_of[item_id]
             else:
                 await self._forget(item_id)
@@ -486,6 +546,7 @@ class Session:
         self.items = [i for i in self.items if i["id"] != item_id]
         self.audio_of.pop(item_id, None)
         self.spoken_ms.pop(item_id, None)
+        self.read_as.pop(item_id, None)
         task = self.transcribing.pop(item_id, None)
         if task is not None:
             task.cancel()
@@ -530,23 +591,39 @@ class Session:
         if not isinstance(given, dict):
             raise EventError("`response` must be an object", param="response")
         config = self._settings(given, "response")
+        _only(given, _RESPONSE_FIELDS, "response")
+        if given.get("prompt") is not None:
+            raise EventError("stored prompts are not served: send `instructions`", param="response.prompt")
+        _only(given.get("audio") or {}, {"output"}, "response.audio")
+        _only((given.get("audio") or {}).get("output") or {}, {"format", "voice"}, "response.audio.output")
+        fmt = ((given.get("audio") or {}).get("output") or {}).get("format")
+        if fmt is not None and fmt != _FORMAT and fmt != {"type": "audio/pcm"}:
+            raise EventError(f"audio output format must be {json.dumps(_FORMAT)}", param="response.audio.output.format")
         if given.get("conversation", "auto") not in ("auto", "none") or given.get("input") is not None:
             raise EventError("a response runs on the session's conversation (`conversation` auto or none, no `input`)",
                              param="response.conversation")
         if not any(i["role"] == "user" for i in self.items):
             raise EventError("the conversation has no user item yet: commit audio or create a user item first",
                              code="conversation_empty")
+        self._read_ahead(also_latest=False)
         for item_id in self._read_items():  # (their transcripts stand for them: wait for those under way)
             task = self.transcribing.get(item_id)
             if task is not None:
                 await asyncio.wait({task})
-            if _transcript_of(next(i for i in self.items if i["id"] == item_id)) is None:
+            if self._words(item_id) is None:
                 raise EventError(f"the conversation holds {len(self._audio_items())} audio items; this pipeline "
-                                 f"hears at most {self.audio_cap} a prompt (stage 0's limit_mm_per_prompt): turn "
-                                 "on input transcription (earlier ones are then sent as their transcripts), "
-                                 "delete earlier ones (conversation.item.delete) or send their words as text items",
+                                 f"hears at most {self.audio_cap} a prompt (stage 0's limit_mm_per_prompt) and "
+                                 f"could not transcribe item {item_id} to send it as text: delete it "
+                                 "(conversation.item.delete) or send its words as a text item",
                                  code="too_many_audio_items")
+        metadata = given.get("metadata")
+        if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                for k, v in metadata.items())):
+            raise EventError("`metadata` is up to 16 string pairs (keys up to 64 characters, values up to 512)",
+                             param="response.metadata")
         reply = Reply(self, config, keep=given.get("conversation", "auto") == "auto")
+        reply.metadata = metadata
         await reply.begin()  # (a refusal by the chat path is this event's error; nothing started)
         self.reply, self.response = reply, asyncio.create_task(reply.stream())
 
@@ -555,13 +632,19 @@ class Session:
             raise EventError("no response is in progress", code="response_cancel_not_active")
         await self._cancel("client_cancelled")
 
-    async def _cancel(self, reason: str) -> None:
-        self.reply.cancel_reason = reason
-        self.response.cancel()
+    async def _cancel(self, reason: str, gone: bool = False) -> None:
+        """Cancel the running response; `gone`: the socket is, so no events (its request is dropped either way)."""
+        reply, task = self.reply, self.response
+        reply.cancel_reason = reason
+        task.cancel()
         try:
-            await self.response
+            await task
         except (asyncio.CancelledError, Exception):
             pass
+        if not reply.started:  # (cancelled before its first step: none of stream() ran)
+            await reply.run.abort()
+            if not gone:
+                await reply.never_ran()
 
     # ---- the conversation as a chat --------------------------------------------------------
 
@@ -585,6 +668,8 @@ class Session:
                 if part["type"] == "input_audio" and item["id"] in self.audio_of and item["id"] not in read:
                     parts.append({"type": "input_audio",
                                   "input_audio": {"data": _wav_b64(self.audio_of[item["id"]]), "format": "wav"}})
+                elif part["type"] == "input_audio":  # (read: by its transcript)
+                    parts.append({"type": "text", "text": self._words(item["id"]) or ""})
                 elif part.get("text") is not None or part.get("transcript") is not None:
                     parts.append({"type": "text", "text": part.get("text") or part.get("transcript") or ""})
             if item["role"] == "user":
@@ -601,6 +686,20 @@ class Session:
         if config["temperature"] is not None:
             body["temperature"] = config["temperature"]
         return body
+
+
+_SESSION_FIELDS = {"type", "model", "instructions", "output_modalities", "max_output_tokens", "temperature", "audio",
+                   "tools", "tool_choice", "truncation", "include", "tracing", "prompt"}
+_RESPONSE_FIELDS = {"conversation", "input", "instructions", "output_modalities", "max_output_tokens", "temperature",
+                    "audio", "tools", "tool_choice", "metadata", "prompt"}
+
+
+def _only(given: Any, known: set[str], where: str) -> None:
+    """Fields this server does not know are an error, not ignored (a setting that would do nothing)."""
+    unknown = sorted(set(given) - known) if isinstance(given, dict) else []
+    if unknown:
+        raise EventError(f"unknown field(s) in `{where}`: {', '.join(unknown)}", code="unknown_parameter",
+                         param=f"{where}.{unknown[0]}")
 
 
 def _transcript_of(item: dict[str, Any]) -> str | None:
@@ -661,6 +760,9 @@ class Reply:
         self.samples = 0  # (24 kHz samples sent)
         self.status = "in_progress"
         self.cancel_reason = "client_cancelled"
+        self.started = False  # (stream() ran its first step)
+        self.metadata: dict[str, str] | None = None  # (the client's, given back in the response)
+        self.previous = session.items[-1]["id"] if session.items else None  # (the item the reply follows)
 
     def _item(self, status: str) -> dict[str, Any]:
         text = "".join(self.text)
@@ -680,7 +782,7 @@ class Reply:
                 "output": [self._item(self.status if done else "in_progress")] if done else [],
                 "output_modalities": self.config["output_modalities"],
                 "max_output_tokens": self.config["max_output_tokens"],
-                "conversation_id": self.s.id if self.keep else None,
+                "conversation_id": self.s.id if self.keep else None, "metadata": self.metadata,
                 "audio": {"output": {"format": _FORMAT, "voice": self.config["voice"]}}, "usage": usage}
 
     async def begin(self) -> None:
@@ -701,17 +803,30 @@ class Reply:
                 skip += 1
         s.first_kept = s.items[skip]["id"]
 
-    async def stream(self) -> None:
-        s, where = self.s, {"response_id": self.id, "item_id": self.item_id, "output_index": 0, "content_index": 0}
-        previous = s.items[-1]["id"] if s.items else None
+    def _where(self) -> dict[str, Any]:
+        return {"response_id": self.id, "item_id": self.item_id, "output_index": 0, "content_index": 0}
+
+    async def _open(self) -> None:
+        s, previous = self.s, self.previous
         await s.send("response.created", response=self._response("in_progress"))
         await s.send("response.output_item.added", response_id=self.id, output_index=0, item=self._item("in_progress"))
         if self.keep:
             await s.send("conversation.item.added", previous_item_id=previous, item=self._item("in_progress"))
         part = {"type": "audio", "transcript": ""} if self.spoken else {"type": "text", "text": ""}
-        await s.send("response.content_part.added", part=part, **where)
+        await s.send("response.content_part.added", part=part, **self._where())
+
+    async def never_ran(self) -> None:
+        """The events of a response cancelled before its task's first step (its request already dropped)."""
+        await self._open()
+        await self._finish("cancelled", {"type": "cancelled", "reason": self.cancel_reason}, self._where(),
+                           self.previous)
+
+    async def stream(self) -> None:
+        self.started = True
+        s, where, previous = self.s, self._where(), self.previous
         status, details = "completed", None
         try:
+            await self._open()
             first = await self.run.first()
             async for kind, value in self.run.stream_from(first):
                 if kind == "text":
@@ -761,6 +876,8 @@ class Reply:
                 s.spoken_ms[self.item_id] = self.samples * 1000 // RATE
             await s.send("conversation.item.done", previous_item_id=previous, item=item)
         await s.send("response.done", response=self._response(status, details))
+        if self.keep and s.audio_cap is not None and len(s._audio_items()) >= s.audio_cap:
+            s._read_ahead(also_latest=True)  # (the next audio item pushes the latest past the cap)
 
 
 _HANDLERS: dict[str, Callable[[Session, dict], Awaitable[None]]] = {

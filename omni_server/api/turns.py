@@ -23,6 +23,8 @@ def level_db(threshold: float) -> float:
 class TurnDetector:
     def __init__(self, rate: int, threshold: float = 0.5, silence_ms: int = 500, at: int = 0):
         self.frame = int(rate * _FRAME_S)
+        # Samples a start lies behind the audio that reveals it (its frames, and a partial one held over).
+        self.lookback = (_START_FRAMES + 1) * self.frame
         # (mean square of int16 samples at the gate: compared without a log per frame)
         self.gate = (32768.0 * 10 ** (level_db(threshold) / 20)) ** 2
         self.quiet_to_stop = max(1, round(silence_ms / 1000 / _FRAME_S))
