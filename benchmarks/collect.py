@@ -269,6 +269,8 @@ def collect(out: Path) -> dict:
         # step `video`: the config taking one video a chat; chats carrying a video / text alone
         **{k: v for n in ("video", "text") for k, v in _served(out, f"media_vid_{n}", f"media_vid_{n}").items()},
         "media_vid_ready_s": _ready_s(out / "serve_media7b_vid.log"),
+        # step `rt`: the same prompts over the Realtime API (a session a request) and as chats, one server
+        **{k: v for n in ("realtime", "rtaudio", "text") for k, v in _served(out, f"media_rt_{n}", f"media_rt_{n}").items()},
         # Qwen3-Omni-30B-A3B shapes, configs/qwen3_omni.yaml (session step `qwen3`)
         **_served(out, "qwen3", "qwen3"),
         "qwen3_ready_s": _ready_s(out / "serve_qwen3.log"),

@@ -138,6 +138,10 @@ def cmd_bench(args) -> int:
 
     from omni_server.bench import BenchConfig, run_bench
 
+    if args.realtime and (args.speech or args.image or args.video):
+        print("error: --realtime sessions take text and --input-audio only; leave out --speech / --image / --video",
+              file=sys.stderr)
+        return 2
     if args.speech and args.reference:
         print("error: --reference times transformers answering a chat; it has no /v1/audio/speech "
               "counterpart: leave out one of --speech and --reference", file=sys.stderr)
@@ -203,7 +207,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(base_url=base_url, model=args.model, concurrency=args.concurrency,
                       requests_per_level=args.requests, prompt_words=args.prompt_words,
                       max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OMNI_SERVER_API_KEY"),
-                      audio=args.audio or args.speech, voice=args.voice, speech=args.speech,
+                      audio=args.audio or args.speech, voice=args.voice, speech=args.speech, realtime=args.realtime,
                       reference=args.reference,
                       reference_talker_max_tokens=args.reference_talker_max_tokens,
                       reference_requests=args.reference_requests, request_rate=args.request_rate,
@@ -308,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--audio", action="store_true", help="ask for speech too: adds TTFP, audio s/wall s, RTF")
     p.add_argument("--speech", action="store_true",
                    help="drive /v1/audio/speech instead of chat (the prompt is spoken): TTFP, RTF, stalls")
+    p.add_argument("--realtime", action="store_true",
+                   help="drive the Realtime API instead of chat (one WebSocket session a request, the prompt a "
+                        "user item, timed from response.create)")
     p.add_argument("--voice")
     p.add_argument("--reference", metavar="CHECKPOINT_DIR",
                    help="also time transformers' pipeline on the same prompts here, and compare")

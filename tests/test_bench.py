@@ -353,3 +353,19 @@ def test_bench_media_parts_differ_per_request_and_bad_sizes_are_refused():
         proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "bench", "--model", "m", *args], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and "error:" in proc.stderr, args
+
+
+def test_bench_realtime_drives_realtime_sessions(speech_server, tmp_path):
+    """--realtime: one Realtime API session a request (prompt and a clip as one user item, a shared
+    system prefix as the session's instructions), spoken replies timed from response.create."""
+    out = tmp_path / "bench.json"
+    proc = _bench(speech_server.base_url, out, "--concurrency", "2", "--requests", "2", "--prompt-words", "12",
+                  "--max-tokens", "8", "--realtime", "--audio", "--input-audio", "1", "--shared-prefix-words", "20")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (lv,) = json.loads(out.read_text())["levels"]
+    assert lv["errors"] == 0, lv["error_examples"]
+    assert 0 < lv["output_tokens"] <= 2 * 8 and lv["prompt_tokens"] > 2 * 40  # (prefix, prompt and clip)
+    assert 0 < lv["ttft_ms"]["p50"] <= lv["latency_ms"]["p50"]
+    assert 0 < lv["ttfp_ms"]["p50"] <= lv["latency_ms"]["p99"] and lv["audio_s"] > 0 and lv["rtf"]["p50"] > 0
+    bad = _bench(speech_server.base_url, out, "--realtime", "--image", "64x64")
+    assert bad.returncode == 2 and "--realtime" in bad.stderr

@@ -157,6 +157,14 @@ step_video() {
     --stage-arg 'thinker.limit_mm_per_prompt={"image":2,"audio":2,"video":1}'
 }
 
+step_rt() {
+  # Spoken replies over the Realtime API (`bench --realtime`: a WebSocket session a request, timed
+  # from response.create), text alone and with a 5 s clip in the user item, against the same
+  # prompts as chats on the same server (the 7B config; warm cache when `main` ran first). Realtime
+  # answers end at the model's EOS (no ignore_eos there), at most 100 tokens.
+  MEDIA_KINDS=${MEDIA_KINDS:-realtime rtaudio text} media_bench media7b_rt 8044
+}
+
 media_bench() {  # NAME PORT [serve args]
   local name=$1 port=$2 tag=${1#media7b}; shift 2
   free_gpus
@@ -167,7 +175,8 @@ media_bench() {  # NAME PORT [serve args]
   local B="python3 -m omni_server.cli bench --model $MODEL --max-tokens 100 --audio --base-url http://127.0.0.1:$port"
   local kind n a
   for kind in "audio:--input-audio ${MEDIA_AUDIO:-5}" "image:--image ${MEDIA_IMAGE:-1280x720}" \
-              "video:--video ${MEDIA_VIDEO:-1280x720:10}" "text:"; do
+              "video:--video ${MEDIA_VIDEO:-1280x720:10}" "realtime:--realtime" \
+              "rtaudio:--realtime --input-audio ${MEDIA_AUDIO:-5}" "text:"; do
     n=${kind%%:*}; a=${kind#*:}
     [[ " ${MEDIA_KINDS:-audio image text} " == *" $n "* ]] || continue
     $B $a --concurrency 1 --requests 1 --output $R/warm_media${tag}_$n.json >> $R/bench_$name.log 2>&1

@@ -14,6 +14,11 @@ shared instruction, as many deployments send): what the text stage's prefix cach
 TTFT / TTFP, and each level reports prompt and cached tokens from the usage chunks.
 With `speech`, the requests go to /v1/audio/speech instead (each prompt is the text to speak,
 streamed as SSE events): the same audio numbers, no TTFT.
+With `realtime`, each request is a session of the Realtime API (`/v1/realtime` over a WebSocket, turns
+ended by the client): the prompt as a user item (with `input_audio_s`, a generated clip in it too),
+then `response.create`; times start at that event: TTFT is the first transcript (or text) delta,
+TTFP the first audio delta. The answer's length is the model's (no `ignore_eos` there): at most
+`max_tokens`.
 With `reference`, transformers' own pipeline runs the same prompts in this process afterwards, and
 each level reports its throughput relative to it (`vs_reference`).
 With `image` / `input_audio_s` / `video`, every chat's user turn also carries a generated image /
@@ -81,6 +86,8 @@ class BenchConfig:
     # Drive /v1/audio/speech instead (the prompt is the text spoken; SSE events, wav): TTFP, RTF,
     # stalls; no TTFT, and `output_tokens` counts codec tokens. Implies `audio`.
     speech: bool = False
+    # Drive the Realtime API instead (one WebSocket session a request; see the module's docstring).
+    realtime: bool = False
     # A checkpoint dir: also run transformers' pipeline on the same prompts (one at a time) in this
     # process, and report each level against it. Its talker stops at `reference_talker_max_tokens`
     # (set it to the server's talker max_tokens for a like-for-like audio length).
@@ -181,6 +188,15 @@ def _tone_wav_b64(seed: int, i: int, seconds: float, rate: int = 16000) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _tone_pcm_b64(seed: int, i: int, seconds: float) -> str:
+    """The same kind of clip as the chats' WAV, as the Realtime API takes audio: 24 kHz PCM16, base64."""
+    import io
+    import wave
+
+    with wave.open(io.BytesIO(base64.b64decode(_tone_wav_b64(seed, i, seconds, rate=24000)))) as w:
+        return base64.b64encode(w.readframes(w.getnframes())).decode()
+
+
 def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
     """Seconds from a level's start at which each of its n requests is sent: 0 for all without a
     rate, else a Poisson process's (the first at 0)."""
@@ -231,6 +247,8 @@ async def _events(client: httpx.AsyncClient, path: str, body: dict, done_marker:
 async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int, media: list[dict] = ()) -> dict:
     if cfg.speech:
         return await _one_speech(client, cfg, i)
+    if cfg.realtime:
+        return await _one_realtime(cfg, i)
     text = prompt(i, cfg.prompt_words)
     content = [*media, {"type": "text", "text": text}] if media else text
     messages = [{"role": "user", "content": content}]
@@ -295,6 +313,69 @@ async def _one_speech(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> di
     return audio.result(None, tokens, error)
 
 
+async def _one_realtime(cfg: BenchConfig, i: int) -> dict:
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import WebSocketException
+
+    url = cfg.base_url.replace("http", "ws", 1) + f"/v1/realtime?model={cfg.model}"
+    headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    session = {"type": "realtime", "temperature": 0, "max_output_tokens": cfg.max_tokens,
+               "output_modalities": ["audio"] if cfg.audio else ["text"],
+               "audio": {"input": {"turn_detection": None}}}
+    if cfg.shared_prefix_words:
+        session["instructions"] = shared_prefix(cfg.shared_prefix_words)
+    if cfg.voice:
+        session["audio"]["output"] = {"voice": cfg.voice}
+    content = [{"type": "input_text", "text": prompt(i, cfg.prompt_words)}]
+    if cfg.input_audio_s > 0:
+        content.insert(0, {"type": "input_audio", "audio": _tone_pcm_b64(cfg.media_seed or 0, i, cfg.input_audio_s)})
+    audio = _WavStream(time.perf_counter())
+    audio.rate = 24000  # (raw PCM16 deltas, no header)
+    times: dict = {"ttft": None, "error": None, "done": None, "end": None}
+    try:
+        async with connect(url, additional_headers=headers, max_size=2**24, open_timeout=cfg.timeout_s) as ws:
+            for event in ({"type": "session.update", "session": session},
+                          {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                                        "content": content}}):
+                await ws.send(json.dumps(event))
+            await asyncio.wait_for(_realtime_reply(ws, audio, times), cfg.timeout_s)
+    except (WebSocketException, OSError, asyncio.TimeoutError) as e:
+        times["error"] = f"{type(e).__name__}: {e}"
+    ttft, error, done, end = times["ttft"], times["error"], times["done"], times["end"]
+    if error is None and done is None:
+        error = "the session ended without response.done"
+    elif error is None and done["status"] not in ("completed", "incomplete"):
+        error = f"response {done['status']}: {done.get('status_details')}"
+    if cfg.audio and error is None and not audio.seconds:
+        error = "no audio in the response"
+    usage = (done or {}).get("usage") or {}
+    return {**audio.result(ttft, usage.get("output_tokens", 0), error, end),
+            "prompt_tokens": usage.get("input_tokens", 0),
+            "cached_tokens": (usage.get("input_token_details") or {}).get("cached_tokens", 0)}
+
+
+async def _realtime_reply(ws, audio: "_WavStream", out: dict) -> None:
+    """A session's events until response.done (or an error), into `out`; response.create is sent
+    once the prompt's item is in, the clock restarting there."""
+    t0 = None
+    async for raw in ws:
+        event = json.loads(raw)
+        kind = event.get("type")
+        if kind == "error":
+            out["error"] = (event.get("error") or {}).get("message", "error")
+            return
+        if kind == "conversation.item.done" and t0 is None:
+            t0 = audio.t0 = time.perf_counter()
+            await ws.send(json.dumps({"type": "response.create"}))
+        elif kind in ("response.output_audio_transcript.delta", "response.output_text.delta"):
+            out["ttft"] = out["ttft"] if out["ttft"] is not None else time.perf_counter() - t0
+        elif kind == "response.output_audio.delta":
+            audio.add(base64.b64decode(event["delta"]))
+        elif kind == "response.done":
+            out["done"], out["end"] = event["response"], time.perf_counter()
+            return
+
+
 class _WavStream:
     """One request's 16-bit mono WAV, streamed in pieces (a header, sizes maybe unknown, then
     samples), timed from the request's start `t0`: seconds of audio, time of the first piece, and
@@ -327,10 +408,11 @@ class _WavStream:
             self.play_end = t
         self.play_end += len(data) / 2 / self.rate
 
-    def result(self, ttft: float | None, tokens: int, error: str | None) -> dict:
+    def result(self, ttft: float | None, tokens: int, error: str | None, end: float | None = None) -> dict:
+        """`end`: when the request ended (default: now)."""
         return {"ttft_s": ttft, "ttfp_s": self.first_s, "last_packet_s": self.last_s, "audio_s": self.seconds,
                 "stall_s": self.stall_s,
-                "latency_s": time.perf_counter() - self.t0, "tokens": tokens, "error": error}
+                "latency_s": (end or time.perf_counter()) - self.t0, "tokens": tokens, "error": error}
 
     @property
     def seconds(self) -> float:
