@@ -379,3 +379,39 @@ def test_a_conversation_past_the_context_leaves_out_its_oldest_items(speech_serv
     assert fits is not None and fits < 5
     assert done.response.status in ("completed", "incomplete")
     assert done.response.usage.input_tokens == chat.usage.prompt_tokens and text == chat.choices[0].message.content
+
+
+def test_media_tokens_past_the_context_truncate_too_and_max_output_tokens_is_a_ceiling(speech_server):
+    """The api counts an audio clip as one placeholder, the thinker as its tokens (~25 a second): a
+    ~1,700-token text item then a 20 s clip fit the api's count of a 2,048-token context but not
+    the thinker's. With truncation auto the response leaves the text item out (the chat of the clip
+    alone); disabled, it fails with context_length_exceeded. max_output_tokens 4096 (more than the
+    context) caps a reply, it does not refuse it."""
+    words = " ".join(["hello"] * 800)  # (~1,700 tokens)
+    clip = (0.3 * np.sin(2 * np.pi * 440 * np.arange(20 * 24000) / 24000) * 32767).astype("<i2").tobytes()
+
+    async def talk():
+        async with _connect(speech_server) as conn:
+            await _until(conn, "session.created")
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {
+                "temperature": 0, "truncation": "disabled", "audio": {"input": {"turn_detection": None}}}}))
+            await _until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": words}]})
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": base64.b64encode(clip).decode()}]})
+            refused, _, _, _ = await _response(conn, output_modalities=["text"], max_output_tokens=3)
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {"truncation": "auto",
+                                                                                  "max_output_tokens": 4096}}))
+            await _until(conn, "session.updated")
+            done, text, _, _ = await _response(conn, output_modalities=["text"])
+            return refused, done, text
+
+    refused, done, text = asyncio.run(talk())
+    assert refused.response.status == "failed"
+    assert refused.response.status_details.error.code == "context_length_exceeded"
+    assert done.response.status in ("completed", "incomplete"), done.response.status_details
+    chat = _chat(speech_server, [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": _wav_b64(clip), "format": "wav"}}]}], spoken=False, max_tokens=done.response.usage.output_tokens)
+    assert done.response.usage.input_tokens == chat.usage.prompt_tokens
+    assert text == chat.choices[0].message.content

@@ -732,7 +732,8 @@ async def _realtime_run(state: ServerState, raw: dict[str, Any]) -> Run:
     if "audio" in outputs:
         options[VOICE_OPTION] = state.check_voice(body.audio.voice, "audio.output.voice")
     sampling = _sampling(state, body)
-    _check_room(state, [prompt_ids], body)
+    for spec in sampling.values():  # (max_output_tokens is a ceiling: a reply runs to the context at most)
+        spec.max_tokens_param = ""
     orch = _orch(state)
     [req] = await _submit(state, orch, [f"rt-{uuid.uuid4().hex}"], [prompt_ids], [sampling], outputs, options, decoded)
     return Run(state, orch, req, body, prompt_ids, "pcm" if "audio" in outputs else None)

@@ -755,7 +755,6 @@ class Reply:
         self.id, self.item_id = _new_id("resp"), _new_id("item")
         self.spoken = config["output_modalities"] == ["audio"]
         self.run = None
-        self.first = None
         self.text: list[str] = []
         self.samples = 0  # (24 kHz samples sent)
         self.status = "in_progress"
@@ -790,18 +789,41 @@ class Reply:
         `auto`, a prompt over the context leaves out the conversation's oldest items, one more a try
         (from where the last response settled), down to the latest user item."""
         s = self.s
-        latest_user = max(k for k, i in enumerate(s.items) if i["role"] == "user")
         kept = next((k for k, i in enumerate(s.items) if i["id"] == s.first_kept), 0)
-        skip = min(kept, latest_user) if s.config["truncation"] == "auto" else 0
+        self.skip = min(kept, self._latest_user()) if s.config["truncation"] == "auto" else 0
+        await self._start()
+
+    def _latest_user(self) -> int:
+        return max(k for k, i in enumerate(self.s.items) if i["role"] == "user")
+
+    def _can_skip(self, e: APIError) -> bool:
+        return (e.code == "context_length_exceeded" and self.s.config["truncation"] == "auto"
+                and self.skip < self._latest_user())
+
+    async def _start(self) -> None:
+        s = self.s
         while True:
             try:
-                self.run = await s.start_chat(s.chat_body(self.config, skip))
+                self.run = await s.start_chat(s.chat_body(self.config, self.skip))
                 break
             except APIError as e:
-                if e.code != "context_length_exceeded" or s.config["truncation"] != "auto" or skip >= latest_user:
+                if not self._can_skip(e):
                     raise
-                skip += 1
-        s.first_kept = s.items[skip]["id"]
+                self.skip += 1
+        s.first_kept = s.items[self.skip]["id"]
+
+    async def _first(self):
+        """The run's first output. The api counts a media item as one token, the stage as its
+        tokens: a prompt the stage finds over the context is truncated here as in `begin`."""
+        while True:
+            try:
+                return await self.run.first()
+            except APIError as e:
+                if not self._can_skip(e):
+                    raise
+                await self.run.abort()
+                self.skip += 1
+                await self._start()
 
     def _where(self) -> dict[str, Any]:
         return {"response_id": self.id, "item_id": self.item_id, "output_index": 0, "content_index": 0}
@@ -827,7 +849,7 @@ class Reply:
         status, details = "completed", None
         try:
             await self._open()
-            first = await self.run.first()
+            first = await self._first()
             async for kind, value in self.run.stream_from(first):
                 if kind == "text":
                     self.text.append(value)
@@ -870,7 +892,9 @@ class Reply:
             await s.send("response.content_part.done", part={"type": "text", "text": text}, **where)
         item = self._item(self.status)
         await s.send("response.output_item.done", response_id=self.id, output_index=0, item=item)
-        if self.keep:
+        if self.keep and status == "failed" and not text:  # (nothing said: no empty turn in the conversation)
+            await s.send("conversation.item.deleted", item_id=self.item_id)
+        elif self.keep:
             s.items.append(item)
             if self.spoken:
                 s.spoken_ms[self.item_id] = self.samples * 1000 // RATE
