@@ -230,3 +230,37 @@ async def _append(sent: list, event: dict) -> None:
 
 async def _no_chat(body):
     raise AssertionError("no chat expected")
+
+
+def test_after_a_reply_left_too_little_room_the_next_prompt_starts_later():
+    """A 100-token context: a reply whose prompt (90) and output (5) left 5 tokens, less than a
+    quarter of the context, makes the next response leave out the oldest item (this prompt's ~22
+    tokens an item, 20 short). Unknown fields in items and their parts are errors."""
+    sent, bodies = [], []
+
+    async def send(event):
+        sent.append(event)
+
+    async def chat(body):
+        bodies.append(body)
+        run = _FakeRun(["a"] * 5)
+        run.n_prompt = 90
+        return run
+
+    async def talk():
+        s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None, context=100)
+        for k in range(4):
+            await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                                  "content": [{"type": "input_text", "text": f"t{k}"}]})
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "foo": 1,
+                                                              "content": [{"type": "input_text", "text": "x"}]})
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": "x", "y": 2}]})
+        for _ in range(2):
+            await _event(s, type="response.create")
+            await s.response
+
+    asyncio.run(talk())
+    assert [e["error"]["param"] for e in sent if e["type"] == "error"] == ["item.foo", "item.content[0].y"]
+    first, second = ([m["content"][0]["text"] for m in b["messages"] if m["role"] == "user"] for b in bodies)
+    assert first == ["t0", "t1", "t2", "t3"] and second == ["t1", "t2", "t3"]

@@ -81,7 +81,7 @@ class Session:
 
     def __init__(self, model: str, send: Callable[[dict], Awaitable[None]],
                  start_chat: Callable[[dict], Awaitable[Any]], *, voices: list[str], has_audio: bool,
-                 max_buffer_s: float, audio_cap: int | None, clip_s: float | None = None,
+                 max_buffer_s: float, audio_cap: int | None, clip_s: float | None = None, context: int = 0,
                  transcription_turn: Callable[[str | None, str | None], list[dict]] | None = None):
         self.model, self._send, self.start_chat = model, send, start_chat
         self.voices, self.has_audio = voices, has_audio
@@ -110,6 +110,7 @@ class Session:
             "truncation": "auto",
         }
         self.first_kept: str | None = None  # the oldest item the last response's prompt held (truncation)
+        self.context = context  # stage 0's context length (0: not known)
         self.items: list[dict[str, Any]] = []  # the conversation, as the client sees its items
         self.audio_of: dict[str, bytes] = {}  # a user audio item's PCM16
         self.spoken_ms: dict[str, int] = {}  # an assistant audio item's length (conversation.item.truncate)
@@ -258,6 +259,7 @@ class Session:
         param = "session.audio.input.transcription"
         if value is None:
             return None
+        _only(value, {"model", "language", "prompt"}, param)
         if not isinstance(value, dict) or any(not isinstance(value.get(k), (str, type(None)))
                                               for k in ("model", "language", "prompt")):
             raise EventError("`transcription` is null or {model, language, prompt} (strings; the served model "
@@ -465,6 +467,9 @@ class Session:
         given = event.get("item")
         if not isinstance(given, dict) or given.get("type", "message") != "message":
             raise EventError("only message items are supported (no function calls here)", param="item.type")
+        _only(given, {"id", "type", "object", "role", "content", "status"}, "item")
+        if given.get("status") not in (None, "completed"):
+            raise EventError("a created item's `status` is completed", param="item.status")
         role = given.get("role")
         if role not in ("user", "assistant", "system"):
             raise EventError("`item.role` must be user, assistant or system", param="item.role")
@@ -475,6 +480,7 @@ class Session:
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             param = f"item.content[{j}]"
+            _only(part, {"type", "text", "audio", "transcript"}, param)
             if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
                 parts.append({"type": kind, "text": part["text"]})
             elif (kind == "input_audio" and role == "user" and isinstance(part.get("audio"), str) and pcm is None
@@ -825,6 +831,26 @@ class Reply:
                 self.skip += 1
                 await self._start()
 
+    def _leave_room(self) -> None:
+        """Truncation `auto` drops items only when a prompt does not fit; a reply then has little room.
+        When this one left less than a reply's worth (max_output_tokens, at most a quarter of the
+        context), the next response starts that many prompt tokens later, by this prompt's mean
+        tokens an item."""
+        s, ctx = self.s, self.s.context
+        if not ctx or s.config["truncation"] != "auto" or self.run is None or not self.run.n_prompt:
+            return
+        cap = self.config["max_output_tokens"]
+        want = min(ctx // 4, cap if isinstance(cap, int) else ctx)
+        short = want - (ctx - self.run.n_prompt - self.run.completion_tokens)
+        if short <= 0 or s.first_kept is None:
+            return
+        at = next((k for k, i in enumerate(s.items) if i["id"] == s.first_kept), None)
+        if at is None:
+            return
+        per_item = self.run.n_prompt / max(1, len(s.items) - 1 - at)  # (the prompt held items at.. before this reply)
+        ahead = min(at + -(-short // max(1.0, per_item)), len(s.items) - 1)
+        s.first_kept = s.items[int(ahead)]["id"]
+
     def _where(self) -> dict[str, Any]:
         return {"response_id": self.id, "item_id": self.item_id, "output_index": 0, "content_index": 0}
 
@@ -900,6 +926,8 @@ class Reply:
                 s.spoken_ms[self.item_id] = self.samples * 1000 // RATE
             await s.send("conversation.item.done", previous_item_id=previous, item=item)
         await s.send("response.done", response=self._response(status, details))
+        if self.keep and status != "failed":
+            self._leave_room()
         if self.keep and s.audio_cap is not None and len(s._audio_items()) >= s.audio_cap:
             s._read_ahead(also_latest=True)  # (the next audio item pushes the latest past the cap)
 
