@@ -217,7 +217,7 @@ class Session:
                                  param=f"session.audio.{where}.format")
         if config["turn_detection"] != self.config["turn_detection"]:
             self.detector = self._detector(config["turn_detection"])  # (a turn under way is dropped)
-            self.turn_item = None
+            self.turn_item = self.cut_short = None
         self.config = config
         await self.send("session.updated", session=self.session_object())
 
