@@ -51,3 +51,14 @@ def test_positions_count_from_where_the_detector_joined_and_end_forgets_a_turn()
     d.end()  # (the client committed)
     assert d.feed(_quiet(1.0).tobytes()) == []
 
+
+
+def test_a_steady_sound_stops_counting_as_speech_and_louder_speech_over_it_does():
+    """A hum at -25 dBFS: a turn at first, over within ~14 s as the noise floor rises 5 dB a second
+    to 9 dB under it (from -100 dBFS); speech 12 dB above the hum then opens a turn again."""
+    hum = _tone(20.0, -25)
+    louder = (hum[:RATE].astype(np.int32) + _tone(1.0, -13)).clip(-32768, 32767).astype("<i2")
+    events = TurnDetector(RATE).feed(np.concatenate([hum, louder, hum[:RATE]]).tobytes())
+    assert [kind for kind, _ in events] == ["started", "stopped", "started", "stopped"], events
+    assert events[0][1] == 0 and 13.5 * RATE < events[1][1] < 14 * RATE  # ((100 - 34) dB / 5 dB a s + 0.5 s)
+    assert 20 * RATE <= events[2][1] < 20.1 * RATE and 21 * RATE <= events[3][1] <= 21.6 * RATE

@@ -2,9 +2,12 @@
 `server_vad`): a level gate on 20 ms frames, no model.
 
 A frame is speech when its RMS level is above `-60 + 50 * threshold` dBFS (threshold 0.5: -35 dBFS,
-quiet speech at a normal distance; 0: -60, 1: -10). A turn starts at the first of two speech frames
-in a row (one click is not a turn) and ends after `silence_ms` without speech. Positions are
-samples since the stream began, so the caller can cut its own buffer.
+quiet speech at a normal distance; 0: -60, 1: -10) and 9 dB above the noise floor: the quietest
+recent level, which follows a quieter frame at once and rises 5 dB a second, so a steady sound (a
+fan, a hum) stops counting as speech within seconds while speech, never without pauses for long,
+keeps its floor low. A turn starts at the first of two speech frames in a row (one click is not a
+turn) and ends after `silence_ms` without speech. Positions are samples since the stream began, so
+the caller can cut its own buffer.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import numpy as np
 
 _FRAME_S = 0.02
 _START_FRAMES = 2  # speech frames in a row that open a turn
+_ABOVE_FLOOR_DB = 9.0
+_FLOOR_RISE_DB = 5.0 * _FRAME_S  # a frame
+_FLOOR_MIN_DB = -100.0
 
 
 def level_db(threshold: float) -> float:
@@ -25,8 +31,8 @@ class TurnDetector:
         self.frame = int(rate * _FRAME_S)
         # Samples a start lies behind the audio that reveals it (its frames, and a partial one held over).
         self.lookback = (_START_FRAMES + 1) * self.frame
-        # (mean square of int16 samples at the gate: compared without a log per frame)
-        self.gate = (32768.0 * 10 ** (level_db(threshold) / 20)) ** 2
+        self.gate_db = level_db(threshold)
+        self.floor_db = _FLOOR_MIN_DB
         self.quiet_to_stop = max(1, round(silence_ms / 1000 / _FRAME_S))
         self.heard = at  # samples fed so far (`at`: the stream's position when this detector joins it)
         self.rest = np.zeros(0, dtype=np.int16)  # (a partial frame, carried to the next feed)
@@ -49,9 +55,11 @@ class TurnDetector:
         if n == 0:
             return []
         frames = samples[:n * self.frame].astype(np.float32).reshape(n, self.frame)
-        loud = (frames * frames).mean(axis=1) > self.gate
+        levels = 10 * np.log10(np.maximum((frames * frames).mean(axis=1), 1e-10) / 32768.0 ** 2)
         events = []
-        for k, is_loud in enumerate(loud.tolist()):
+        for k, db in enumerate(levels.tolist()):
+            self.floor_db = max(_FLOOR_MIN_DB, min(db, self.floor_db + _FLOOR_RISE_DB))
+            is_loud = db > self.gate_db and db > self.floor_db + _ABOVE_FLOOR_DB
             if not self.speaking:
                 self.loud_run = self.loud_run + 1 if is_loud else 0
                 if self.loud_run == _START_FRAMES:
