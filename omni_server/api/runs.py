@@ -76,15 +76,8 @@ def _usage(prompt: int, completion: int, cached: int) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-# A stage's refusal of a prompt its context cannot hold (vLLM's, or the stage's own room check): the
-# api's count of a prompt has one placeholder a media item, the stage's the item's tokens.
-_CONTEXT_REFUSALS = ("longer than the maximum model length", "this model's context is")
-
-
 def _delta_error(delta) -> APIError:
-    status = delta.error_code if delta.error_code in (400, 503) else 500
-    context = status == 400 and any(m in (delta.error or "") for m in _CONTEXT_REFUSALS)
-    return APIError(status, delta.error, code="context_length_exceeded" if context else None)
+    return APIError(delta.error_code if delta.error_code in (400, 503) else 500, delta.error, code=delta.error_type)
 
 
 class _Pipelined:

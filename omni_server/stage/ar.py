@@ -66,6 +66,13 @@ class _NoRoom(ValueError):
     """A prompt the context cannot hold (the client's request: a 400)."""
 
 
+class _OverContext(_NoRoom):
+    """A prompt, or it and the max_tokens asked, longer than the context."""
+
+
+_VLLM_TOO_LONG = "longer than the maximum model length"  # (vLLM's refusal of a prompt over the context)
+
+
 @dataclass
 class _Made:
     """A request vLLM's input processing made, ready to enter the engine."""
@@ -582,7 +589,7 @@ class ARStage(Stage):
         context = self.vllm_config.model_config.max_model_len
         if n > context or (spec.max_tokens_param and n + spec.max_tokens > context):
             asked = f" and {spec.max_tokens_param} {spec.max_tokens}" if n <= context else ""
-            raise _NoRoom(f"this model's context is {context} tokens: the prompt's "
+            raise _OverContext(f"this model's context is {context} tokens: the prompt's "
                           f"{'video takes' if len(videos) == 1 else f'{len(videos)} videos take'} "
                           f"{sum(counts)} of them ({VIDEO_FPS:g} frames a second), the prompt at least {n}{asked}; "
                           "a shorter or smaller video fits")
@@ -593,13 +600,15 @@ class ARStage(Stage):
         not a reply cut short as if it reached it."""
         context = self.vllm_config.model_config.max_model_len
         if n + spec.max_tokens > context:
-            raise ValueError(f"this model's context is {context} tokens: the prompt's {n} and "
+            raise _OverContext(f"this model's context is {context} tokens: the prompt's {n} and "
                              f"{spec.max_tokens_param} {spec.max_tokens} do not fit")
 
     def _reject(self, request_id: str, e: BaseException) -> None:
         if isinstance(e, ValueError):  # vLLM's check of the request (too long, bad params), bad media: the client's
             log.warning("stage %d: rejected %s: %s", self.stage_id, request_id, client_text(e))  # (not the media it echoes)
-            self.fail(request_id, f"stage {self.stage.name}: {client_text(e)}", code=400)
+            too_long = isinstance(e, _OverContext) or _VLLM_TOO_LONG in str(e)
+            self.fail(request_id, f"stage {self.stage.name}: {client_text(e)}", code=400,
+                      error_type="context_length_exceeded" if too_long else None)
         else:  # anything else is the server's: fail it, keep serving
             log.error("stage %d: could not add %s", self.stage_id, request_id, exc_info=e)
             self.fail(request_id, server_fault(f"stage {self.stage.name}: could not start the request", e))

@@ -457,8 +457,8 @@ class Stage:
         while len(self.aborted) > MAX_TOMBSTONES:
             self.aborted.popitem(last=False)
 
-    def fail(self, request_id: str, error: str, code: int = 500) -> None:
+    def fail(self, request_id: str, error: str, code: int = 500, error_type: str | None = None) -> None:
         self.abort([request_id])
         self.send_outputs([RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error,
-                                        error_code=code)])
+                                        error_code=code, error_type=error_type)])
 

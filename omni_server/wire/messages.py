@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import msgspec
 
-WIRE_VERSION = 7  # 7: SamplingSpec.max_tokens_param (6: SamplingSpec.stop; 5: RequestDelta.num_cached_tokens, StageStats.cached_tokens; 4: StageStats.underruns, underrun_s)
+WIRE_VERSION = 8  # 8: RequestDelta.error_type (7: SamplingSpec.max_tokens_param; 6: SamplingSpec.stop; 5: RequestDelta.num_cached_tokens, StageStats.cached_tokens; 4: StageStats.underruns, underrun_s)
 AUDIO_SAMPLE_RATE = 16000
 VIDEO_FPS = 2.0  # frames a second the api keeps of a video; the first stage's processor is told so
 
@@ -181,6 +181,9 @@ class RequestDelta(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     error: str | None = None
     # HTTP-like class of the error: 400 the request was invalid, 503 a stage is unavailable, 500 other.
     error_code: int = 500
+    # OpenAI's code for the error where it has one ("context_length_exceeded": the prompt, with its
+    # media expanded, or it and the max_tokens asked, are longer than the stage's context).
+    error_type: str | None = None
     # Per new token (requests asking for logprobs): [sampled, top 1, ..., top k] ids and their
     # log-probabilities under the model (before temperature and penalties).
     logprob_token_ids: list[list[int]] = []
