@@ -72,7 +72,7 @@ def _pcm16(piece, rate: int) -> bytes:
     samples = audio._to_numpy(piece)
     if rate != RATE:
         samples = audio._resample(samples, rate, RATE)
-    return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+    return audio.encode_audio(np.clip(samples, -1.0, 1.0), RATE, "pcm")
 
 
 class Session:

@@ -119,7 +119,9 @@ def media_parts(i: int, cfg: BenchConfig) -> list[dict]:
         parts.append({"type": "image_url", "image_url": {"url": _image_data_url(seed, i, *cfg.image)}})
     if cfg.video:
         parts.append({"type": "video_url", "video_url": {"url": _video_data_url(seed, i, *cfg.video)}})
-    if cfg.input_audio_s > 0:
+    if cfg.input_audio_s > 0 and cfg.realtime:  # (a Realtime item's part: 24 kHz PCM16)
+        parts.append({"type": "input_audio", "audio": _tone_pcm_b64(seed, i, cfg.input_audio_s)})
+    elif cfg.input_audio_s > 0:
         parts.append({"type": "input_audio", "input_audio": {"data": _tone_wav_b64(seed, i, cfg.input_audio_s),
                                                              "format": "wav"}})
     return parts
@@ -248,7 +250,7 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, i: int, media: list[
     if cfg.speech:
         return await _one_speech(client, cfg, i)
     if cfg.realtime:
-        return await _one_realtime(cfg, i)
+        return await _one_realtime(cfg, i, media)
     text = prompt(i, cfg.prompt_words)
     content = [*media, {"type": "text", "text": text}] if media else text
     messages = [{"role": "user", "content": content}]
@@ -313,7 +315,7 @@ async def _one_speech(client: httpx.AsyncClient, cfg: BenchConfig, i: int) -> di
     return audio.result(None, tokens, error)
 
 
-async def _one_realtime(cfg: BenchConfig, i: int) -> dict:
+async def _one_realtime(cfg: BenchConfig, i: int, media: list[dict]) -> dict:
     from websockets.asyncio.client import connect
     from websockets.exceptions import WebSocketException
 
@@ -326,9 +328,7 @@ async def _one_realtime(cfg: BenchConfig, i: int) -> dict:
         session["instructions"] = shared_prefix(cfg.shared_prefix_words)
     if cfg.voice:
         session["audio"]["output"] = {"voice": cfg.voice}
-    content = [{"type": "input_text", "text": prompt(i, cfg.prompt_words)}]
-    if cfg.input_audio_s > 0:
-        content.insert(0, {"type": "input_audio", "audio": _tone_pcm_b64(cfg.media_seed or 0, i, cfg.input_audio_s)})
+    content = [*media, {"type": "input_text", "text": prompt(i, cfg.prompt_words)}]
     audio = _WavStream(time.perf_counter())
     audio.rate = 24000  # (raw PCM16 deltas, no header)
     times: dict = {"ttft": None, "error": None, "done": None, "end": None}
