@@ -527,6 +527,7 @@ def test_a_prompt_over_the_limit_is_400_naming_its_field(tiny_models, tmp_path):
         r = c.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3, 4]}, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         assert "4 tokens, the limit is 3" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "context_length_exceeded"  # (OpenAI's code for it)
 
 
 def test_the_prompt_limit_is_the_context_length_the_engine_settled_on(tiny_models, tmp_path):

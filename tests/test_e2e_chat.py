@@ -107,8 +107,9 @@ def test_a_max_tokens_the_context_cannot_hold_after_the_media_is_400(client):
     ran, rendered = first.usage.prompt_tokens, len(first.model_extra["prompt_token_ids"])
     assert ran > rendered + 20
     with pytest.raises(openai.BadRequestError, match=f"context is 2048 tokens: the prompt's {ran} and "
-                                                     f"max_completion_tokens {2049 - ran} do not fit"):
+                                                     f"max_completion_tokens {2049 - ran} do not fit") as refused:
         client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=2049 - ran)
+    assert refused.value.code == "context_length_exceeded"  # (the stage's count: OpenAI's code still)
     # (at the context's edge it runs: a stream's first chunk comes, then the client leaves)
     with client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2048 - ran, stream=True) as s:
         assert next(iter(s)).choices[0].delta.role == "assistant"

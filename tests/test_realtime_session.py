@@ -264,3 +264,35 @@ def test_after_a_reply_left_too_little_room_the_next_prompt_starts_later():
     assert [e["error"]["param"] for e in sent if e["type"] == "error"] == ["item.foo", "item.content[0].y"]
     first, second = ([m["content"][0]["text"] for m in b["messages"] if m["role"] == "user"] for b in bodies)
     assert first == ["t0", "t1", "t2", "t3"] and second == ["t1", "t2", "t3"]
+
+
+def test_settings_it_cannot_honour_are_refused_and_metadata_comes_back():
+    sent, runs = [], []
+
+    async def send(event):
+        sent.append(event)
+
+    async def chat(body):
+        runs.append(_FakeRun(["a"]))
+        return runs[-1]
+
+    async def talk():
+        s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None)
+        for session in ({"model": "other"}, {"include": ["item.input_audio_transcription.logprobs"]},
+                        {"prompt": {"id": "pmpt_1"}}, {"audio": {"input": {"transcription": {"model": "x", "foo": 1}}}}):
+            await _event(s, type="session.update", session=session)
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _event(s, type="response.create", response={"metadata": {"k": 1}})
+        await _event(s, type="response.create", response={"audio": {"output": {"format": {"type": "audio/pcmu"}}}})
+        await _event(s, type="response.create", response={"metadata": {"turn": "7"}})
+        await s.response
+
+    asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [(e["code"], e["param"]) for e in errors] == [
+        ("model_not_found", "session.model"), ("invalid_value", "session.include"),
+        ("invalid_value", "session.prompt"), ("unknown_parameter", "session.audio.input.transcription.foo"),
+        ("invalid_value", "response.metadata"), ("invalid_value", "response.audio.output.format")], errors
+    done = next(e["response"] for e in sent if e["type"] == "response.done")
+    assert done["metadata"] == {"turn": "7"} and len(runs) == 1
