@@ -415,3 +415,41 @@ def test_media_tokens_past_the_context_truncate_too_and_max_output_tokens_is_a_c
         "data": _wav_b64(clip), "format": "wav"}}]}], spoken=False, max_tokens=done.response.usage.output_tokens)
     assert done.response.usage.input_tokens == chat.usage.prompt_tokens
     assert text == chat.choices[0].message.content
+
+
+def test_output_speed_and_the_idle_timeout(speech_server):
+    """audio.output.speed 1.5: the spoken reply is the chat's audio in 1 / 1.5 of its samples.
+    server_vad's idle_timeout_ms: with nothing said after that reply's audio has played, the
+    server says input_audio_buffer.timeout_triggered, commits the (empty: 100 ms of silence) buffer
+    as the user's turn and answers the conversation with it."""
+    async def talk():
+        async with _connect(speech_server) as conn:
+            await _until(conn, "session.created")
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {"temperature": 0, "audio": {
+                "output": {"speed": 1.5},
+                "input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 300}}}}}))
+            updated = await _until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Say something."}]})
+            first = await _response(conn, max_output_tokens=8)
+            events: list = []
+            timeout = await _until(conn, "input_audio_buffer.timeout_triggered", events)
+            assert not events  # (nothing between the reply and the timeout)
+            answer = await _until(conn, "response.done", events)
+            return updated, first, timeout, events, answer
+
+    updated, (done, transcript, pcm, _), timeout, events, answer = asyncio.run(talk())
+    assert updated.session.audio.output.speed == 1.5
+    assert updated.session.audio.input.turn_detection.idle_timeout_ms == 300
+    asked = [{"role": "user", "content": "Say something."}]
+    chat = _chat(speech_server, asked, spoken=True, max_tokens=8)
+    assert transcript == chat.choices[0].message.audio.transcript
+    assert len(pcm) // 2 == round(len(base64.b64decode(chat.choices[0].message.audio.data)) // 2 / 1.5) > 0
+    committed = next(e for e in events if e.type == "input_audio_buffer.committed")
+    assert committed.item_id == timeout.item_id and timeout.audio_end_ms >= timeout.audio_start_ms == 0
+    silence = {"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": _wav_b64(bytes(2 * 2400)), "format": "wav"}}]}
+    chat2 = _chat(speech_server, asked + [{"role": "assistant", "content": transcript}, silence], spoken=False,
+                  max_tokens=1)
+    assert answer.response.status in ("completed", "incomplete")
+    assert answer.response.usage.input_tokens == chat2.usage.prompt_tokens

@@ -197,7 +197,7 @@ def test_what_a_session_refuses_at_once():
         bad = [
             {"type": "session.update", "session": {"bogus": 1}},
             {"type": "session.update", "session": {"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}},
-            {"type": "session.update", "session": {"audio": {"output": {"speed": 1.5}}}},
+            {"type": "session.update", "session": {"audio": {"output": {"speed": 1.6}}}},
             {"type": "session.update", "session": {"tool_choice": "required"}},
             {"type": "response.create", "response": {"tools": [{"type": "function", "name": "f"}]}},
             {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
@@ -296,3 +296,103 @@ def test_settings_it_cannot_honour_are_refused_and_metadata_comes_back():
         ("invalid_value", "response.metadata"), ("invalid_value", "response.audio.output.format")], errors
     done = next(e["response"] for e in sent if e["type"] == "response.done")
     assert done["metadata"] == {"turn": "7"} and len(runs) == 1
+
+
+class _SpokenRun(_FakeRun):
+    """A chat run that says one word and `seconds` of a 200 Hz tone at 24 kHz, in 0.1 s pieces."""
+
+    def __init__(self, seconds: float):
+        super().__init__(["hi"])
+        self.seconds = seconds
+
+    async def stream_from(self, first):
+        yield "text", "hi"
+        self.completion_tokens += 1
+        n = int(self.seconds * RATE)
+        wave = 0.3 * np.sin(2 * np.pi * 200 * np.arange(n) / RATE).astype(np.float32)
+        for k in range(0, n, RATE // 10):
+            await asyncio.sleep(0)
+            yield "audio", (wave[k:k + RATE // 10], RATE)
+
+
+def _spoken_session(sent: list, runs: list, seconds: float) -> Session:
+    loop = asyncio.get_running_loop()
+
+    async def send(event):
+        sent.append({**event, "at": loop.time()})
+
+    async def chat(body):
+        runs.append(_SpokenRun(seconds))
+        return runs[-1]
+
+    return Session("m", send, chat, voices=["v"], has_audio=True, max_buffer_s=5.0, audio_cap=None)
+
+
+def _heard_samples(sent: list, response_id: str) -> int:
+    return sum(len(base64.b64decode(e["delta"])) // 2 for e in sent
+               if e["type"] == "response.output_audio.delta" and e["response_id"] == response_id)
+
+
+def test_output_speed_stretches_the_spoken_reply():
+    """audio.output.speed: 1 s of generated speech comes out as 1 / speed seconds (the stretch's
+    flush included), the session echoes the speed, and a speed past OpenAI's 0.25-1.5 is refused."""
+    sent, runs = [], []
+
+    async def talk():
+        s = _spoken_session(sent, runs, 1.0)
+        await _event(s, type="session.update", session={"audio": {"output": {"speed": 2.0}}})
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        for speed in (1.5, 0.5, 1.0):
+            await _event(s, type="session.update", session={"audio": {"output": {"speed": speed}}})
+            await _event(s, type="response.create")
+            await s.response
+
+    asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [e["param"] for e in errors] == ["session.audio.output.speed"]
+    assert [e["session"]["audio"]["output"]["speed"] for e in sent if e["type"] == "session.updated"] == [1.5, 0.5, 1.0]
+    done = [e["response"] for e in sent if e["type"] == "response.done"]
+    assert [d["status"] for d in done] == ["completed"] * 3
+    assert [_heard_samples(sent, d["id"]) for d in done] == [16000, 48000, 24000]
+
+
+def test_idle_timeout_answers_a_silent_user_after_the_reply_has_played():
+    """server_vad with idle_timeout_ms: after a reply with 0.3 s of audio, no speech for the
+    timeout (0.2 s) past its playback commits the buffer as a user turn and answers it
+    (input_audio_buffer.timeout_triggered first); speech under way stops the timer."""
+    sent, runs = [], []
+
+    async def talk():
+        s = _spoken_session(sent, runs, 0.3)
+        await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": {
+            "type": "server_vad", "idle_timeout_ms": 50000000}}}})
+        await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": {
+            "type": "server_vad", "idle_timeout_ms": 200, "create_response": False}}}})
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _event(s, type="response.create")
+        await s.response
+        await _event(s, type="input_audio_buffer.append", audio=_b64(_quiet(0.05)))
+        await asyncio.sleep(0.75)
+        await s.response  # (the one the timeout made)
+        await _event(s, type="input_audio_buffer.append", audio=_b64(_tone(0.2)))  # (a turn starts)
+        await asyncio.sleep(1.0)
+        await s.close()
+        return s
+
+    s = asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [e["param"] for e in errors] == ["session.audio.input.turn_detection.idle_timeout_ms"]
+    kinds = [e["type"] for e in sent]
+    assert kinds.count("input_audio_buffer.timeout_triggered") == 1 and kinds.count("response.done") == 2
+    done = next(e for e in sent if e["type"] == "response.done")
+    timeout = next(e for e in sent if e["type"] == "input_audio_buffer.timeout_triggered")
+    assert timeout["at"] - done["at"] >= 0.5  # (0.3 s of playback, then 0.2 s)
+    committed = next(e for e in sent if e["type"] == "input_audio_buffer.committed")
+    assert committed["item_id"] == timeout["item_id"] and timeout["audio_end_ms"] == 50
+    assert len(s.audio_of[timeout["item_id"]]) == 2 * int(0.1 * RATE)  # (50 ms heard, padded to the least item)
+    assert [i["role"] for i in s.items] == ["user", "assistant", "user", "assistant"]
+    assert kinds.index("input_audio_buffer.timeout_triggered") < kinds.index("input_audio_buffer.committed") \
+        < kinds.index("response.created", kinds.index("input_audio_buffer.timeout_triggered"))
+    assert kinds[-1] == "input_audio_buffer.speech_started"

@@ -32,6 +32,7 @@ import numpy as np
 
 from omni_server.api import audio
 from omni_server.api.errors import APIError
+from omni_server.api.stretch import TimeStretch
 from omni_server.api.turns import TurnDetector
 
 log = logging.getLogger(__name__)
@@ -67,11 +68,14 @@ def _wav_b64(pcm: bytes) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _pcm16(piece, rate: int) -> bytes:
-    """A waveform piece as 24 kHz little-endian PCM16 (resampled per piece if the vocoder's rate differs)."""
+def _pcm16(piece, rate: int, stretch: TimeStretch | None = None) -> bytes:
+    """A waveform piece as 24 kHz little-endian PCM16 (resampled per piece if the vocoder's rate
+    differs), through the output speed's time-stretch when there is one."""
     samples = audio._to_numpy(piece)
     if rate != RATE:
         samples = audio._resample(samples, rate, RATE)
+    if stretch is not None:
+        samples = stretch.push(samples)
     return audio.encode_audio(np.clip(samples, -1.0, 1.0), RATE, "pcm")
 
 
@@ -102,6 +106,7 @@ class Session:
         self.config: dict[str, Any] = {
             "instructions": None, "output_modalities": ["audio"] if has_audio else ["text"],
             "voice": voices[0] if voices else None, "max_output_tokens": "inf",
+            "speed": 1.0,  # (spoken replies time-stretched to this speed, pitch kept: stretch.py)
             "temperature": None,  # (an extension, as the beta API had: None, the text stage's default)
             "transcription": None,  # {"model", "language", "prompt"}: user audio items transcribed
             "turn_detection": dict(_VAD),  # (None: the client ends each turn)
@@ -123,6 +128,8 @@ class Session:
         self.cut_short: int | None = None
         self.response: asyncio.Task | None = None
         self.reply: Reply | None = None
+        self.idle: asyncio.Task | None = None  # (server_vad's idle_timeout_ms: the timer running)
+        self.closed = False
 
     # ---- events out ------------------------------------------------------------------------
 
@@ -145,7 +152,7 @@ class Session:
             "tool_choice": "auto",
             "audio": {"input": {"format": _FORMAT, "turn_detection": c["turn_detection"],
                                 "transcription": c["transcription"]},
-                      "output": {"format": _FORMAT, "voice": c["voice"]}},
+                      "output": {"format": _FORMAT, "voice": c["voice"], "speed": c["speed"]}},
         }
 
     # ---- events in -------------------------------------------------------------------------
@@ -173,7 +180,9 @@ class Session:
             await self.error(e, event_id)
 
     async def close(self) -> None:
-        """The socket is gone: abort the running response and transcriptions."""
+        """The socket is gone: abort the running response, transcriptions and the idle timer."""
+        self.closed = True
+        self._disarm_idle()
         for task in self.transcribing.values():
             task.cancel()
         for task in self.transcribing.values():
@@ -204,9 +213,8 @@ class Session:
         _only(spoken, {"format", "voice", "speed"}, "session.audio.output")
         if heard.get("noise_reduction") is not None:
             raise EventError("`noise_reduction` is not served (null)", param="session.audio.input.noise_reduction")
-        if spoken.get("speed") not in (None, 1, 1.0):
-            raise EventError("`speed` is not served here (1.0; /v1/audio/speech takes a speed)",
-                             param="session.audio.output.speed")
+        if spoken.get("speed") is not None:
+            config["speed"] = _speed(spoken["speed"], "session.audio.output.speed")
         if "turn_detection" in heard:
             config["turn_detection"] = _turn_detection(heard["turn_detection"])
         if "transcription" in heard:
@@ -215,10 +223,13 @@ class Session:
             if fmt is not None and fmt != _FORMAT and fmt != {"type": "audio/pcm"}:
                 raise EventError(f"audio {where} format must be {json.dumps(_FORMAT)} (PCM16, mono, 24 kHz)",
                                  param=f"session.audio.{where}.format")
-        if config["turn_detection"] != self.config["turn_detection"]:
+        retimed = config["turn_detection"] != self.config["turn_detection"]
+        if retimed:
             self.detector = self._detector(config["turn_detection"])  # (a turn under way is dropped)
             self.turn_item = self.cut_short = None
         self.config = config
+        if retimed and not self._responding():
+            self._arm_idle(0.0)  # (the user is idle from now: counted under the new setting, or not at all)
         await self.send("session.updated", session=self.session_object())
 
     def _detector(self, vad: dict[str, Any] | None) -> TurnDetector | None:
@@ -384,6 +395,7 @@ class Session:
                 self.cut_short = None
                 del self.buffer[:(at - self.buffer_at) * 2]
                 self.buffer_at, self.turn_item = at, _new_id("item")
+                self._disarm_idle()
                 await self.send("input_audio_buffer.speech_started", audio_start_ms=at * 1000 // RATE,
                                 item_id=self.turn_item)
                 if vad["interrupt_response"] and self._responding() and self.reply.keep:
@@ -420,6 +432,53 @@ class Session:
                 await self._response_create({})
         except (EventError, APIError) as e:  # (said; the session and its audio go on)
             await self.error(e, None)
+        if not self._responding():
+            self._arm_idle(0.0)
+
+    # ---- server_vad's idle timeout -------------------------------------------------------------
+
+    def _arm_idle(self, playback_s: float) -> None:
+        """With `idle_timeout_ms`, a response is made when the user says nothing for that long after
+        the last response's audio has played (`playback_s` from now: its response.done) or after their
+        last turn. Speech, a response starting, or new turn detection settings stop the timer."""
+        self._disarm_idle()
+        vad = self.config["turn_detection"]
+        if self.closed or vad is None or vad["idle_timeout_ms"] is None or self.turn_item is not None:
+            return
+        self.idle = asyncio.create_task(self._idle(playback_s, vad["idle_timeout_ms"] / 1000))
+
+    def _disarm_idle(self) -> None:
+        if self.idle is not None and self.idle is not asyncio.current_task():
+            self.idle.cancel()
+        self.idle = None
+
+    def _heard_ms(self) -> int:
+        return (self.buffer_at + len(self.buffer) // 2) * 1000 // RATE
+
+    async def _idle(self, playback_s: float, timeout_s: float) -> None:
+        await asyncio.sleep(playback_s)
+        start_ms = self._heard_ms()
+        await asyncio.sleep(timeout_s)
+        if self._responding() or self.turn_item is not None:
+            return
+        self.idle = None
+        # What the buffer holds (in server_vad, outside a turn: the last prefix padding's worth; none
+        # when the client sends no audio) is committed as the user's turn, at least 100 ms of it.
+        least = int(_MIN_COMMIT_S * RATE) * 2
+        pcm = bytes(self.buffer)[-self.max_item_bytes:]
+        pcm = bytes(least - len(pcm)) + pcm if len(pcm) < least else pcm
+        self.buffer_at += len(self.buffer) // 2
+        self.buffer, self.cut_short, item_id = bytearray(), None, _new_id("item")
+        try:
+            await self.send("input_audio_buffer.timeout_triggered", audio_start_ms=start_ms,
+                            audio_end_ms=self._heard_ms(), item_id=item_id)
+            await self._room_for(len(pcm))
+            await self._add_audio(pcm, item_id)
+            await self._response_create({})
+        except (EventError, APIError) as e:  # (said; the timer starts again after the next response or turn)
+            await self.error(e, None)
+        except Exception:  # (the server's fault: logged, the session goes on)
+            log.exception("realtime %s: the idle timeout's response failed", self.id)
 
     def _responding(self) -> bool:
         return self.response is not None and not self.response.done()
@@ -631,6 +690,7 @@ class Session:
         reply = Reply(self, config, keep=given.get("conversation", "auto") == "auto")
         reply.metadata = metadata
         await reply.begin()  # (a refusal by the chat path is this event's error; nothing started)
+        self._disarm_idle()
         self.reply, self.response = reply, asyncio.create_task(reply.stream())
 
     async def _response_cancel(self, event: dict) -> None:
@@ -737,8 +797,14 @@ def _turn_detection(value: Any) -> dict[str, Any] | None:
         if not isinstance(vad[key], bool):
             raise EventError(f"`{key}` must be true or false", param=f"{param}.{key}")
     if vad["idle_timeout_ms"] is not None:
-        raise EventError("`idle_timeout_ms` is not served (null)", param=f"{param}.idle_timeout_ms")
+        number("idle_timeout_ms", 100, 600000, whole=True)
     return vad
+
+
+def _speed(value: Any, param: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.25 <= value <= 1.5:
+        return float(value)
+    raise EventError("`speed` must be a number from 0.25 to 1.5 (1: as generated)", param=param)
 
 
 def _max_tokens(value: Any, param: str) -> int | str:
@@ -760,6 +826,9 @@ class Reply:
         self.s, self.config, self.keep = session, config, keep
         self.id, self.item_id = _new_id("resp"), _new_id("item")
         self.spoken = config["output_modalities"] == ["audio"]
+        # The output speed: a time-stretch of the 24 kHz audio as it streams (a speed changed while
+        # this reply runs applies from the next, as OpenAI's does).
+        self.stretch = TimeStretch(RATE, config["speed"]) if self.spoken and config["speed"] != 1 else None
         self.run = None
         self.text: list[str] = []
         self.samples = 0  # (24 kHz samples sent)
@@ -883,9 +952,9 @@ class Reply:
                     await s.send(name, delta=value, **where)
                 elif self.spoken:
                     wave_piece, rate = value
-                    pcm = await asyncio.to_thread(_pcm16, wave_piece, rate)
-                    self.samples += len(pcm) // 2
-                    await s.send("response.output_audio.delta", delta=base64.b64encode(pcm).decode(), **where)
+                    await self._audio(await asyncio.to_thread(_pcm16, wave_piece, rate, self.stretch))
+            if self.stretch is not None:  # (the stretch's last frames)
+                await self._audio(audio.encode_audio(np.clip(self.stretch.flush(), -1.0, 1.0), RATE, "pcm"))
             if self.run.finish_reason == "length":
                 status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         except asyncio.CancelledError:
@@ -904,6 +973,11 @@ class Reply:
             status, details = "failed", {"type": "failed", "error": {"type": "server_error", "code": None,
                                                                       "message": f"{type(e).__name__}"}}
         await self._finish(status, details, where, previous)
+
+    async def _audio(self, pcm: bytes) -> None:
+        if pcm:
+            self.samples += len(pcm) // 2
+            await self.s.send("response.output_audio.delta", delta=base64.b64encode(pcm).decode(), **self._where())
 
     async def _finish(self, status: str, details: dict | None, where: dict, previous: str | None) -> None:
         s, text = self.s, "".join(self.text)
@@ -930,6 +1004,7 @@ class Reply:
             self._leave_room()
         if self.keep and s.audio_cap is not None and len(s._audio_items()) >= s.audio_cap:
             s._read_ahead(also_latest=True)  # (the next audio item pushes the latest past the cap)
+        s._arm_idle(self.samples / RATE)
 
 
 _HANDLERS: dict[str, Callable[[Session, dict], Awaitable[None]]] = {
