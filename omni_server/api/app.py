@@ -210,23 +210,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.logprobs and state.text_stage is None:
             raise APIError(400, f"model `{state.cfg.model}` has no text output for logprobs", param="logprobs")
-        outputs = _modalities(state, body)
-        _check_tools(state, body, outputs)
-        decoded, prompt_ids = await _chat_prompt(state, body)
-        options = _stage_options({}, body)
-        audio_format = None
-        if "audio" in outputs:
-            options[VOICE_OPTION] = state.check_voice(body.audio.voice if body.audio else None, "audio.voice")
-            audio_format = _check_format(body.audio.format if body.audio else "wav", "audio.format")
-        sampling = _sampling(state, body)
-        _check_room(state, [prompt_ids], body)
-        orch = _orch(state)
-        # One pipeline request per choice, with ids derived from the completion's (n = 1: its own).
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        reqs = await _submit(state, orch, _request_ids(completion_id, body.n), [prompt_ids] * body.n, [_choice_sampling(sampling, i) for i in range(body.n)],
-                             outputs, options, decoded)
-        completion = Completion(completion_id, [Run(state, orch, req, body, prompt_ids, audio_format, index=i)
-                                                 for i, req in enumerate(reqs)])
+        completion = await _start_chat(state, body, "chatcmpl")
         if body.stream:
             return await _streamed(request, completion, completion.sse)
         return await _until_disconnect(request, completion.collect(), completion.abort)
@@ -718,6 +702,33 @@ def _check_bias(state: ServerState, bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
+async def _start_chat(state: ServerState, body: ChatCompletionRequest, id_prefix: str, voice_param: str = "audio.voice",
+                      ceiling: bool = False) -> Completion:
+    """A chat body checked and submitted: one pipeline request per choice, with ids derived from the
+    completion's (n = 1: its own). `ceiling`: max_tokens bounds the reply instead of being refused
+    when the context cannot hold it after the prompt (the Realtime API's max_output_tokens)."""
+    outputs = _modalities(state, body)
+    _check_tools(state, body, outputs)
+    decoded, prompt_ids = await _chat_prompt(state, body)
+    options = _stage_options({}, body)
+    audio_format = None
+    if "audio" in outputs:
+        options[VOICE_OPTION] = state.check_voice(body.audio.voice if body.audio else None, voice_param)
+        audio_format = _check_format(body.audio.format if body.audio else "wav", "audio.format")
+    sampling = _sampling(state, body)
+    if ceiling:  # (a reply runs to the context at most)
+        for spec in sampling.values():
+            spec.max_tokens_param = ""
+    else:
+        _check_room(state, [prompt_ids], body)
+    orch = _orch(state)
+    completion_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    reqs = await _submit(state, orch, _request_ids(completion_id, body.n), [prompt_ids] * body.n,
+                         [_choice_sampling(sampling, i) for i in range(body.n)], outputs, options, decoded)
+    return Completion(completion_id, [Run(state, orch, req, body, prompt_ids, audio_format, index=i)
+                                      for i, req in enumerate(reqs)])
+
+
 async def _realtime_run(state: ServerState, raw: dict[str, Any]) -> Run:
     """A Realtime response's chat turn (one choice, streamed), checked and submitted as
     /v1/chat/completions would."""
@@ -727,17 +738,8 @@ async def _realtime_run(state: ServerState, raw: dict[str, Any]) -> Run:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise APIError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg"))) from None
-    outputs = _modalities(state, body)
-    decoded, prompt_ids = await _chat_prompt(state, body)
-    options = _stage_options({}, body)
-    if "audio" in outputs:
-        options[VOICE_OPTION] = state.check_voice(body.audio.voice, "audio.output.voice")
-    sampling = _sampling(state, body)
-    for spec in sampling.values():  # (max_output_tokens is a ceiling: a reply runs to the context at most)
-        spec.max_tokens_param = ""
-    orch = _orch(state)
-    [req] = await _submit(state, orch, [f"rt-{uuid.uuid4().hex}"], [prompt_ids], [sampling], outputs, options, decoded)
-    return Run(state, orch, req, body, prompt_ids, "pcm" if "audio" in outputs else None)
+    [run] = (await _start_chat(state, body, "rt", voice_param="audio.output.voice", ceiling=True)).runs
+    return run
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any], abort: Callable[[], Awaitable[None]]):
