@@ -453,3 +453,34 @@ def test_output_speed_and_the_idle_timeout(speech_server):
                   max_tokens=1)
     assert answer.response.status in ("completed", "incomplete")
     assert answer.response.usage.input_tokens == chat2.usage.prompt_tokens
+
+
+def test_an_image_item_is_seen_as_the_chats_image(speech_server):
+    """A user item with an input_image (a data: URL) and text: the written reply equals the greedy
+    chat of the same picture and words; an undecodable image is refused at create."""
+    from PIL import Image
+
+    rgb = np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    async def talk():
+        async with _connect(speech_server) as conn:
+            await _until(conn, "session.created")
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {"temperature": 0}}))
+            await _until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]})
+            refused = await _until(conn, "error")
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is this?"}]})
+            return refused, await _response(conn, output_modalities=["text"], max_output_tokens=5)
+
+    refused, (done, text, _, _) = asyncio.run(talk())
+    assert refused.error.param == "item.content[0].image_url"
+    chat = _chat(speech_server, [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]}],
+        spoken=False, max_tokens=5)
+    assert done.response.usage.input_tokens == chat.usage.prompt_tokens > 20
+    assert text == chat.choices[0].message.content

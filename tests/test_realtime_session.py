@@ -396,3 +396,83 @@ def test_idle_timeout_answers_a_silent_user_after_the_reply_has_played():
     assert kinds.index("input_audio_buffer.timeout_triggered") < kinds.index("input_audio_buffer.committed") \
         < kinds.index("response.created", kinds.index("input_audio_buffer.timeout_triggered"))
     assert kinds[-1] == "input_audio_buffer.speech_started"
+
+
+def _png(width: int, height: int, seed: int = 0) -> str:
+    import io
+
+    from PIL import Image
+
+    rgb = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _image_item(url: str, detail: str | None = None, text: str | None = None) -> dict:
+    part = {"type": "input_image", "image_url": url} | ({"detail": detail} if detail else {})
+    return {"type": "message", "role": "user",
+            "content": [part] + ([{"type": "input_text", "text": text}] if text else [])}
+
+
+def test_images_in_items_the_latest_the_pipeline_sees_a_prompt():
+    """input_image parts (data URLs, checked at create): a prompt holds the latest `image_cap`
+    images (older ones left out); `detail: low` sends the image within 512 x 512; a conversation
+    keeps 4 prompts' worth (the oldest image item deleted past that); bad images are refused."""
+    import io
+
+    from PIL import Image
+
+    sent: list = []
+    s = Session("m", lambda e: _append(sent, e), _no_chat, voices=[], has_audio=False, max_buffer_s=1.0,
+                audio_cap=None, image_cap=1, image_limits=(8 << 20, 1 << 20))
+    a, b = _png(64, 48, 1), _png(1024, 768, 2)
+
+    async def talk():
+        for item in (_image_item(a, text="first"), _image_item(b, detail="low", text="second"),
+                     _image_item("https://example.com/x.png"), _image_item("data:image/png;base64,AAAA"),
+                     _image_item(_png(1100, 1000)), _image_item(a, detail="ultra")):
+            await _event(s, type="conversation.item.create", item=item)
+        first, second = s.items[0]["id"], s.items[1]["id"]
+        await _event(s, type="conversation.item.retrieve", item_id=second)
+        body = s.chat_body(s.config)
+        for k in range(3):
+            await _event(s, type="conversation.item.create", item=_image_item(a, text=f"more {k}"))
+        return first, second, body
+
+    first, second, body = asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [e["param"] for e in errors] == ["item.content[0].image_url"] * 3 + ["item.content[0]"], errors
+    assert "pixels" in errors[2]["message"]
+    assert body["messages"][0]["content"] == [{"type": "text", "text": "first"}]  # (past the cap: left out)
+    [image_part, text_part] = body["messages"][1]["content"]
+    assert text_part == {"type": "text", "text": "second"}
+    low = image_part["image_url"]["url"]
+    with Image.open(io.BytesIO(base64.b64decode(low.split(",", 1)[1]))) as img:
+        assert img.size == (512, 384)
+    got = next(e for e in sent if e["type"] == "conversation.item.retrieved")["item"]
+    assert got["content"][0] == {"type": "input_image", "detail": "low", "image_url": low}
+    added = [e["item"] for e in sent if e["type"] == "conversation.item.added"]
+    assert all("image_url" not in p for i in added for p in i["content"])  # (not echoed back in each event)
+    assert [e["item_id"] for e in sent if e["type"] == "conversation.item.deleted"] == [first]
+    assert len(s.items) == 4 and second in s.images_of
+
+
+def test_images_past_the_cap_with_truncation_disabled_and_a_model_without_images():
+    sent: list = []
+    s = Session("m", lambda e: _append(sent, e), _no_chat, voices=[], has_audio=False, max_buffer_s=1.0,
+                audio_cap=None, image_cap=1, image_limits=(1 << 20, 1 << 20))
+    none = Session("m", lambda e: _append(sent, e), _no_chat, voices=[], has_audio=False, max_buffer_s=1.0,
+                   audio_cap=None, image_cap=0)
+
+    async def talk():
+        await _event(s, type="session.update", session={"truncation": "disabled"})
+        for k in range(2):
+            await _event(s, type="conversation.item.create", item=_image_item(_png(8, 8, k)))
+        await _event(s, type="response.create")
+        await _event(none, type="conversation.item.create", item=_image_item(_png(8, 8)))
+
+    asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [e["code"] for e in errors] == ["too_many_images", "invalid_value"], errors
+    assert "takes no images" in errors[1]["message"] and not none.items

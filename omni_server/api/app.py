@@ -262,7 +262,8 @@ def create_app(state: ServerState) -> FastAPI:
         session = realtime.Session(state.cfg.model, send, lambda body: _realtime_run(state, body), voices=voices,
                                    has_audio=state.audio_stage is not None, max_buffer_s=state.cfg.server.max_audio_seconds,
                                    audio_cap=media.cap(state.cfg, "audio"), clip_s=state.audio_clip_s,
-                                   context=state.context,
+                                   context=state.context, image_cap=media.cap(state.cfg, "image"),
+                                   image_limits=(state.cfg.server.max_request_bytes, state.cfg.server.max_image_pixels),
                                    transcription_turn=None if state.text_stage is None else lambda language, prompt:
                                    transcription.messages(state.cfg.server, transcription.instruction(
                                        state.cfg.server, language, prompt)))

@@ -1,6 +1,7 @@
 """OpenAI's Realtime API over a WebSocket (`/v1/realtime?model=...`, the `openai` client's
 `realtime.connect`), with turns the client ends: it appends 24 kHz PCM16 audio to the input buffer,
-commits it as a user item (or creates text items), then asks for a response (`response.create`).
+commits it as a user item (or creates items of text, audio or images), then asks for a response
+(`response.create`).
 
 A response is a chat turn over the conversation so far: the session's instructions as the system
 message, user audio as `input_audio` (WAV of the buffer), earlier replies as their text or
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_server.api import audio
+from omni_server.api import audio, image
 from omni_server.api.errors import APIError
 from omni_server.api.stretch import TimeStretch
 from omni_server.api.turns import TurnDetector
@@ -41,6 +42,8 @@ RATE = 24000  # the Realtime API's PCM rate, in and out
 _FORMAT = {"type": "audio/pcm", "rate": RATE}
 _MIN_COMMIT_S = 0.1  # (OpenAI's least committed audio)
 _KEPT_BUFFERS = 4  # a conversation keeps at most this many full input buffers of audio
+_KEPT_PROMPTS = 4  # ... and this many prompts' worth of images (16 where a prompt's images are not limited)
+_LOW_DETAIL = 512  # an image with `detail: low` is seen within this many pixels a side (OpenAI's low)
 # OpenAI's server_vad defaults (a session starts with it on, as theirs do)
 _VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
         "create_response": True, "interrupt_response": True, "idle_timeout_ms": None}
@@ -86,7 +89,8 @@ class Session:
     def __init__(self, model: str, send: Callable[[dict], Awaitable[None]],
                  start_chat: Callable[[dict], Awaitable[Any]], *, voices: list[str], has_audio: bool,
                  max_buffer_s: float, audio_cap: int | None, clip_s: float | None = None, context: int = 0,
-                 transcription_turn: Callable[[str | None, str | None], list[dict]] | None = None):
+                 transcription_turn: Callable[[str | None, str | None], list[dict]] | None = None,
+                 image_cap: int | None = 0, image_limits: tuple[int, int] = (0, 0)):
         self.model, self._send, self.start_chat = model, send, start_chat
         self.voices, self.has_audio = voices, has_audio
         self.max_buffer_bytes = int(max_buffer_s * RATE) * 2
@@ -97,6 +101,10 @@ class Session:
         # audio a conversation keeps in all (what the server holds for one socket).
         self.audio_cap = audio_cap
         self.max_kept_bytes = _KEPT_BUFFERS * self.max_buffer_bytes
+        # Images a prompt may hold (stage 0's limit_mm_per_prompt; 0: none taken; None: any), those a
+        # conversation keeps, and an image's (data URL bytes, pixels) limits.
+        self.image_cap, self.image_limits = image_cap, image_limits
+        self.max_kept_images = _KEPT_PROMPTS * (image_cap or 4)
         # (language, prompt) -> the transcription chat turn, its audio part a {"type": "audio"}
         # placeholder; None: the pipeline cannot transcribe (no text stage).
         self.transcription_turn = transcription_turn
@@ -118,6 +126,7 @@ class Session:
         self.context = context  # stage 0's context length (0: not known)
         self.items: list[dict[str, Any]] = []  # the conversation, as the client sees its items
         self.audio_of: dict[str, bytes] = {}  # a user audio item's PCM16
+        self.images_of: dict[str, list[str]] = {}  # a user item's images (data URLs), one an input_image part
         self.spoken_ms: dict[str, int] = {}  # an assistant audio item's length (conversation.item.truncate)
         self.buffer = bytearray()
         self.buffer_at = 0  # the session's sample index of buffer[0] (turn detection cuts the buffer)
@@ -535,11 +544,11 @@ class Session:
         content = given.get("content")
         if not isinstance(content, list) or not content:
             raise EventError("`item.content` must be a non-empty list of parts", param="item.content")
-        parts, pcm = [], None  # (one audio part an item: its transcript is the item's)
+        parts, pcm, images = [], None, []  # (one audio part an item: its transcript is the item's)
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             param = f"item.content[{j}]"
-            _only(part, {"type", "text", "audio", "transcript"}, param)
+            _only(part, {"type", "text", "audio", "transcript", "image_url", "detail"}, param)
             if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
                 parts.append({"type": kind, "text": part["text"]})
             elif (kind == "input_audio" and role == "user" and isinstance(part.get("audio"), str) and pcm is None
@@ -549,11 +558,16 @@ class Session:
                 except ValueError:
                     raise EventError("`audio` is not valid base64", param=f"{param}.audio") from None
                 parts.append({"type": "input_audio", "transcript": part.get("transcript")})
+            elif (kind == "input_image" and role == "user" and isinstance(part.get("image_url"), str)
+                  and part.get("detail") in (None, "auto", "low", "high")):
+                images.append(await self._image(part["image_url"], part.get("detail"), f"{param}.image_url"))
+                parts.append({"type": "input_image", "detail": part.get("detail") or "auto"})
             elif kind == "output_audio" and role == "assistant" and isinstance(part.get("transcript"), str):
                 parts.append({"type": "output_audio", "transcript": part["transcript"]})  # (read by its transcript)
             else:
                 raise EventError(f"{param}: unsupported part {kind!r} (input_text; in a user item one input_audio: "
-                                 "base64 `audio`, a string `transcript` if any; in an assistant item output_text, "
+                                 "base64 `audio`, a string `transcript` if any, and input_image: a data: URL "
+                                 "`image_url`, `detail` auto, low or high; in an assistant item output_text, "
                                  "or output_audio by its `transcript`)", param=param)
         if pcm is not None:
             if len(pcm) % 2:
@@ -568,6 +582,7 @@ class Session:
         if after not in (None, "root") and not any(i["id"] == after for i in self.items):
             raise EventError(f"no item {after!r} to insert after", code="item_not_found", param="previous_item_id")
         await self._room_for(len(pcm), spare=after)
+        await self._room_for_images(len(images), spare=after)
         item = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
                 "content": parts}
         at = len(self.items) if after is None else 0 if after == "root" else \
@@ -576,10 +591,42 @@ class Session:
         self.items.insert(at, item)
         await self.send("conversation.item.added", previous_item_id=previous, item=item)
         await self.send("conversation.item.done", previous_item_id=previous, item=item)
+        if images:
+            self.images_of[item_id] = images
         if pcm:
             self.audio_of[item_id] = pcm
             if _transcript_of(item) is None:
                 self._transcribe(item_id)
+
+    async def _image(self, url: str, detail: str | None, param: str) -> str:
+        """An input_image's data URL, checked as a chat's image is (format, bytes, pixels); with
+        `detail: low`, the image within 512 x 512 (a PNG of it)."""
+        if self.image_cap == 0:
+            raise EventError(f"model `{self.model}` takes no images (stage 0's limit_mm_per_prompt)", param=param)
+        max_bytes, max_pixels = self.image_limits
+        try:
+            rgb = await asyncio.to_thread(lambda: image.decode_image(image.image_data_url(url, max_bytes=max_bytes),
+                                                                     max_pixels=max_pixels))
+        except image.ImageError as e:
+            raise EventError(f"{param}: {e}", param=param) from None
+        if detail == "low" and max(rgb.shape[:2]) > _LOW_DETAIL:
+            return await asyncio.to_thread(_low_detail, rgb)
+        return url
+
+    async def _room_for_images(self, more: int, spare: str | None = None) -> None:
+        """Room for `more` images in what the conversation keeps: with truncation `auto` the oldest
+        items holding images are deleted (conversation.item.deleted; not `spare`); `disabled`: an error."""
+        kept = sum(map(len, self.images_of.values()))
+        if kept + more <= self.max_kept_images:
+            return
+        if self.config["truncation"] == "disabled" or more > self.max_kept_images:
+            raise EventError(f"the conversation would hold over {self.max_kept_images} images; delete earlier "
+                             "items first (conversation.item.delete)", code="conversation_too_large")
+        for item_id in [i["id"] for i in self.items if i["id"] in self.images_of and i["id"] != spare]:
+            if kept + more <= self.max_kept_images:
+                break
+            kept -= len(self.images_of[item_id])
+            await self._forget(item_id)
 
     async def _room_for(self, more: int, spare: str | None = None) -> None:
         """Room for `more` bytes of audio in what the conversation keeps: with truncation `auto` the
@@ -610,6 +657,7 @@ class Session:
     async def _forget(self, item_id: str) -> None:
         self.items = [i for i in self.items if i["id"] != item_id]
         self.audio_of.pop(item_id, None)
+        self.images_of.pop(item_id, None)
         self.spoken_ms.pop(item_id, None)
         self.read_as.pop(item_id, None)
         task = self.transcribing.pop(item_id, None)
@@ -625,6 +673,10 @@ class Session:
         if item_id in self.audio_of:  # (a user audio item comes back with its audio, as OpenAI's does)
             item = {**item, "content": [{**p, "audio": base64.b64encode(self.audio_of[item_id]).decode()}
                                         if p["type"] == "input_audio" else p for p in item["content"]]}
+        if item_id in self.images_of:  # (and its images)
+            urls = iter(self.images_of[item_id])
+            item = {**item, "content": [{**p, "image_url": next(urls)} if p["type"] == "input_image" else p
+                                        for p in item["content"]]}
         await self.send("conversation.item.retrieved", item=item)
 
     async def _item_truncate(self, event: dict) -> None:
@@ -670,6 +722,11 @@ class Session:
         if not any(i["role"] == "user" for i in self.items):
             raise EventError("the conversation has no user item yet: commit audio or create a user item first",
                              code="conversation_empty")
+        images = sum(map(len, self.images_of.values()))
+        if self.config["truncation"] == "disabled" and self.image_cap is not None and images > self.image_cap:
+            raise EventError(f"the conversation holds {images} images; this pipeline sees at most {self.image_cap} "
+                             "a prompt (stage 0's limit_mm_per_prompt): delete earlier ones, or set truncation "
+                             "auto to leave the oldest out", code="too_many_images")
         self._read_ahead(also_latest=False)
         for item_id in self._read_items():  # (their transcripts stand for them: wait for those under way)
             task = self.transcribing.get(item_id)
@@ -722,16 +779,27 @@ class Session:
         ids = self._audio_items()
         return [] if self.audio_cap is None or len(ids) <= self.audio_cap else ids[:len(ids) - self.audio_cap]
 
+    def _shown_images(self, skip: int) -> set[tuple[str, int]]:
+        """The images a prompt from item `skip` on holds: the latest stage 0 takes a prompt (the
+        older are left out, as truncation leaves out old items), as (item id, index in the item)."""
+        images = [(i["id"], k) for i in self.items[skip:] for k in range(len(self.images_of.get(i["id"], [])))]
+        return set(images if self.image_cap is None else images[-self.image_cap:] if self.image_cap else [])
+
     def chat_body(self, config: dict[str, Any], skip: int = 0) -> dict[str, Any]:
         """The conversation as a chat request, less its first `skip` items (the instructions stay)."""
         messages: list[dict[str, Any]] = []
         if config["instructions"]:
             messages.append({"role": "system", "content": config["instructions"]})
         read = set(self._read_items())
+        shown = self._shown_images(skip)
         for item in self.items[skip:]:
-            parts = []
+            parts, urls = [], iter(enumerate(self.images_of.get(item["id"], [])))
             for part in item["content"]:
-                if part["type"] == "input_audio" and item["id"] in self.audio_of and item["id"] not in read:
+                if part["type"] == "input_image":
+                    k, url = next(urls)
+                    if (item["id"], k) in shown:
+                        parts.append({"type": "image_url", "image_url": {"url": url}})
+                elif part["type"] == "input_audio" and item["id"] in self.audio_of and item["id"] not in read:
                     parts.append({"type": "input_audio",
                                   "input_audio": {"data": _wav_b64(self.audio_of[item["id"]]), "format": "wav"}})
                 elif part["type"] == "input_audio":  # (read: by its transcript)
@@ -739,7 +807,7 @@ class Session:
                 elif part.get("text") is not None or part.get("transcript") is not None:
                     parts.append({"type": "text", "text": part.get("text") or part.get("transcript") or ""})
             if item["role"] == "user":
-                messages.append({"role": "user", "content": parts})
+                messages.append({"role": "user", "content": parts or [{"type": "text", "text": ""}]})
             else:  # (a system or assistant turn is text: an assistant's spoken reply by its transcript)
                 messages.append({"role": item["role"], "content": "".join(p.get("text", "") for p in parts)})
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True}
@@ -758,6 +826,17 @@ _SESSION_FIELDS = {"type", "model", "instructions", "output_modalities", "max_ou
                    "tools", "tool_choice", "truncation", "include", "tracing", "prompt"}
 _RESPONSE_FIELDS = {"conversation", "input", "instructions", "output_modalities", "max_output_tokens", "temperature",
                     "audio", "tools", "tool_choice", "metadata", "prompt"}
+
+
+def _low_detail(rgb: np.ndarray) -> str:
+    """An image within 512 x 512 (aspect kept), as a PNG data URL."""
+    from PIL import Image
+
+    img = Image.fromarray(rgb)
+    img.thumbnail((_LOW_DETAIL, _LOW_DETAIL), Image.Resampling.BICUBIC)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def _only(given: Any, known: set[str], where: str) -> None:
