@@ -484,3 +484,33 @@ def test_an_image_item_is_seen_as_the_chats_image(speech_server):
         spoken=False, max_tokens=5)
     assert done.response.usage.input_tokens == chat.usage.prompt_tokens > 20
     assert text == chat.choices[0].message.content
+
+
+def test_a_transcription_session_transcribes_detected_turns(speech_server):
+    """`intent=transcription`: silence, a 1 s tone, silence; the detected turn is committed and its
+    transcript (deltas, then completed) equals /v1/audio/transcriptions of exactly that audio; a
+    response.create is refused and the session goes on."""
+    client = openai.AsyncOpenAI(base_url=f"{speech_server.base_url}/v1", api_key="x", max_retries=0)
+
+    async def talk():
+        async with client.realtime.connect(model=MODEL, extra_query={"intent": "transcription"}) as conn:
+            created = await _until(conn, "session.created")
+            await conn.response.create()
+            refused = await _until(conn, "error")
+            audio = QUIET + PCM + QUIET + QUIET
+            for k in range(0, len(audio), 4800):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(audio[k:k + 4800]).decode())
+            events: list = []
+            done = await _until(conn, "conversation.item.input_audio_transcription.completed", events)
+            return created, refused, events, done
+
+    created, refused, events, done = asyncio.run(talk())
+    assert created.session.type == "transcription" and refused.error.code == "unsupported_event"
+    committed = next(e for e in events if e.type == "input_audio_buffer.committed")
+    deltas = [e.delta for e in events if e.type == "conversation.item.input_audio_transcription.delta"]
+    assert done.item_id == committed.item_id and "".join(deltas) == done.transcript and len(deltas) > 1
+    turn = (QUIET + PCM + QUIET)[2 * 4800:2 * 48000]  # (0.2 s to 2.0 s: 300 ms padding, 500 ms of silence)
+    sync = openai.OpenAI(base_url=f"{speech_server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    wav = io.BytesIO(base64.b64decode(_wav_b64(turn)))
+    assert done.transcript == sync.audio.transcriptions.create(model=MODEL, file=("turn.wav", wav)).text
+    assert done.usage.input_tokens > 0

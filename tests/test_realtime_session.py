@@ -476,3 +476,58 @@ def test_images_past_the_cap_with_truncation_disabled_and_a_model_without_images
     errors = [e["error"] for e in sent if e["type"] == "error"]
     assert [e["code"] for e in errors] == ["too_many_images", "invalid_value"], errors
     assert "takes no images" in errors[1]["message"] and not none.items
+
+
+def test_a_transcription_session_transcribes_each_turn_and_makes_no_responses():
+    """intent=transcription: server_vad turns are committed and transcribed (delta events as the
+    text comes, then completed); response and item events, conversation settings, a null
+    transcription and response-making turn detection are refused."""
+    sent, bodies = [], []
+
+    async def send(event):
+        sent.append(event)
+
+    async def chat(body):
+        bodies.append(body)
+        return _FakeRun(["he", "llo"])
+
+    async def talk():
+        s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=5.0, audio_cap=None, kind="transcription",
+                    transcription_turn=lambda language, prompt: [{"role": "user", "content": [
+                        {"type": "audio"}, {"type": "text", "text": f"say {language}"}]}])
+        await s.start()
+        for event in ({"type": "response.create"}, {"type": "conversation.item.create", "item": {}},
+                      {"type": "session.update", "session": {"type": "realtime"}},
+                      {"type": "session.update", "session": {"instructions": "x"}},
+                      {"type": "session.update", "session": {"audio": {"output": {"voice": "v"}}}},
+                      {"type": "session.update", "session": {"audio": {"input": {"transcription": None}}}},
+                      {"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+                          "type": "server_vad", "create_response": True}}}}}):
+            await s.receive(json.dumps(event))
+        await _event(s, type="session.update", session={"type": "transcription", "audio": {"input": {
+            "transcription": {"model": "m", "language": "en"}}}})
+        for piece in (_quiet(0.5), _tone(1.0), _quiet(1.0)):
+            await _event(s, type="input_audio_buffer.append", audio=_b64(piece))
+        await asyncio.gather(*s.transcribing.values())
+        return s
+
+    s = asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [(e["code"], e["param"]) for e in errors] == [
+        ("unsupported_event", "type"), ("unsupported_event", "type"), ("invalid_value", "session.type"),
+        ("unknown_parameter", "session.instructions"), ("unknown_parameter", "session.audio.output"),
+        ("invalid_value", "session.audio.input.transcription"),
+        ("invalid_value", "session.audio.input.turn_detection.create_response")], errors
+    created = sent[0]["session"]
+    assert created["type"] == "transcription" and created["audio"]["input"]["transcription"]["model"] == "m"
+    assert created["audio"]["input"]["turn_detection"]["create_response"] is False
+    kinds = [e["type"] for e in sent if e["type"] != "error"]
+    assert kinds[-8:] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                          "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done",
+                          "conversation.item.input_audio_transcription.delta",
+                          "conversation.item.input_audio_transcription.delta",
+                          "conversation.item.input_audio_transcription.completed"], kinds
+    assert [e["delta"] for e in sent if e["type"].endswith("transcription.delta")] == ["he", "llo"]
+    assert sent[-1]["transcript"] == "hello" and s.items[0]["content"][0]["transcript"] == "hello"
+    [body] = bodies
+    assert body["modalities"] == ["text"] and body["messages"][0]["content"][1]["text"] == "say en"

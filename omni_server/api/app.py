@@ -242,14 +242,22 @@ def create_app(state: ServerState) -> FastAPI:
         return await _until_disconnect(request, out.collect(), out.abort)
 
     @app.websocket("/v1/realtime")
-    async def realtime_session(ws: WebSocket, model: str | None = None):
-        """OpenAI's Realtime API, turns ended by the client (api/realtime.py): each response a chat
-        turn over the session's conversation on the chat path."""
+    async def realtime_session(ws: WebSocket, model: str | None = None, intent: str | None = None):
+        """OpenAI's Realtime API (api/realtime.py): each response a chat turn over the session's
+        conversation on the chat path; with `intent=transcription`, audio turns transcribed."""
         await ws.accept()
+        refusal = None
         if model is not None and model != state.cfg.model:
+            refusal = ("model_not_found", "model", f"model `{model}` is not served here; this server serves "
+                                                   f"`{state.cfg.model}`")
+        elif intent not in (None, "transcription"):
+            refusal = ("invalid_value", "intent", "`intent` is transcription, or left out (a conversation)")
+        elif intent == "transcription" and state.text_stage is None:
+            refusal = ("invalid_value", "intent", f"model `{state.cfg.model}` has no text output to transcribe with")
+        if refusal is not None:
+            code, param, message = refusal
             await ws.send_json({"type": "error", "event_id": f"event_{uuid.uuid4().hex[:20]}", "error": {
-                "type": "invalid_request_error", "code": "model_not_found", "param": "model", "event_id": None,
-                "message": f"model `{model}` is not served here; this server serves `{state.cfg.model}`"}})
+                "type": "invalid_request_error", "code": code, "param": param, "event_id": None, "message": message}})
             await ws.close(code=1008)
             return
         lock = asyncio.Lock()
@@ -263,6 +271,7 @@ def create_app(state: ServerState) -> FastAPI:
                                    has_audio=state.audio_stage is not None, max_buffer_s=state.cfg.server.max_audio_seconds,
                                    audio_cap=media.cap(state.cfg, "audio"), clip_s=state.audio_clip_s,
                                    context=state.context, image_cap=media.cap(state.cfg, "image"),
+                                   kind=intent or "realtime",
                                    image_limits=(state.cfg.server.max_request_bytes, state.cfg.server.max_image_pixels),
                                    transcription_turn=None if state.text_stage is None else lambda language, prompt:
                                    transcription.messages(state.cfg.server, transcription.instruction(

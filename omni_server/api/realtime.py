@@ -90,8 +90,11 @@ class Session:
                  start_chat: Callable[[dict], Awaitable[Any]], *, voices: list[str], has_audio: bool,
                  max_buffer_s: float, audio_cap: int | None, clip_s: float | None = None, context: int = 0,
                  transcription_turn: Callable[[str | None, str | None], list[dict]] | None = None,
-                 image_cap: int | None = 0, image_limits: tuple[int, int] = (0, 0)):
+                 image_cap: int | None = 0, image_limits: tuple[int, int] = (0, 0), kind: str = "realtime"):
         self.model, self._send, self.start_chat = model, send, start_chat
+        # "realtime": a conversation with responses; "transcription" (`?intent=transcription`): each
+        # committed turn of audio transcribed, no responses
+        self.kind = kind
         self.voices, self.has_audio = voices, has_audio
         self.max_buffer_bytes = int(max_buffer_s * RATE) * 2
         # The longest audio item: what stage 0 hears of one clip (None: whole clips), within the buffer;
@@ -111,17 +114,21 @@ class Session:
         self.transcribing: dict[str, asyncio.Task] = {}
         self.read_as: dict[str, str] = {}  # the session's own transcripts (no input transcription asked)
         self.id = _new_id("sess")
+        if kind == "transcription" and transcription_turn is None:
+            raise ValueError(f"model `{model}` has no text output to transcribe with")
         self.config: dict[str, Any] = {
             "instructions": None, "output_modalities": ["audio"] if has_audio else ["text"],
             "voice": voices[0] if voices else None, "max_output_tokens": "inf",
             "speed": 1.0,  # (spoken replies time-stretched to this speed, pitch kept: stretch.py)
             "temperature": None,  # (an extension, as the beta API had: None, the text stage's default)
             "transcription": None,  # {"model", "language", "prompt"}: user audio items transcribed
-            "turn_detection": dict(_VAD),  # (None: the client ends each turn)
+            "turn_detection": _turn_detection({"type": "server_vad"}, kind),  # (None: the client ends each turn)
             # auto: a response's prompt leaves out the oldest items the context cannot hold, and the
             # oldest audio gives way past what a session keeps; disabled: errors instead
             "truncation": "auto",
         }
+        if kind == "transcription":
+            self.config["transcription"] = {"model": model, "language": None, "prompt": None}
         self.first_kept: str | None = None  # the oldest item the last response's prompt held (truncation)
         self.context = context  # stage 0's context length (0: not known)
         self.items: list[dict[str, Any]] = []  # the conversation, as the client sees its items
@@ -153,6 +160,10 @@ class Session:
 
     def session_object(self) -> dict[str, Any]:
         c = self.config
+        if self.kind == "transcription":
+            return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
+                    "include": None, "audio": {"input": {"format": _FORMAT, "turn_detection": c["turn_detection"],
+                                                         "transcription": c["transcription"], "noise_reduction": None}}}
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
             "output_modalities": c["output_modalities"], "instructions": c["instructions"] or "",
@@ -180,10 +191,11 @@ class Session:
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise EventError("an event is a JSON object with a string `type`", param="type")
             event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
-            handler = _HANDLERS.get(event["type"])
+            handlers = _TRANSCRIPTION_HANDLERS if self.kind == "transcription" else _HANDLERS
+            handler = handlers.get(event["type"])
             if handler is None:
-                raise EventError(f"unsupported event type {event['type']!r} (this server takes: "
-                                 f"{', '.join(sorted(_HANDLERS))})", code="unsupported_event", param="type")
+                raise EventError(f"unsupported event type {event['type']!r} (a {self.kind} session takes: "
+                                 f"{', '.join(sorted(handlers))})", code="unsupported_event", param="type")
             await handler(self, event)
         except (EventError, APIError) as e:
             await self.error(e, event_id)
@@ -206,10 +218,13 @@ class Session:
         given = event.get("session")
         if not isinstance(given, dict):
             raise EventError("`session` must be an object", param="session")
-        if given.get("type", "realtime") != "realtime":
-            raise EventError("only `realtime` sessions (not transcription) are served here", param="session.type")
+        if given.get("type", self.kind) != self.kind:
+            raise EventError(f"this is a {self.kind} session: its type is set when it opens (a transcription "
+                             "session: /v1/realtime?intent=transcription)", param="session.type")
+        _only(given, _TRANSCRIPTION_FIELDS if self.kind == "transcription" else _SESSION_FIELDS, "session")
+        if self.kind == "transcription" and isinstance(given.get("audio"), dict):
+            _only(given["audio"], {"input"}, "session.audio")
         config = self._settings(given, "session")
-        _only(given, _SESSION_FIELDS, "session")
         if given.get("model") not in (None, self.model):
             raise EventError(f"this session serves `{self.model}`", code="model_not_found", param="session.model")
         if given.get("include"):
@@ -225,9 +240,12 @@ class Session:
         if spoken.get("speed") is not None:
             config["speed"] = _speed(spoken["speed"], "session.audio.output.speed")
         if "turn_detection" in heard:
-            config["turn_detection"] = _turn_detection(heard["turn_detection"])
+            config["turn_detection"] = _turn_detection(heard["turn_detection"], self.kind)
         if "transcription" in heard:
             config["transcription"] = self._transcription(heard["transcription"])
+            if config["transcription"] is None and self.kind == "transcription":
+                raise EventError("a transcription session transcribes: `transcription` is {model, language, "
+                                 "prompt}, not null", param="session.audio.input.transcription")
         for where, fmt in (("input", heard.get("format")), ("output", spoken.get("format"))):
             if fmt is not None and fmt != _FORMAT and fmt != {"type": "audio/pcm"}:
                 raise EventError(f"audio {where} format must be {json.dumps(_FORMAT)} (PCM16, mono, 24 kHz)",
@@ -329,7 +347,12 @@ class Session:
         try:
             run = await self.start_chat(body)
             try:
-                pieces = [value async for kind, value in run.stream_from(await run.first()) if kind == "text"]
+                pieces = []
+                async for kind, value in run.stream_from(await run.first()):
+                    if kind == "text" and value:
+                        pieces.append(value)
+                        if announce:
+                            await self.send("conversation.item.input_audio_transcription.delta", **where, delta=value)
             except BaseException:
                 await run.abort()
                 raise
@@ -822,6 +845,7 @@ class Session:
         return body
 
 
+_TRANSCRIPTION_FIELDS = {"type", "audio", "include"}
 _SESSION_FIELDS = {"type", "model", "instructions", "output_modalities", "max_output_tokens", "temperature", "audio",
                    "tools", "tool_choice", "truncation", "include", "tracing", "prompt"}
 _RESPONSE_FIELDS = {"conversation", "input", "instructions", "output_modalities", "max_output_tokens", "temperature",
@@ -851,8 +875,10 @@ def _transcript_of(item: dict[str, Any]) -> str | None:
     return next((p.get("transcript") for p in item["content"] if p["type"] == "input_audio"), None)
 
 
-def _turn_detection(value: Any) -> dict[str, Any] | None:
-    """A session's `turn_detection`: null (the client ends turns) or server_vad (the turns module's level gate)."""
+def _turn_detection(value: Any, kind: str = "realtime") -> dict[str, Any] | None:
+    """A session's `turn_detection`: null (the client ends turns) or server_vad (the turns module's
+    level gate; in a transcription session it makes no responses: `create_response`,
+    `interrupt_response` false and no `idle_timeout_ms`)."""
     param = "session.audio.input.turn_detection"
     if value is None:
         return None
@@ -862,7 +888,14 @@ def _turn_detection(value: Any) -> dict[str, Any] | None:
     unknown = set(value) - set(_VAD)
     if unknown:
         raise EventError(f"unknown turn_detection field(s): {', '.join(sorted(unknown))}", param=param)
-    vad = {**_VAD, **{k: v for k, v in value.items() if v is not None}}
+    quiet = {"create_response": False, "interrupt_response": False} if kind == "transcription" else {}
+    vad = {**_VAD, **quiet, **{k: v for k, v in value.items() if v is not None}}
+    for key in quiet:
+        if vad[key] is not False:
+            raise EventError(f"a transcription session makes no responses: `{key}` is false", param=f"{param}.{key}")
+    if kind == "transcription" and vad["idle_timeout_ms"] is not None:
+        raise EventError("a transcription session makes no responses: no `idle_timeout_ms`",
+                         param=f"{param}.idle_timeout_ms")
 
     def number(key: str, low: float, high: float, whole: bool) -> None:
         v = vad[key]
@@ -1098,3 +1131,7 @@ _HANDLERS: dict[str, Callable[[Session, dict], Awaitable[None]]] = {
     "response.create": Session._response_create,
     "response.cancel": Session._response_cancel,
 }
+# (a transcription session: audio in, its turns transcribed; no responses, no items of the client's)
+_TRANSCRIPTION_HANDLERS = {k: v for k, v in _HANDLERS.items()
+                           if k.startswith(("session.", "input_audio_buffer.")) or k in (
+                               "conversation.item.delete", "conversation.item.retrieve")}
