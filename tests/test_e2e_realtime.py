@@ -514,3 +514,30 @@ def test_a_transcription_session_transcribes_detected_turns(speech_server):
     wav = io.BytesIO(base64.b64decode(_wav_b64(turn)))
     assert done.transcript == sync.audio.transcriptions.create(model=MODEL, file=("turn.wav", wav)).text
     assert done.usage.input_tokens > 0
+
+
+def test_an_out_of_band_response_reads_its_own_input(speech_server):
+    """response.create with conversation none and its own `input` (a reference to a conversation
+    item and a new text item): the greedy chat of exactly those messages; the conversation is left
+    as it was."""
+    async def talk():
+        async with _connect(speech_server) as conn:
+            await _until(conn, "session.created")
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {
+                "temperature": 0, "instructions": "Be brief."}}))
+            await _until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Hello there."}]})
+            first = (await _until(conn, "conversation.item.done")).item.id
+            got = await _response(conn, conversation="none", output_modalities=["text"], max_output_tokens=4,
+                                  input=[{"type": "item_reference", "id": first},
+                                         {"type": "message", "role": "user",
+                                          "content": [{"type": "input_text", "text": "Is it spam?"}]}])
+            return got
+
+    done, text, _, events = asyncio.run(talk())
+    assert done.response.conversation_id is None and "conversation.item.added" not in [e.type for e in events]
+    chat = _chat(speech_server, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there."},
+                                 {"role": "user", "content": "Is it spam?"}], spoken=False, max_tokens=4)
+    assert done.response.usage.input_tokens == chat.usage.prompt_tokens
+    assert text == chat.choices[0].message.content

@@ -531,3 +531,52 @@ def test_a_transcription_session_transcribes_each_turn_and_makes_no_responses():
     assert sent[-1]["transcript"] == "hello" and s.items[0]["content"][0]["transcript"] == "hello"
     [body] = bodies
     assert body["modalities"] == ["text"] and body["messages"][0]["content"][1]["text"] == "say en"
+
+
+def test_a_response_with_its_own_input():
+    """response.input: the prompt holds those items (references to the conversation's, or new
+    ones) instead of the conversation; `[]` the instructions alone; with conversation none the
+    reply stays out of the conversation, with auto it joins it. Bad inputs are refused."""
+    sent, bodies = [], []
+
+    async def send(event):
+        sent.append(event)
+
+    async def chat(body):
+        bodies.append(body)
+        return _FakeRun(["ok"])
+
+    async def talk():
+        s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=1)
+        await _event(s, type="session.update", session={"instructions": "sys"})
+        for role, text in (("user", "a"), ("assistant", "b")):
+            await _event(s, type="conversation.item.create", item={"type": "message", "role": role, "content": [
+                {"type": "input_text" if role == "user" else "output_text", "text": text}]})
+        first = s.items[0]["id"]
+        new = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "c"}]}
+        for response in ({"input": "x"}, {"input": [{"type": "item_reference", "id": "nope"}]},
+                         {"input": [{"type": "item_reference", "id": first}, {"type": "item_reference", "id": first}]},
+                         {"input": [{"type": "message", "role": "user", "content": [
+                             {"type": "input_audio", "audio": _b64(_tone(0.2))}]}, {"type": "message", "role": "user",
+                             "content": [{"type": "input_audio", "audio": _b64(_tone(0.2))}]}]}):
+            await _event(s, type="response.create", response=response)
+        await _event(s, type="response.create", response={"conversation": "none", "input": [
+            {"type": "item_reference", "id": first}, new]})
+        await s.response
+        assert len(s.items) == 2
+        await _event(s, type="response.create", response={"conversation": "none", "input": []})
+        await s.response
+        await _event(s, type="response.create", response={"input": [new]})
+        await s.response
+        return s
+
+    s = asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [(e["code"], e["param"]) for e in errors] == [
+        ("invalid_value", "response.input"), ("item_not_found", "response.input[0].id"),
+        ("invalid_value", "response.input[1].id"), ("too_many_audio_items", None)], errors
+    assert [m["content"] for m in bodies[0]["messages"]] == ["sys", [{"type": "text", "text": "a"}],
+                                                             [{"type": "text", "text": "c"}]]
+    assert bodies[1]["messages"] == [{"role": "system", "content": "sys"}]
+    assert [i["role"] for i in s.items] == ["user", "assistant", "assistant"]
+    assert s.items[-1]["content"][0]["text"] == "ok"

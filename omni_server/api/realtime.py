@@ -27,7 +27,7 @@ import logging
 import uuid
 import wave
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -47,6 +47,13 @@ _LOW_DETAIL = 512  # an image with `detail: low` is seen within this many pixels
 # OpenAI's server_vad defaults (a session starts with it on, as theirs do)
 _VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
         "create_response": True, "interrupt_response": True, "idle_timeout_ms": None}
+
+
+class Context(NamedTuple):
+    """What a response's prompt is made of: its items, their audio (PCM16) and images (data URLs)."""
+    items: list[dict[str, Any]]
+    audio_of: dict[str, bytes]
+    images_of: dict[str, list[str]]
 
 
 class EventError(Exception):
@@ -555,22 +562,46 @@ class Session:
         self._transcribe(item["id"])
 
     async def _item_create(self, event: dict) -> None:
-        given = event.get("item")
+        item, pcm, images = await self._new_item(event.get("item"), "item")
+        item_id = item["id"]
+        if any(i["id"] == item_id for i in self.items):
+            raise EventError(f"an item with id {item_id!r} exists", param="item.id")
+        after = event.get("previous_item_id")  # ("root": the conversation's start)
+        if after not in (None, "root") and not any(i["id"] == after for i in self.items):
+            raise EventError(f"no item {after!r} to insert after", code="item_not_found", param="previous_item_id")
+        await self._room_for(len(pcm), spare=after)
+        await self._room_for_images(len(images), spare=after)
+        at = len(self.items) if after is None else 0 if after == "root" else \
+            next(k for k, i in enumerate(self.items) if i["id"] == after) + 1
+        previous = self.items[at - 1]["id"] if at else None
+        self.items.insert(at, item)
+        if images:
+            self.images_of[item_id] = images
+        if pcm:
+            self.audio_of[item_id] = pcm
+        await self.send("conversation.item.added", previous_item_id=previous, item=item)
+        await self.send("conversation.item.done", previous_item_id=previous, item=item)
+        if pcm and _transcript_of(item) is None:
+            self._transcribe(item_id)
+
+    async def _new_item(self, given: Any, where: str) -> tuple[dict[str, Any], bytes, list[str]]:
+        """A message item the client gives (`conversation.item.create`, `response.input`), checked:
+        the item, its audio (PCM16, b"" if none) and its images (data URLs)."""
         if not isinstance(given, dict) or given.get("type", "message") != "message":
-            raise EventError("only message items are supported (no function calls here)", param="item.type")
-        _only(given, {"id", "type", "object", "role", "content", "status"}, "item")
+            raise EventError("only message items are supported (no function calls here)", param=f"{where}.type")
+        _only(given, {"id", "type", "object", "role", "content", "status"}, where)
         if given.get("status") not in (None, "completed"):
-            raise EventError("a created item's `status` is completed", param="item.status")
+            raise EventError("a created item's `status` is completed", param=f"{where}.status")
         role = given.get("role")
         if role not in ("user", "assistant", "system"):
-            raise EventError("`item.role` must be user, assistant or system", param="item.role")
+            raise EventError(f"`{where}.role` must be user, assistant or system", param=f"{where}.role")
         content = given.get("content")
         if not isinstance(content, list) or not content:
-            raise EventError("`item.content` must be a non-empty list of parts", param="item.content")
+            raise EventError(f"`{where}.content` must be a non-empty list of parts", param=f"{where}.content")
         parts, pcm, images = [], None, []  # (one audio part an item: its transcript is the item's)
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            param = f"item.content[{j}]"
+            param = f"{where}.content[{j}]"
             _only(part, {"type", "text", "audio", "transcript", "image_url", "detail"}, param)
             if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
                 parts.append({"type": kind, "text": part["text"]})
@@ -595,31 +626,12 @@ class Session:
         if pcm is not None:
             if len(pcm) % 2:
                 raise EventError("an item's audio must be whole PCM16 samples (an even number of bytes)",
-                                 param="item.content")
-            self._check_length(len(pcm), "item.content")
-        pcm = pcm or b""
+                                 param=f"{where}.content")
+            self._check_length(len(pcm), f"{where}.content")
         item_id = given.get("id") if isinstance(given.get("id"), str) and given["id"] else _new_id("item")
-        if any(i["id"] == item_id for i in self.items):
-            raise EventError(f"an item with id {item_id!r} exists", param="item.id")
-        after = event.get("previous_item_id")  # ("root": the conversation's start)
-        if after not in (None, "root") and not any(i["id"] == after for i in self.items):
-            raise EventError(f"no item {after!r} to insert after", code="item_not_found", param="previous_item_id")
-        await self._room_for(len(pcm), spare=after)
-        await self._room_for_images(len(images), spare=after)
         item = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
                 "content": parts}
-        at = len(self.items) if after is None else 0 if after == "root" else \
-            next(k for k, i in enumerate(self.items) if i["id"] == after) + 1
-        previous = self.items[at - 1]["id"] if at else None
-        self.items.insert(at, item)
-        await self.send("conversation.item.added", previous_item_id=previous, item=item)
-        await self.send("conversation.item.done", previous_item_id=previous, item=item)
-        if images:
-            self.images_of[item_id] = images
-        if pcm:
-            self.audio_of[item_id] = pcm
-            if _transcript_of(item) is None:
-                self._transcribe(item_id)
+        return item, pcm or b"", images
 
     async def _image(self, url: str, detail: str | None, param: str) -> str:
         """An input_image's data URL, checked as a chat's image is (format, bytes, pixels); with
@@ -739,27 +751,33 @@ class Session:
         fmt = ((given.get("audio") or {}).get("output") or {}).get("format")
         if fmt is not None and fmt != _FORMAT and fmt != {"type": "audio/pcm"}:
             raise EventError(f"audio output format must be {json.dumps(_FORMAT)}", param="response.audio.output.format")
-        if given.get("conversation", "auto") not in ("auto", "none") or given.get("input") is not None:
-            raise EventError("a response runs on the session's conversation (`conversation` auto or none, no `input`)",
+        if given.get("conversation", "auto") not in ("auto", "none"):
+            raise EventError("`conversation` is auto (the reply joins the session's conversation) or none",
                              param="response.conversation")
-        if not any(i["role"] == "user" for i in self.items):
+        own = None if given.get("input") is None else await self._input(given["input"])
+        if own is None and not any(i["role"] == "user" for i in self.items):
             raise EventError("the conversation has no user item yet: commit audio or create a user item first",
                              code="conversation_empty")
-        images = sum(map(len, self.images_of.values()))
+        images = sum(map(len, self.images_of.values())) if own is None else 0
         if self.config["truncation"] == "disabled" and self.image_cap is not None and images > self.image_cap:
             raise EventError(f"the conversation holds {images} images; this pipeline sees at most {self.image_cap} "
                              "a prompt (stage 0's limit_mm_per_prompt): delete earlier ones, or set truncation "
                              "auto to leave the oldest out", code="too_many_images")
-        self._read_ahead(also_latest=False)
-        for item_id in self._read_items():  # (their transcripts stand for them: wait for those under way)
+        if own is None:
+            self._read_ahead(also_latest=False)
+        for item_id in (self._read_items() if own is None else self._input_read(own)):
+            # (their transcripts stand for them: wait for those under way)
             task = self.transcribing.get(item_id)
             if task is not None:
                 await asyncio.wait({task})
-            if self._words(item_id) is None:
-                raise EventError(f"the conversation holds {len(self._audio_items())} audio items; this pipeline "
-                                 f"hears at most {self.audio_cap} a prompt (stage 0's limit_mm_per_prompt) and "
-                                 f"could not transcribe item {item_id} to send it as text: delete it "
-                                 "(conversation.item.delete) or send its words as a text item",
+            item = next(i for i in (self.items if own is None else own.items) if i["id"] == item_id)
+            if _transcript_of(item) is None and self._words(item_id) is None:
+                where, held = ("conversation", len(self._audio_items())) if own is None else \
+                    ("response input", len(own.audio_of))
+                fix = ("could not transcribe item {} to send it as text: delete it (conversation.item.delete) or send "
+                       "its words as a text item" if own is None else "item {} has no `transcript` to send it as text")
+                raise EventError(f"the {where} holds {held} audio items; this pipeline hears at most {self.audio_cap} "
+                                 f"a prompt (stage 0's limit_mm_per_prompt) and {fix.format(item_id)}",
                                  code="too_many_audio_items")
         metadata = given.get("metadata")
         if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
@@ -767,11 +785,38 @@ class Session:
                 for k, v in metadata.items())):
             raise EventError("`metadata` is up to 16 string pairs (keys up to 64 characters, values up to 512)",
                              param="response.metadata")
-        reply = Reply(self, config, keep=given.get("conversation", "auto") == "auto")
+        reply = Reply(self, config, keep=given.get("conversation", "auto") == "auto", own=own)
         reply.metadata = metadata
         await reply.begin()  # (a refusal by the chat path is this event's error; nothing started)
         self._disarm_idle()
         self.reply, self.response = reply, asyncio.create_task(reply.stream())
+
+    async def _input(self, given: Any) -> Context:
+        """`response.input`: the items a response's prompt holds instead of the conversation's, each
+        a message item (as conversation.item.create takes) or {"type": "item_reference", "id"} to one
+        in the conversation; `[]`: none (the instructions alone)."""
+        if not isinstance(given, list) or len(given) > 256:
+            raise EventError("`input` is a list of up to 256 items", param="response.input")
+        own = Context([], {}, {})
+        for j, entry in enumerate(given):
+            where = f"response.input[{j}]"
+            if isinstance(entry, dict) and entry.get("type") == "item_reference":
+                _only(entry, {"type", "id"}, where)
+                item = next((i for i in self.items if i["id"] == entry.get("id")), None)
+                if item is None:
+                    raise EventError(f"no item {entry.get('id')!r} in the conversation", code="item_not_found",
+                                     param=f"{where}.id")
+                pcm, images = self.audio_of.get(item["id"]), self.images_of.get(item["id"])
+            else:
+                item, pcm, images = await self._new_item(entry, where)
+            if any(i["id"] == item["id"] for i in own.items):
+                raise EventError(f"item {item['id']!r} is in `input` twice", param=f"{where}.id")
+            own.items.append(item)
+            if pcm:
+                own.audio_of[item["id"]] = pcm
+            if images:
+                own.images_of[item["id"]] = images
+        return own
 
     async def _response_cancel(self, event: dict) -> None:
         if not self._responding():
@@ -802,31 +847,43 @@ class Session:
         ids = self._audio_items()
         return [] if self.audio_cap is None or len(ids) <= self.audio_cap else ids[:len(ids) - self.audio_cap]
 
-    def _shown_images(self, skip: int) -> set[tuple[str, int]]:
+    def _shown_images(self, c: Context, skip: int) -> set[tuple[str, int]]:
         """The images a prompt from item `skip` on holds: the latest stage 0 takes a prompt (the
         older are left out, as truncation leaves out old items), as (item id, index in the item)."""
-        images = [(i["id"], k) for i in self.items[skip:] for k in range(len(self.images_of.get(i["id"], [])))]
+        images = [(i["id"], k) for i in c.items[skip:] for k in range(len(c.images_of.get(i["id"], [])))]
         return set(images if self.image_cap is None else images[-self.image_cap:] if self.image_cap else [])
 
-    def chat_body(self, config: dict[str, Any], skip: int = 0) -> dict[str, Any]:
-        """The conversation as a chat request, less its first `skip` items (the instructions stay)."""
+    def _context(self) -> Context:
+        return Context(self.items, self.audio_of, self.images_of)
+
+    def _input_read(self, c: Context) -> list[str]:
+        """A response input's audio items past what the pipeline hears a prompt (the oldest): read by
+        their transcripts (the part's, or the conversation's for a referenced item)."""
+        ids = [i["id"] for i in c.items if i["id"] in c.audio_of]
+        return [] if self.audio_cap is None or len(ids) <= self.audio_cap else ids[:len(ids) - self.audio_cap]
+
+    def chat_body(self, config: dict[str, Any], skip: int = 0, given: Context | None = None) -> dict[str, Any]:
+        """The conversation (or a response's own input, `given`) as a chat request, less its first
+        `skip` items (the instructions stay)."""
         messages: list[dict[str, Any]] = []
         if config["instructions"]:
             messages.append({"role": "system", "content": config["instructions"]})
-        read = set(self._read_items())
-        shown = self._shown_images(skip)
-        for item in self.items[skip:]:
-            parts, urls = [], iter(enumerate(self.images_of.get(item["id"], [])))
+        c = given or self._context()
+        read = set(self._read_items() if given is None else self._input_read(given))
+        shown = self._shown_images(c, skip)
+        for item in c.items[skip:]:
+            parts, urls = [], iter(enumerate(c.images_of.get(item["id"], [])))
             for part in item["content"]:
                 if part["type"] == "input_image":
                     k, url = next(urls)
                     if (item["id"], k) in shown:
                         parts.append({"type": "image_url", "image_url": {"url": url}})
-                elif part["type"] == "input_audio" and item["id"] in self.audio_of and item["id"] not in read:
+                elif part["type"] == "input_audio" and item["id"] in c.audio_of and item["id"] not in read:
                     parts.append({"type": "input_audio",
-                                  "input_audio": {"data": _wav_b64(self.audio_of[item["id"]]), "format": "wav"}})
+                                  "input_audio": {"data": _wav_b64(c.audio_of[item["id"]]), "format": "wav"}})
                 elif part["type"] == "input_audio":  # (read: by its transcript)
-                    parts.append({"type": "text", "text": self._words(item["id"]) or ""})
+                    said = _transcript_of(item)
+                    parts.append({"type": "text", "text": (said if said is not None else self._words(item["id"])) or ""})
                 elif part.get("text") is not None or part.get("transcript") is not None:
                     parts.append({"type": "text", "text": part.get("text") or part.get("transcript") or ""})
             if item["role"] == "user":
@@ -934,8 +991,9 @@ def _temperature(value: Any, param: str) -> float | None:
 class Reply:
     """One response: a chat run streamed as Realtime events; added to the conversation when `keep`."""
 
-    def __init__(self, session: Session, config: dict[str, Any], keep: bool):
+    def __init__(self, session: Session, config: dict[str, Any], keep: bool, own: Context | None = None):
         self.s, self.config, self.keep = session, config, keep
+        self.own = own  # (the response's own input: its prompt instead of the conversation)
         self.id, self.item_id = _new_id("resp"), _new_id("item")
         self.spoken = config["output_modalities"] == ["audio"]
         # The output speed: a time-stretch of the 24 kHz audio as it streams (a speed changed while
@@ -977,7 +1035,7 @@ class Reply:
         (from where the last response settled), down to the latest user item."""
         s = self.s
         kept = next((k for k, i in enumerate(s.items) if i["id"] == s.first_kept), 0)
-        self.skip = min(kept, self._latest_user()) if s.config["truncation"] == "auto" else 0
+        self.skip = min(kept, self._latest_user()) if s.config["truncation"] == "auto" and self.own is None else 0
         await self._start()
 
     def _latest_user(self) -> int:
@@ -985,19 +1043,20 @@ class Reply:
 
     def _can_skip(self, e: APIError) -> bool:
         return (e.code == "context_length_exceeded" and self.s.config["truncation"] == "auto"
-                and self.skip < self._latest_user())
+                and self.own is None and self.skip < self._latest_user())
 
     async def _start(self) -> None:
         s = self.s
         while True:
             try:
-                self.run = await s.start_chat(s.chat_body(self.config, self.skip))
+                self.run = await s.start_chat(s.chat_body(self.config, self.skip, self.own))
                 break
             except APIError as e:
                 if not self._can_skip(e):
                     raise
                 self.skip += 1
-        s.first_kept = s.items[self.skip]["id"]
+        if self.own is None:
+            s.first_kept = s.items[self.skip]["id"]
 
     async def _first(self):
         """The run's first output. The api counts a media item as one token, the stage as its
@@ -1018,7 +1077,7 @@ class Reply:
         context), the next response starts that many prompt tokens later, by this prompt's mean
         tokens an item."""
         s, ctx = self.s, self.s.context
-        if not ctx or s.config["truncation"] != "auto" or self.run is None or not self.run.n_prompt:
+        if not ctx or s.config["truncation"] != "auto" or self.run is None or not self.run.n_prompt or self.own is not None:
             return
         cap = self.config["max_output_tokens"]
         want = min(ctx // 4, cap if isinstance(cap, int) else ctx)
