@@ -162,7 +162,10 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
             raise _Stopped("the api's set-up failed") from None
         uv = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.server.host, port=cfg.server.port,
                                            log_level="info",
-                                           timeout_graceful_shutdown=cfg.server.shutdown_timeout_s))
+                                           timeout_graceful_shutdown=cfg.server.shutdown_timeout_s,
+                                           # (a Realtime event up to twice the request limit is read and
+                                           # refused with an error event; larger ones close the socket)
+                                           ws_max_size=2 * cfg.server.max_request_bytes))
 
         state.on_startup = Supervisor(cfg, launcher, uv, after=after, launched=launched, started=t0,
                                       runtime_dir=runtime_dir, external=external_stages, mps=mps,

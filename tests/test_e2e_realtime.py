@@ -425,9 +425,9 @@ def test_output_speed_and_the_idle_timeout(speech_server):
     async def talk():
         async with _connect(speech_server) as conn:
             await _until(conn, "session.created")
-            await conn.send_raw(json.dumps({"type": "session.update", "session": {"temperature": 0, "audio": {
-                "output": {"speed": 1.5},
-                "input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 300}}}}}))
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {
+                "temperature": 0, "max_output_tokens": 8, "audio": {
+                    "output": {"speed": 1.5}, "input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 300}}}}}))
             updated = await _until(conn, "session.updated")
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": "Say something."}]})

@@ -55,6 +55,14 @@ def test_the_pixel_limit_is_checked_before_decoding():
         decode_image(data[:40], max_pixels=BIG)
 
 
+def test_an_image_past_200_to_1_is_refused():
+    """The Qwen vision processors refuse a long side over 200 times the short one (smart_resize):
+    refused before any stage sees it; 200:1 itself passes."""
+    assert decode_image(_encode(Image.new("RGB", (400, 2)), "PNG"), max_pixels=BIG).shape == (2, 400, 3)
+    with pytest.raises(ImageError, match="1x201 pixels: its long side may be at most 200 times"):
+        decode_image(_encode(Image.new("RGB", (1, 201)), "PNG"), max_pixels=BIG)
+
+
 def test_a_requests_media_are_held_to_a_decoded_byte_budget():
     """A small file can decode large (one colour: a few hundred bytes of PNG, 3 bytes a pixel), and
     without limit_mm_per_prompt nothing else bounds the parts: past server.max_media_bytes in all,

@@ -580,3 +580,104 @@ def test_a_response_with_its_own_input():
     assert bodies[1]["messages"] == [{"role": "system", "content": "sys"}]
     assert [i["role"] for i in s.items] == ["user", "assistant", "assistant"]
     assert s.items[-1]["content"][0]["text"] == "ok"
+
+
+class _SlowStart:
+    """A chat that takes `delay` s to start each run (a long prompt's checks), its runs recorded."""
+
+    def __init__(self, delay: float):
+        self.delay, self.runs = delay, []
+
+    async def __call__(self, body):
+        await asyncio.sleep(self.delay)
+        self.runs.append(_FakeRun(["x"]))
+        return self.runs[-1]
+
+
+def test_the_idle_timer_and_a_clients_response_never_make_two_responses():
+    """A client's response.create stops the idle timer as it arrives (not once its response has
+    started); a response.create while the timer's own response is starting is refused."""
+    sent: list = []
+    chat = _SlowStart(0.3)
+
+    async def talk():
+        s = Session("m", lambda e: _append(sent, e), chat, voices=[], has_audio=False, max_buffer_s=1.0,
+                    audio_cap=None)
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        vad = {"type": "server_vad", "idle_timeout_ms": 100}
+        await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": vad}}})
+        await _event(s, type="response.create")  # (0.3 s to start: past the timer's 0.1 s)
+        await s.response
+        await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": {**vad, "threshold": 0.6}}}})
+        await asyncio.sleep(0.15)  # (the timer fired: its response is starting)
+        await _event(s, type="response.create")
+        await asyncio.sleep(0.3)
+        await s.response
+        await s.close()
+
+    asyncio.run(talk())
+    kinds = [e["type"] for e in sent]
+    assert kinds.count("response.created") == 2 and len(chat.runs) == 2, kinds
+    assert kinds.count("input_audio_buffer.timeout_triggered") == 1
+    assert kinds.index("input_audio_buffer.timeout_triggered") > kinds.index("response.done")
+    assert [e["error"]["code"] for e in sent if e["type"] == "error"] == ["conversation_already_has_active_response"]
+
+
+def test_new_turn_detection_settings_keep_the_replys_playback_in_the_idle_timer():
+    """session.update (new settings) right after a reply with 0.5 s of audio: the timer still
+    counts from the end of its playback."""
+    sent, runs = [], []
+
+    async def talk():
+        s = _spoken_session(sent, runs, 0.5)
+        vad = {"type": "server_vad", "idle_timeout_ms": 5000}
+        await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": vad}}})
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _event(s, type="response.create")
+        await s.response
+        await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": {
+            **vad, "idle_timeout_ms": 100}}}})
+        await asyncio.sleep(0.9)
+        await s.close()
+
+    asyncio.run(talk())
+    done = next(e for e in sent if e["type"] == "response.done")
+    timeout = next(e for e in sent if e["type"] == "input_audio_buffer.timeout_triggered")
+    assert timeout["at"] - done["at"] >= 0.6
+
+
+def test_malformed_parts_settings_and_events_are_refused_and_a_gone_socket_ends_quietly():
+    """Fields a part's type does not have, non-object `audio`, an event over the size limit and
+    an image past the processors' 200:1 are error events; a send that fails marks the session
+    gone (no exception into the caller, nothing sent after)."""
+    sent: list = []
+    s = Session("m", lambda e: _append(sent, e), _no_chat, voices=[], has_audio=False, max_buffer_s=1.0,
+                audio_cap=None, image_cap=1, image_limits=(1 << 20, 1 << 20), max_event_bytes=4000)
+
+    async def talk():
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "x", "detail": "high"}]})
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+            {"type": "input_image", "image_url": _png(8, 8), "transcript": "t"}]})
+        await _event(s, type="session.update", session={"audio": []})
+        await _event(s, type="session.update", session={"audio": {"input": []}})
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "x" * 5000}]})
+        await _event(s, type="conversation.item.create", item=_image_item(_png(2, 401)))
+
+    asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [(e["code"], e["param"]) for e in errors] == [
+        ("unknown_parameter", "item.content[0].detail"), ("unknown_parameter", "item.content[0].transcript"),
+        ("invalid_value", "session.audio"), ("invalid_value", "session.audio"), ("event_too_large", None),
+        ("invalid_value", "item.content[0].image_url")], errors
+    assert "200 times" in errors[-1]["message"] and not s.items
+
+    async def broken(event):
+        raise RuntimeError("the socket is closed")
+
+    gone = Session("m", broken, _no_chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None)
+    asyncio.run(gone.receive("not json"))
+    assert gone.closed

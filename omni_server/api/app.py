@@ -271,7 +271,8 @@ def create_app(state: ServerState) -> FastAPI:
                                    has_audio=state.audio_stage is not None, max_buffer_s=state.cfg.server.max_audio_seconds,
                                    audio_cap=media.cap(state.cfg, "audio"), clip_s=state.audio_clip_s,
                                    context=state.context, image_cap=media.cap(state.cfg, "image"),
-                                   kind=intent or "realtime",
+                                   kind=intent or "realtime", max_event_bytes=state.cfg.server.max_request_bytes,
+                                   max_tokens_limit=state.cfg.server.max_tokens_limit,
                                    image_limits=(state.cfg.server.max_request_bytes, state.cfg.server.max_image_pixels),
                                    transcription_turn=None if state.text_stage is None else lambda language, prompt:
                                    transcription.messages(state.cfg.server, transcription.instruction(

@@ -14,6 +14,9 @@ _DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp|gif|bmp);base64,", re.IG
 
 
 _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+# The longest side over the shortest an image may have: the vision processors served here resize an
+# image to a grid of patches and refuse past 200 (Qwen's); refused up front, in every route.
+MAX_ASPECT_RATIO = 200
 
 
 class ImageError(ValueError):
@@ -39,6 +42,9 @@ def decode_image(data: bytes, *, max_pixels: int) -> np.ndarray:
                 raise ImageError(f"image is {width}x{height} pixels; the limit is {max_pixels} pixels")
             if width == 0 or height == 0:
                 raise ImageError("image has no pixels")
+            if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+                raise ImageError(f"image is {width}x{height} pixels: its long side may be at most "
+                                 f"{MAX_ASPECT_RATIO} times its short one")
             # Upright as a viewer shows it (a phone stores a portrait photo sideways, with an EXIF
             # orientation), as vLLM's and transformers' image loaders do.
             rgb = np.asarray(ImageOps.exif_transpose(img).convert("RGB"), dtype=np.uint8)

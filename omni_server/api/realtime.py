@@ -97,11 +97,14 @@ class Session:
                  start_chat: Callable[[dict], Awaitable[Any]], *, voices: list[str], has_audio: bool,
                  max_buffer_s: float, audio_cap: int | None, clip_s: float | None = None, context: int = 0,
                  transcription_turn: Callable[[str | None, str | None], list[dict]] | None = None,
-                 image_cap: int | None = 0, image_limits: tuple[int, int] = (0, 0), kind: str = "realtime"):
+                 image_cap: int | None = 0, image_limits: tuple[int, int] = (0, 0), kind: str = "realtime",
+                 max_event_bytes: int | None = None, max_tokens_limit: int = 4096):
         self.model, self._send, self.start_chat = model, send, start_chat
         # "realtime": a conversation with responses; "transcription" (`?intent=transcription`): each
         # committed turn of audio transcribed, no responses
         self.kind = kind
+        self.max_event_bytes = max_event_bytes  # (a client event's most bytes, as an HTTP body's)
+        self.max_tokens_limit = max_tokens_limit  # (max_output_tokens "inf": the server's most, within the context)
         self.voices, self.has_audio = voices, has_audio
         self.max_buffer_bytes = int(max_buffer_s * RATE) * 2
         # The longest audio item: what stage 0 hears of one clip (None: whole clips), within the buffer;
@@ -152,12 +155,22 @@ class Session:
         self.response: asyncio.Task | None = None
         self.reply: Reply | None = None
         self.idle: asyncio.Task | None = None  # (server_vad's idle_timeout_ms: the timer running)
+        self.played_until = 0.0  # (loop time at which the last response's audio has played)
+        # A response being made (its checks and start, before `response` is set): no second one meanwhile
+        self.creating = False
         self.closed = False
 
     # ---- events out ------------------------------------------------------------------------
 
     async def send(self, kind: str, **fields) -> None:
-        await self._send({"type": kind, "event_id": _new_id("event"), **fields})
+        """One event to the client; once the socket is gone (closed, or a send failed), none."""
+        if self.closed:
+            return
+        try:
+            await self._send({"type": kind, "event_id": _new_id("event"), **fields})
+        except Exception as e:  # (the socket went away under a task's send: the receive loop ends the session)
+            log.info("realtime %s: the client is gone (%s)", self.id, type(e).__name__)
+            self.closed = True
 
     async def error(self, e: EventError | APIError, client_event_id: str | None) -> None:
         code = e.code if isinstance(e, EventError) else (e.code or "invalid_request_error")
@@ -191,6 +204,9 @@ class Session:
         """One client event (a JSON text frame)."""
         event_id = None
         try:
+            if self.max_event_bytes is not None and len(text) > self.max_event_bytes:  # (its bytes: at least as many)
+                raise EventError(f"the event is over {self.max_event_bytes} bytes (`server.max_request_bytes`, "
+                                 "as a request body's limit)", code="event_too_large")
             try:
                 event = json.loads(text)
             except ValueError:
@@ -262,8 +278,8 @@ class Session:
             self.detector = self._detector(config["turn_detection"])  # (a turn under way is dropped)
             self.turn_item = self.cut_short = None
         self.config = config
-        if retimed and not self._responding():
-            self._arm_idle(0.0)  # (the user is idle from now: counted under the new setting, or not at all)
+        if retimed and not self._responding() and not self.creating:
+            self._arm_idle()  # (counted under the new settings, or not at all)
         await self.send("session.updated", session=self.session_object())
 
     def _detector(self, vad: dict[str, Any] | None) -> TurnDetector | None:
@@ -292,8 +308,9 @@ class Session:
             if given["truncation"] not in ("auto", "disabled"):
                 raise EventError('`truncation` must be "auto" or "disabled"', param="session.truncation")
             config["truncation"] = given["truncation"]
-        sound = given.get("audio") or {}
-        if not isinstance(sound, dict) or not all(isinstance(sound.get(k) or {}, dict) for k in ("input", "output")):
+        sound = {} if given.get("audio") is None else given["audio"]
+        if not isinstance(sound, dict) or not all(isinstance({} if sound.get(k) is None else sound[k], dict)
+                                                  for k in ("input", "output")):
             raise EventError("`audio` must be an object of objects", param=f"{where}.audio")
         voice = (sound.get("output") or {}).get("voice")
         if voice is not None:
@@ -467,23 +484,25 @@ class Session:
             self._check_length(len(pcm), "audio")
             await self._room_for(len(pcm))
             await self._add_audio(pcm, item_id)
-            if vad["create_response"] and not self._responding():
+            if vad["create_response"] and not self._responding() and not self.creating:
                 await self._response_create({})
         except (EventError, APIError) as e:  # (said; the session and its audio go on)
             await self.error(e, None)
-        if not self._responding():
-            self._arm_idle(0.0)
+        if not self._responding() and not self.creating:
+            self._arm_idle()
 
     # ---- server_vad's idle timeout -------------------------------------------------------------
 
-    def _arm_idle(self, playback_s: float) -> None:
+    def _arm_idle(self) -> None:
         """With `idle_timeout_ms`, a response is made when the user says nothing for that long after
-        the last response's audio has played (`playback_s` from now: its response.done) or after their
-        last turn. Speech, a response starting, or new turn detection settings stop the timer."""
+        the last response's audio has played (`played_until`: its response.done plus its length) or
+        after their last turn. Speech, a response asked for, or new turn detection settings stop the
+        timer (the last start it again, under the new settings)."""
         self._disarm_idle()
         vad = self.config["turn_detection"]
         if self.closed or vad is None or vad["idle_timeout_ms"] is None or self.turn_item is not None:
             return
+        playback_s = max(0.0, self.played_until - asyncio.get_running_loop().time())
         self.idle = asyncio.create_task(self._idle(playback_s, vad["idle_timeout_ms"] / 1000))
 
     def _disarm_idle(self) -> None:
@@ -498,9 +517,10 @@ class Session:
         await asyncio.sleep(playback_s)
         start_ms = self._heard_ms()
         await asyncio.sleep(timeout_s)
-        if self._responding() or self.turn_item is not None:
+        if self._responding() or self.creating or self.turn_item is not None or self.closed:
             return
-        self.idle = None
+        self.creating = True  # (a client's response.create meanwhile is refused; this task stays `idle`
+        # so that close() cancels it)
         # What the buffer holds (in server_vad, outside a turn: the last prefix padding's worth; none
         # when the client sends no audio) is committed as the user's turn, at least 100 ms of it.
         least = int(_MIN_COMMIT_S * RATE) * 2
@@ -513,11 +533,13 @@ class Session:
                             audio_end_ms=self._heard_ms(), item_id=item_id)
             await self._room_for(len(pcm))
             await self._add_audio(pcm, item_id)
-            await self._response_create({})
+            await self._create({})
         except (EventError, APIError) as e:  # (said; the timer starts again after the next response or turn)
             await self.error(e, None)
         except Exception:  # (the server's fault: logged, the session goes on)
             log.exception("realtime %s: the idle timeout's response failed", self.id)
+        finally:
+            self.creating = False
 
     def _responding(self) -> bool:
         return self.response is not None and not self.response.done()
@@ -602,7 +624,7 @@ class Session:
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             param = f"{where}.content[{j}]"
-            _only(part, {"type", "text", "audio", "transcript", "image_url", "detail"}, param)
+            _only(part, _PART_FIELDS.get(kind, {"type"}), param)
             if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
                 parts.append({"type": kind, "text": part["text"]})
             elif (kind == "input_audio" and role == "user" and isinstance(part.get("audio"), str) and pcm is None
@@ -736,9 +758,20 @@ class Session:
         await self.send("conversation.item.truncated", item_id=item_id, content_index=0, audio_end_ms=end)
 
     async def _response_create(self, event: dict) -> None:
-        if self._responding():
+        if self._responding() or self.creating:
             raise EventError("a response is in progress; wait for its response.done or send response.cancel",
                              code="conversation_already_has_active_response")
+        self.creating = True
+        self._disarm_idle()
+        try:
+            await self._create(event)
+        finally:
+            self.creating = False
+            if not self._responding():  # (refused: the user is idle again from now)
+                self._arm_idle()
+
+    async def _create(self, event: dict) -> None:
+        """A response: its settings and prompt checked, its chat run started, streamed by a task."""
         given = event.get("response") or {}
         if not isinstance(given, dict):
             raise EventError("`response` must be an object", param="response")
@@ -788,7 +821,6 @@ class Session:
         reply = Reply(self, config, keep=given.get("conversation", "auto") == "auto", own=own)
         reply.metadata = metadata
         await reply.begin()  # (a refusal by the chat path is this event's error; nothing started)
-        self._disarm_idle()
         self.reply, self.response = reply, asyncio.create_task(reply.stream())
 
     async def _input(self, given: Any) -> Context:
@@ -895,14 +927,19 @@ class Session:
             body |= {"modalities": ["text", "audio"], "audio": {"voice": config["voice"], "format": "pcm"}}
         else:
             body["modalities"] = ["text"]
-        if config["max_output_tokens"] != "inf":
-            body["max_tokens"] = config["max_output_tokens"]
+        cap = config["max_output_tokens"]
+        body["max_tokens"] = self.max_tokens_limit if cap == "inf" else cap
         if config["temperature"] is not None:
             body["temperature"] = config["temperature"]
         return body
 
 
 _TRANSCRIPTION_FIELDS = {"type", "audio", "include"}
+# An item's part's fields by its type (an assistant's output_audio may carry its audio: the
+# conversation reads such a turn by its transcript)
+_PART_FIELDS = {"input_text": {"type", "text"}, "text": {"type", "text"}, "output_text": {"type", "text"},
+                "input_audio": {"type", "audio", "transcript"}, "input_image": {"type", "image_url", "detail"},
+                "output_audio": {"type", "transcript", "audio"}}
 _SESSION_FIELDS = {"type", "model", "instructions", "output_modalities", "max_output_tokens", "temperature", "audio",
                    "tools", "tool_choice", "truncation", "include", "tracing", "prompt"}
 _RESPONSE_FIELDS = {"conversation", "input", "instructions", "output_modalities", "max_output_tokens", "temperature",
@@ -1175,7 +1212,8 @@ class Reply:
             self._leave_room()
         if self.keep and s.audio_cap is not None and len(s._audio_items()) >= s.audio_cap:
             s._read_ahead(also_latest=True)  # (the next audio item pushes the latest past the cap)
-        s._arm_idle(self.samples / RATE)
+        s.played_until = asyncio.get_running_loop().time() + self.samples / RATE
+        s._arm_idle()
 
 
 _HANDLERS: dict[str, Callable[[Session, dict], Awaitable[None]]] = {
