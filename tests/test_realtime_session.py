@@ -1,4 +1,4 @@
-"""A Realtime session (api/realtime.py) on its own: events in, events out, chat requests faked
+"""A Realtime session (api/realtime/) on its own: events in, events out, chat requests faked
 (no pipeline), for what the e2e tests cannot reach in reasonable time: long turns, a long
 conversation's audio."""
 

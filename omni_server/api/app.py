@@ -243,7 +243,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.websocket("/v1/realtime")
     async def realtime_session(ws: WebSocket, model: str | None = None, intent: str | None = None):
-        """OpenAI's Realtime API (api/realtime.py): each response a chat turn over the session's
+        """OpenAI's Realtime API (api/realtime/): each response a chat turn over the session's
         conversation on the chat path; with `intent=transcription`, audio turns transcribed."""
         await ws.accept()
         refusal = None

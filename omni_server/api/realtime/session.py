@@ -1,92 +1,28 @@
-"""OpenAI's Realtime API over a WebSocket (`/v1/realtime?model=...`, the `openai` client's
-`realtime.connect`), with turns the client ends: it appends 24 kHz PCM16 audio to the input buffer,
-commits it as a user item (or creates items of text, audio or images), then asks for a response
-(`response.create`).
-
-A response is a chat turn over the conversation so far: the session's instructions as the system
-message, user audio as `input_audio` (WAV of the buffer), earlier replies as their text or
-transcript; it runs on the chat path (`start_chat`: the same template, limits and sampling) and
-streams back as OpenAI's events (`response.output_audio.delta` of 24 kHz PCM16 with
-`response.output_audio_transcript.delta`, or `response.output_text.delta`). One response at a time
-per session; `response.cancel` aborts it. With input transcription on, each user audio item is
-transcribed by the pipeline's text stage (the /v1/audio/transcriptions turn), and audio items past
-what the pipeline hears a prompt are sent by their transcripts (the latest as audio). Turn
-detection (`server_vad`, on by default as OpenAI's is; `turns.py`) ends turns in the appended
-audio instead of the client: a detected turn is committed, answered, and cuts off a response under
-way. Tools are refused with an `error` event, not ignored; a bad event is an `error` event and the
-session goes on.
-"""
+"""A Realtime session: one WebSocket's conversation (or a transcription session's turns), its client
+events in, its server events out; turns found in its audio (`turns.py`), responses run as `Reply`s."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
 import logging
-import uuid
-import wave
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 
-from omni_server.api import audio, image
+from omni_server.api import image
 from omni_server.api.errors import APIError
-from omni_server.api.stretch import TimeStretch
+from omni_server.api.realtime import encode, events
+from omni_server.api.realtime.encode import FORMAT, RATE
+from omni_server.api.realtime.events import MIN_COMMIT_S, EventError
+from omni_server.api.realtime.reply import Context, Reply
 from omni_server.api.turns import TurnDetector
 
 log = logging.getLogger(__name__)
 
-RATE = 24000  # the Realtime API's PCM rate, in and out
-_FORMAT = {"type": "audio/pcm", "rate": RATE}
-_MIN_COMMIT_S = 0.1  # (OpenAI's least committed audio)
 _KEPT_BUFFERS = 4  # a conversation keeps at most this many full input buffers of audio
 _KEPT_PROMPTS = 4  # ... and this many prompts' worth of images (16 where a prompt's images are not limited)
-_LOW_DETAIL = 512  # an image with `detail: low` is seen within this many pixels a side (OpenAI's low)
-# OpenAI's server_vad defaults (a session starts with it on, as theirs do)
-_VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
-        "create_response": True, "interrupt_response": True, "idle_timeout_ms": None}
-
-
-class Context(NamedTuple):
-    """What a response's prompt is made of: its items, their audio (PCM16) and images (data URLs)."""
-    items: list[dict[str, Any]]
-    audio_of: dict[str, bytes]
-    images_of: dict[str, list[str]]
-
-
-class EventError(Exception):
-    """A client event this session cannot take: an `error` event, the session goes on."""
-
-    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None):
-        super().__init__(message)
-        self.message, self.code, self.param = message, code, param
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:20]}"
-
-
-def _wav_b64(pcm: bytes) -> str:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(RATE)
-        w.writeframes(pcm)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def _pcm16(piece, rate: int, stretch: TimeStretch | None = None) -> bytes:
-    """A waveform piece as 24 kHz little-endian PCM16 (resampled per piece if the vocoder's rate
-    differs), through the output speed's time-stretch when there is one."""
-    samples = audio._to_numpy(piece)
-    if rate != RATE:
-        samples = audio._resample(samples, rate, RATE)
-    if stretch is not None:
-        samples = stretch.push(samples)
-    return audio.encode_audio(np.clip(samples, -1.0, 1.0), RATE, "pcm")
 
 
 class Session:
@@ -123,7 +59,7 @@ class Session:
         self.transcription_turn = transcription_turn
         self.transcribing: dict[str, asyncio.Task] = {}
         self.read_as: dict[str, str] = {}  # the session's own transcripts (no input transcription asked)
-        self.id = _new_id("sess")
+        self.id = events.new_id("sess")
         if kind == "transcription" and transcription_turn is None:
             raise ValueError(f"model `{model}` has no text output to transcribe with")
         self.config: dict[str, Any] = {
@@ -132,7 +68,7 @@ class Session:
             "speed": 1.0,  # (spoken replies time-stretched to this speed, pitch kept: stretch.py)
             "temperature": None,  # (an extension, as the beta API had: None, the text stage's default)
             "transcription": None,  # {"model", "language", "prompt"}: user audio items transcribed
-            "turn_detection": _turn_detection({"type": "server_vad"}, kind),  # (None: the client ends each turn)
+            "turn_detection": events.turn_detection({"type": "server_vad"}, kind),  # (None: the client ends each turn)
             # auto: a response's prompt leaves out the oldest items the context cannot hold, and the
             # oldest audio gives way past what a session keeps; disabled: errors instead
             "truncation": "auto",
@@ -167,7 +103,7 @@ class Session:
         if self.closed:
             return
         try:
-            await self._send({"type": kind, "event_id": _new_id("event"), **fields})
+            await self._send({"type": kind, "event_id": events.new_id("event"), **fields})
         except Exception as e:  # (the socket went away under a task's send: the receive loop ends the session)
             log.info("realtime %s: the client is gone (%s)", self.id, type(e).__name__)
             self.closed = True
@@ -182,7 +118,7 @@ class Session:
         c = self.config
         if self.kind == "transcription":
             return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
-                    "include": None, "audio": {"input": {"format": _FORMAT, "turn_detection": c["turn_detection"],
+                    "include": None, "audio": {"input": {"format": FORMAT, "turn_detection": c["turn_detection"],
                                                          "transcription": c["transcription"], "noise_reduction": None}}}
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
@@ -190,9 +126,9 @@ class Session:
             "max_output_tokens": c["max_output_tokens"], "temperature": c["temperature"], "tools": [],
             "truncation": c["truncation"],
             "tool_choice": "auto",
-            "audio": {"input": {"format": _FORMAT, "turn_detection": c["turn_detection"],
+            "audio": {"input": {"format": FORMAT, "turn_detection": c["turn_detection"],
                                 "transcription": c["transcription"]},
-                      "output": {"format": _FORMAT, "voice": c["voice"], "speed": c["speed"]}},
+                      "output": {"format": FORMAT, "voice": c["voice"], "speed": c["speed"]}},
         }
 
     # ---- events in -------------------------------------------------------------------------
@@ -244,9 +180,10 @@ class Session:
         if given.get("type", self.kind) != self.kind:
             raise EventError(f"this is a {self.kind} session: its type is set when it opens (a transcription "
                              "session: /v1/realtime?intent=transcription)", param="session.type")
-        _only(given, _TRANSCRIPTION_FIELDS if self.kind == "transcription" else _SESSION_FIELDS, "session")
+        known = events.TRANSCRIPTION_FIELDS if self.kind == "transcription" else events.SESSION_FIELDS
+        events.only(given, known, "session")
         if self.kind == "transcription" and isinstance(given.get("audio"), dict):
-            _only(given["audio"], {"input"}, "session.audio")
+            events.only(given["audio"], {"input"}, "session.audio")
         config = self._settings(given, "session")
         if given.get("model") not in (None, self.model):
             raise EventError(f"this session serves `{self.model}`", code="model_not_found", param="session.model")
@@ -256,22 +193,22 @@ class Session:
             raise EventError("stored prompts are not served: send `instructions`", param="session.prompt")
         sound = given.get("audio") or {}
         heard, spoken = sound.get("input") or {}, sound.get("output") or {}
-        _only(heard, {"format", "transcription", "turn_detection", "noise_reduction"}, "session.audio.input")
-        _only(spoken, {"format", "voice", "speed"}, "session.audio.output")
+        events.only(heard, {"format", "transcription", "turn_detection", "noise_reduction"}, "session.audio.input")
+        events.only(spoken, {"format", "voice", "speed"}, "session.audio.output")
         if heard.get("noise_reduction") is not None:
             raise EventError("`noise_reduction` is not served (null)", param="session.audio.input.noise_reduction")
         if spoken.get("speed") is not None:
-            config["speed"] = _speed(spoken["speed"], "session.audio.output.speed")
+            config["speed"] = events.speed(spoken["speed"], "session.audio.output.speed")
         if "turn_detection" in heard:
-            config["turn_detection"] = _turn_detection(heard["turn_detection"], self.kind)
+            config["turn_detection"] = events.turn_detection(heard["turn_detection"], self.kind)
         if "transcription" in heard:
             config["transcription"] = self._transcription(heard["transcription"])
             if config["transcription"] is None and self.kind == "transcription":
                 raise EventError("a transcription session transcribes: `transcription` is {model, language, "
                                  "prompt}, not null", param="session.audio.input.transcription")
         for where, fmt in (("input", heard.get("format")), ("output", spoken.get("format"))):
-            if fmt is not None and fmt != _FORMAT and fmt != {"type": "audio/pcm"}:
-                raise EventError(f"audio {where} format must be {json.dumps(_FORMAT)} (PCM16, mono, 24 kHz)",
+            if fmt is not None and fmt != FORMAT and fmt != {"type": "audio/pcm"}:
+                raise EventError(f"audio {where} format must be {json.dumps(FORMAT)} (PCM16, mono, 24 kHz)",
                                  param=f"session.audio.{where}.format")
         retimed = config["turn_detection"] != self.config["turn_detection"]
         if retimed:
@@ -301,9 +238,9 @@ class Session:
         if "output_modalities" in given:
             config["output_modalities"] = self._modalities(given["output_modalities"], f"{where}.output_modalities")
         if "max_output_tokens" in given:
-            config["max_output_tokens"] = _max_tokens(given["max_output_tokens"], f"{where}.max_output_tokens")
+            config["max_output_tokens"] = events.max_tokens(given["max_output_tokens"], f"{where}.max_output_tokens")
         if "temperature" in given:
-            config["temperature"] = _temperature(given["temperature"], f"{where}.temperature")
+            config["temperature"] = events.temperature(given["temperature"], f"{where}.temperature")
         if "truncation" in given and where == "session":
             if given["truncation"] not in ("auto", "disabled"):
                 raise EventError('`truncation` must be "auto" or "disabled"', param="session.truncation")
@@ -321,7 +258,7 @@ class Session:
         param = "session.audio.input.transcription"
         if value is None:
             return None
-        _only(value, {"model", "language", "prompt"}, param)
+        events.only(value, {"model", "language", "prompt"}, param)
         if not isinstance(value, dict) or any(not isinstance(value.get(k), (str, type(None)))
                                               for k in ("model", "language", "prompt")):
             raise EventError("`transcription` is null or {model, language, prompt} (strings; the served model "
@@ -358,11 +295,11 @@ class Session:
     def _words(self, item_id: str) -> str | None:
         """A user audio item's transcript: the client's or input transcription's, else the session's own."""
         item = next((i for i in self.items if i["id"] == item_id), None)
-        said = _transcript_of(item) if item is not None else None
+        said = events.transcript_of(item) if item is not None else None
         return said if said is not None else self.read_as.get(item_id)
 
     async def _transcript(self, item_id: str, pcm: bytes, config: dict[str, Any], announce: bool = True) -> None:
-        audio_part = {"type": "input_audio", "input_audio": {"data": _wav_b64(pcm), "format": "wav"}}
+        audio_part = {"type": "input_audio", "input_audio": {"data": encode.wav_b64(pcm), "format": "wav"}}
         turn = self.transcription_turn(config["language"], config["prompt"])
         messages = [{**m, "content": [audio_part if p.get("type") == "audio" else p for p in m["content"]]}
                     if isinstance(m["content"], list) else m for m in turn]
@@ -450,7 +387,7 @@ class Session:
                 at = self.buffer_at if self.cut_short is not None else max(self.buffer_at, at - pad)
                 self.cut_short = None
                 del self.buffer[:(at - self.buffer_at) * 2]
-                self.buffer_at, self.turn_item = at, _new_id("item")
+                self.buffer_at, self.turn_item = at, events.new_id("item")
                 self._disarm_idle()
                 await self.send("input_audio_buffer.speech_started", audio_start_ms=at * 1000 // RATE,
                                 item_id=self.turn_item)
@@ -523,11 +460,11 @@ class Session:
         # so that close() cancels it)
         # What the buffer holds (in server_vad, outside a turn: the last prefix padding's worth; none
         # when the client sends no audio) is committed as the user's turn, at least 100 ms of it.
-        least = int(_MIN_COMMIT_S * RATE) * 2
+        least = int(MIN_COMMIT_S * RATE) * 2
         pcm = bytes(self.buffer)[-self.max_item_bytes:]
         pcm = bytes(least - len(pcm)) + pcm if len(pcm) < least else pcm
         self.buffer_at += len(self.buffer) // 2
-        self.buffer, self.cut_short, item_id = bytearray(), None, _new_id("item")
+        self.buffer, self.cut_short, item_id = bytearray(), None, events.new_id("item")
         try:
             await self.send("input_audio_buffer.timeout_triggered", audio_start_ms=start_ms,
                             audio_end_ms=self._heard_ms(), item_id=item_id)
@@ -552,12 +489,12 @@ class Session:
         await self.send("input_audio_buffer.cleared")
 
     async def _commit(self, event: dict) -> None:
-        if len(self.buffer) < int(_MIN_COMMIT_S * RATE) * 2:
+        if len(self.buffer) < int(MIN_COMMIT_S * RATE) * 2:
             raise EventError(f"the input audio buffer holds {len(self.buffer) // 2 / RATE * 1000:.0f} ms; a commit "
-                             f"needs at least {_MIN_COMMIT_S * 1000:.0f} ms", code="input_audio_buffer_commit_empty")
+                             f"needs at least {MIN_COMMIT_S * 1000:.0f} ms", code="input_audio_buffer_commit_empty")
         self._check_length(len(self.buffer), "audio")
         await self._room_for(len(self.buffer))
-        pcm, item_id = bytes(self.buffer), self.turn_item or _new_id("item")  # (a turn under way: its id)
+        pcm, item_id = bytes(self.buffer), self.turn_item or events.new_id("item")  # (a turn under way: its id)
         self.buffer_at += len(self.buffer) // 2
         self.buffer, self.turn_item, self.cut_short = bytearray(), None, None
         if self.detector is not None:
@@ -566,8 +503,8 @@ class Session:
 
     def _check_length(self, n: int, param: str) -> None:
         """An audio item is at least 100 ms and at most what the model hears of a clip."""
-        if n < int(_MIN_COMMIT_S * RATE) * 2 or n > self.max_item_bytes:
-            raise EventError(f"an audio item is {n // 2 / RATE:g} s; it must be {_MIN_COMMIT_S * 1000:.0f} ms to "
+        if n < int(MIN_COMMIT_S * RATE) * 2 or n > self.max_item_bytes:
+            raise EventError(f"an audio item is {n // 2 / RATE:g} s; it must be {MIN_COMMIT_S * 1000:.0f} ms to "
                              f"{self.max_item_bytes // 2 / RATE:g} s (what this model hears of one clip, within "
                              "`server.max_audio_seconds`)", code="invalid_audio_length", param=param)
 
@@ -603,7 +540,7 @@ class Session:
             self.audio_of[item_id] = pcm
         await self.send("conversation.item.added", previous_item_id=previous, item=item)
         await self.send("conversation.item.done", previous_item_id=previous, item=item)
-        if pcm and _transcript_of(item) is None:
+        if pcm and events.transcript_of(item) is None:
             self._transcribe(item_id)
 
     async def _new_item(self, given: Any, where: str) -> tuple[dict[str, Any], bytes, list[str]]:
@@ -611,7 +548,7 @@ class Session:
         the item, its audio (PCM16, b"" if none) and its images (data URLs)."""
         if not isinstance(given, dict) or given.get("type", "message") != "message":
             raise EventError("only message items are supported (no function calls here)", param=f"{where}.type")
-        _only(given, {"id", "type", "object", "role", "content", "status"}, where)
+        events.only(given, {"id", "type", "object", "role", "content", "status"}, where)
         if given.get("status") not in (None, "completed"):
             raise EventError("a created item's `status` is completed", param=f"{where}.status")
         role = given.get("role")
@@ -624,7 +561,7 @@ class Session:
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             param = f"{where}.content[{j}]"
-            _only(part, _PART_FIELDS.get(kind, {"type"}), param)
+            events.only(part, events.PART_FIELDS.get(kind, {"type"}), param)
             if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
                 parts.append({"type": kind, "text": part["text"]})
             elif (kind == "input_audio" and role == "user" and isinstance(part.get("audio"), str) and pcm is None
@@ -650,7 +587,7 @@ class Session:
                 raise EventError("an item's audio must be whole PCM16 samples (an even number of bytes)",
                                  param=f"{where}.content")
             self._check_length(len(pcm), f"{where}.content")
-        item_id = given.get("id") if isinstance(given.get("id"), str) and given["id"] else _new_id("item")
+        item_id = given.get("id") if isinstance(given.get("id"), str) and given["id"] else events.new_id("item")
         item = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
                 "content": parts}
         return item, pcm or b"", images
@@ -666,8 +603,8 @@ class Session:
                                                                      max_pixels=max_pixels))
         except image.ImageError as e:
             raise EventError(f"{param}: {e}", param=param) from None
-        if detail == "low" and max(rgb.shape[:2]) > _LOW_DETAIL:
-            return await asyncio.to_thread(_low_detail, rgb)
+        if detail == "low" and max(rgb.shape[:2]) > encode.LOW_DETAIL:
+            return await asyncio.to_thread(encode.low_detail, rgb)
         return url
 
     async def _room_for_images(self, more: int, spare: str | None = None) -> None:
@@ -776,14 +713,14 @@ class Session:
         if not isinstance(given, dict):
             raise EventError("`response` must be an object", param="response")
         config = self._settings(given, "response")
-        _only(given, _RESPONSE_FIELDS, "response")
+        events.only(given, events.RESPONSE_FIELDS, "response")
         if given.get("prompt") is not None:
             raise EventError("stored prompts are not served: send `instructions`", param="response.prompt")
-        _only(given.get("audio") or {}, {"output"}, "response.audio")
-        _only((given.get("audio") or {}).get("output") or {}, {"format", "voice"}, "response.audio.output")
+        events.only(given.get("audio") or {}, {"output"}, "response.audio")
+        events.only((given.get("audio") or {}).get("output") or {}, {"format", "voice"}, "response.audio.output")
         fmt = ((given.get("audio") or {}).get("output") or {}).get("format")
-        if fmt is not None and fmt != _FORMAT and fmt != {"type": "audio/pcm"}:
-            raise EventError(f"audio output format must be {json.dumps(_FORMAT)}", param="response.audio.output.format")
+        if fmt is not None and fmt != FORMAT and fmt != {"type": "audio/pcm"}:
+            raise EventError(f"audio output format must be {json.dumps(FORMAT)}", param="response.audio.output.format")
         if given.get("conversation", "auto") not in ("auto", "none"):
             raise EventError("`conversation` is auto (the reply joins the session's conversation) or none",
                              param="response.conversation")
@@ -804,7 +741,7 @@ class Session:
             if task is not None:
                 await asyncio.wait({task})
             item = next(i for i in (self.items if own is None else own.items) if i["id"] == item_id)
-            if _transcript_of(item) is None and self._words(item_id) is None:
+            if events.transcript_of(item) is None and self._words(item_id) is None:
                 where, held = ("conversation", len(self._audio_items())) if own is None else \
                     ("response input", len(own.audio_of))
                 fix = ("could not transcribe item {} to send it as text: delete it (conversation.item.delete) or send "
@@ -833,7 +770,7 @@ class Session:
         for j, entry in enumerate(given):
             where = f"response.input[{j}]"
             if isinstance(entry, dict) and entry.get("type") == "item_reference":
-                _only(entry, {"type", "id"}, where)
+                events.only(entry, {"type", "id"}, where)
                 item = next((i for i in self.items if i["id"] == entry.get("id")), None)
                 if item is None:
                     raise EventError(f"no item {entry.get('id')!r} in the conversation", code="item_not_found",
@@ -912,10 +849,11 @@ class Session:
                         parts.append({"type": "image_url", "image_url": {"url": url}})
                 elif part["type"] == "input_audio" and item["id"] in c.audio_of and item["id"] not in read:
                     parts.append({"type": "input_audio",
-                                  "input_audio": {"data": _wav_b64(c.audio_of[item["id"]]), "format": "wav"}})
+                                  "input_audio": {"data": encode.wav_b64(c.audio_of[item["id"]]), "format": "wav"}})
                 elif part["type"] == "input_audio":  # (read: by its transcript)
-                    said = _transcript_of(item)
-                    parts.append({"type": "text", "text": (said if said is not None else self._words(item["id"])) or ""})
+                    said = events.transcript_of(item)
+                    said = said if said is not None else self._words(item["id"])
+                    parts.append({"type": "text", "text": said or ""})
                 elif part.get("text") is not None or part.get("transcript") is not None:
                     parts.append({"type": "text", "text": part.get("text") or part.get("transcript") or ""})
             if item["role"] == "user":
@@ -934,288 +872,6 @@ class Session:
         return body
 
 
-_TRANSCRIPTION_FIELDS = {"type", "audio", "include"}
-# An item's part's fields by its type (an assistant's output_audio may carry its audio: the
-# conversation reads such a turn by its transcript)
-_PART_FIELDS = {"input_text": {"type", "text"}, "text": {"type", "text"}, "output_text": {"type", "text"},
-                "input_audio": {"type", "audio", "transcript"}, "input_image": {"type", "image_url", "detail"},
-                "output_audio": {"type", "transcript", "audio"}}
-_SESSION_FIELDS = {"type", "model", "instructions", "output_modalities", "max_output_tokens", "temperature", "audio",
-                   "tools", "tool_choice", "truncation", "include", "tracing", "prompt"}
-_RESPONSE_FIELDS = {"conversation", "input", "instructions", "output_modalities", "max_output_tokens", "temperature",
-                    "audio", "tools", "tool_choice", "metadata", "prompt"}
-
-
-def _low_detail(rgb: np.ndarray) -> str:
-    """An image within 512 x 512 (aspect kept), as a PNG data URL."""
-    from PIL import Image
-
-    img = Image.fromarray(rgb)
-    img.thumbnail((_LOW_DETAIL, _LOW_DETAIL), Image.Resampling.BICUBIC)
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _only(given: Any, known: set[str], where: str) -> None:
-    """Fields this server does not know are an error, not ignored (a setting that would do nothing)."""
-    unknown = sorted(set(given) - known) if isinstance(given, dict) else []
-    if unknown:
-        raise EventError(f"unknown field(s) in `{where}`: {', '.join(unknown)}", code="unknown_parameter",
-                         param=f"{where}.{unknown[0]}")
-
-
-def _transcript_of(item: dict[str, Any]) -> str | None:
-    return next((p.get("transcript") for p in item["content"] if p["type"] == "input_audio"), None)
-
-
-def _turn_detection(value: Any, kind: str = "realtime") -> dict[str, Any] | None:
-    """A session's `turn_detection`: null (the client ends turns) or server_vad (the turns module's
-    level gate; in a transcription session it makes no responses: `create_response`,
-    `interrupt_response` false and no `idle_timeout_ms`)."""
-    param = "session.audio.input.turn_detection"
-    if value is None:
-        return None
-    if not isinstance(value, dict) or value.get("type") != "server_vad":
-        raise EventError("`turn_detection` must be null or {\"type\": \"server_vad\", ...} (semantic_vad is not "
-                         "served)", param=f"{param}.type")
-    unknown = set(value) - set(_VAD)
-    if unknown:
-        raise EventError(f"unknown turn_detection field(s): {', '.join(sorted(unknown))}", param=param)
-    quiet = {"create_response": False, "interrupt_response": False} if kind == "transcription" else {}
-    vad = {**_VAD, **quiet, **{k: v for k, v in value.items() if v is not None}}
-    for key in quiet:
-        if vad[key] is not False:
-            raise EventError(f"a transcription session makes no responses: `{key}` is false", param=f"{param}.{key}")
-    if kind == "transcription" and vad["idle_timeout_ms"] is not None:
-        raise EventError("a transcription session makes no responses: no `idle_timeout_ms`",
-                         param=f"{param}.idle_timeout_ms")
-
-    def number(key: str, low: float, high: float, whole: bool) -> None:
-        v = vad[key]
-        if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not low <= v <= high:
-            raise EventError(f"`{key}` must be {'an integer' if whole else 'a number'} from {low:g} to {high:g}",
-                             param=f"{param}.{key}")
-    number("threshold", 0, 1, whole=False)
-    number("prefix_padding_ms", 0, 5000, whole=True)
-    number("silence_duration_ms", 20, 10000, whole=True)
-    for key in ("create_response", "interrupt_response"):
-        if not isinstance(vad[key], bool):
-            raise EventError(f"`{key}` must be true or false", param=f"{param}.{key}")
-    if vad["idle_timeout_ms"] is not None:
-        number("idle_timeout_ms", 100, 600000, whole=True)
-    return vad
-
-
-def _speed(value: Any, param: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.25 <= value <= 1.5:
-        return float(value)
-    raise EventError("`speed` must be a number from 0.25 to 1.5 (1: as generated)", param=param)
-
-
-def _max_tokens(value: Any, param: str) -> int | str:
-    if value == "inf" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 4096):
-        return value
-    raise EventError('`max_output_tokens` must be 1 to 4096 or "inf"', param=param)
-
-
-def _temperature(value: Any, param: str) -> float | None:
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 2):
-        return value
-    raise EventError("`temperature` must be a number from 0 to 2 (0: greedy)", param=param)
-
-
-class Reply:
-    """One response: a chat run streamed as Realtime events; added to the conversation when `keep`."""
-
-    def __init__(self, session: Session, config: dict[str, Any], keep: bool, own: Context | None = None):
-        self.s, self.config, self.keep = session, config, keep
-        self.own = own  # (the response's own input: its prompt instead of the conversation)
-        self.id, self.item_id = _new_id("resp"), _new_id("item")
-        self.spoken = config["output_modalities"] == ["audio"]
-        # The output speed: a time-stretch of the 24 kHz audio as it streams (a speed changed while
-        # this reply runs applies from the next, as OpenAI's does).
-        self.stretch = TimeStretch(RATE, config["speed"]) if self.spoken and config["speed"] != 1 else None
-        self.run = None
-        self.text: list[str] = []
-        self.samples = 0  # (24 kHz samples sent)
-        self.status = "in_progress"
-        self.cancel_reason = "client_cancelled"
-        self.started = False  # (stream() ran its first step)
-        self.metadata: dict[str, str] | None = None  # (the client's, given back in the response)
-        self.previous = session.items[-1]["id"] if session.items else None  # (the item the reply follows)
-
-    def _item(self, status: str) -> dict[str, Any]:
-        text = "".join(self.text)
-        part = {"type": "output_audio", "transcript": text} if self.spoken else {"type": "output_text", "text": text}
-        return {"id": self.item_id, "type": "message", "object": "realtime.item", "status": status,
-                "role": "assistant", "content": [part] if status != "in_progress" else []}
-
-    def _response(self, status: str, details: dict | None = None) -> dict[str, Any]:
-        done = status != "in_progress"
-        usage = None
-        if done and self.run is not None:
-            n_in, n_out = self.run.n_prompt, self.run.completion_tokens
-            usage = {"total_tokens": n_in + n_out, "input_tokens": n_in, "output_tokens": n_out,
-                     "input_token_details": {"cached_tokens": self.run.n_cached},
-                     "output_token_details": {"text_tokens": n_out, "audio_tokens": 0}}
-        return {"id": self.id, "object": "realtime.response", "status": status, "status_details": details,
-                "output": [self._item(self.status if done else "in_progress")] if done else [],
-                "output_modalities": self.config["output_modalities"],
-                "max_output_tokens": self.config["max_output_tokens"],
-                "conversation_id": self.s.id if self.keep else None, "metadata": self.metadata,
-                "audio": {"output": {"format": _FORMAT, "voice": self.config["voice"]}}, "usage": usage}
-
-    async def begin(self) -> None:
-        """Start the chat run (its checks refuse here, before any response event). With truncation
-        `auto`, a prompt over the context leaves out the conversation's oldest items, one more a try
-        (from where the last response settled), down to the latest user item."""
-        s = self.s
-        kept = next((k for k, i in enumerate(s.items) if i["id"] == s.first_kept), 0)
-        self.skip = min(kept, self._latest_user()) if s.config["truncation"] == "auto" and self.own is None else 0
-        await self._start()
-
-    def _latest_user(self) -> int:
-        return max(k for k, i in enumerate(self.s.items) if i["role"] == "user")
-
-    def _can_skip(self, e: APIError) -> bool:
-        return (e.code == "context_length_exceeded" and self.s.config["truncation"] == "auto"
-                and self.own is None and self.skip < self._latest_user())
-
-    async def _start(self) -> None:
-        s = self.s
-        while True:
-            try:
-                self.run = await s.start_chat(s.chat_body(self.config, self.skip, self.own))
-                break
-            except APIError as e:
-                if not self._can_skip(e):
-                    raise
-                self.skip += 1
-        if self.own is None:
-            s.first_kept = s.items[self.skip]["id"]
-
-    async def _first(self):
-        """The run's first output. The api counts a media item as one token, the stage as its
-        tokens: a prompt the stage finds over the context is truncated here as in `begin`."""
-        while True:
-            try:
-                return await self.run.first()
-            except APIError as e:
-                if not self._can_skip(e):
-                    raise
-                await self.run.abort()
-                self.skip += 1
-                await self._start()
-
-    def _leave_room(self) -> None:
-        """Truncation `auto` drops items only when a prompt does not fit; a reply then has little room.
-        When this one left less than a reply's worth (max_output_tokens, at most a quarter of the
-        context), the next response starts that many prompt tokens later, by this prompt's mean
-        tokens an item."""
-        s, ctx = self.s, self.s.context
-        if not ctx or s.config["truncation"] != "auto" or self.run is None or not self.run.n_prompt or self.own is not None:
-            return
-        cap = self.config["max_output_tokens"]
-        want = min(ctx // 4, cap if isinstance(cap, int) else ctx)
-        short = want - (ctx - self.run.n_prompt - self.run.completion_tokens)
-        if short <= 0 or s.first_kept is None:
-            return
-        at = next((k for k, i in enumerate(s.items) if i["id"] == s.first_kept), None)
-        if at is None:
-            return
-        per_item = self.run.n_prompt / max(1, len(s.items) - 1 - at)  # (the prompt held items at.. before this reply)
-        ahead = min(at + -(-short // max(1.0, per_item)), len(s.items) - 1)
-        s.first_kept = s.items[int(ahead)]["id"]
-
-    def _where(self) -> dict[str, Any]:
-        return {"response_id": self.id, "item_id": self.item_id, "output_index": 0, "content_index": 0}
-
-    async def _open(self) -> None:
-        s, previous = self.s, self.previous
-        await s.send("response.created", response=self._response("in_progress"))
-        await s.send("response.output_item.added", response_id=self.id, output_index=0, item=self._item("in_progress"))
-        if self.keep:
-            await s.send("conversation.item.added", previous_item_id=previous, item=self._item("in_progress"))
-        part = {"type": "audio", "transcript": ""} if self.spoken else {"type": "text", "text": ""}
-        await s.send("response.content_part.added", part=part, **self._where())
-
-    async def never_ran(self) -> None:
-        """The events of a response cancelled before its task's first step (its request already dropped)."""
-        await self._open()
-        await self._finish("cancelled", {"type": "cancelled", "reason": self.cancel_reason}, self._where(),
-                           self.previous)
-
-    async def stream(self) -> None:
-        self.started = True
-        s, where, previous = self.s, self._where(), self.previous
-        status, details = "completed", None
-        try:
-            await self._open()
-            first = await self._first()
-            async for kind, value in self.run.stream_from(first):
-                if kind == "text":
-                    self.text.append(value)
-                    name = "response.output_audio_transcript.delta" if self.spoken else "response.output_text.delta"
-                    await s.send(name, delta=value, **where)
-                elif self.spoken:
-                    wave_piece, rate = value
-                    await self._audio(await asyncio.to_thread(_pcm16, wave_piece, rate, self.stretch))
-            if self.stretch is not None:  # (the stretch's last frames)
-                await self._audio(audio.encode_audio(np.clip(self.stretch.flush(), -1.0, 1.0), RATE, "pcm"))
-            if self.run.finish_reason == "length":
-                status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
-        except asyncio.CancelledError:
-            await self.run.abort()
-            status, details = "cancelled", {"type": "cancelled", "reason": self.cancel_reason}
-            await self._finish(status, details, where, previous)
-            raise
-        except APIError as e:
-            await self.run.abort()
-            status, details = "failed", {"type": "failed", "error": {"type": "server_error" if e.status >= 500
-                                                                      else "invalid_request_error",
-                                                                      "code": e.code, "message": e.message}}
-        except Exception as e:  # (the server's fault: said, and the session goes on)
-            log.exception("realtime response %s failed", self.id)
-            await self.run.abort()
-            status, details = "failed", {"type": "failed", "error": {"type": "server_error", "code": None,
-                                                                      "message": f"{type(e).__name__}"}}
-        await self._finish(status, details, where, previous)
-
-    async def _audio(self, pcm: bytes) -> None:
-        if pcm:
-            self.samples += len(pcm) // 2
-            await self.s.send("response.output_audio.delta", delta=base64.b64encode(pcm).decode(), **self._where())
-
-    async def _finish(self, status: str, details: dict | None, where: dict, previous: str | None) -> None:
-        s, text = self.s, "".join(self.text)
-        self.status = "completed" if status == "completed" else "incomplete"
-        if self.spoken:
-            if status in ("completed", "incomplete"):
-                await s.send("response.output_audio.done", **where)
-            await s.send("response.output_audio_transcript.done", transcript=text, **where)
-            await s.send("response.content_part.done", part={"type": "audio", "transcript": text}, **where)
-        else:
-            await s.send("response.output_text.done", text=text, **where)
-            await s.send("response.content_part.done", part={"type": "text", "text": text}, **where)
-        item = self._item(self.status)
-        await s.send("response.output_item.done", response_id=self.id, output_index=0, item=item)
-        if self.keep and status == "failed" and not text:  # (nothing said: no empty turn in the conversation)
-            await s.send("conversation.item.deleted", item_id=self.item_id)
-        elif self.keep:
-            s.items.append(item)
-            if self.spoken:
-                s.spoken_ms[self.item_id] = self.samples * 1000 // RATE
-            await s.send("conversation.item.done", previous_item_id=previous, item=item)
-        await s.send("response.done", response=self._response(status, details))
-        if self.keep and status != "failed":
-            self._leave_room()
-        if self.keep and s.audio_cap is not None and len(s._audio_items()) >= s.audio_cap:
-            s._read_ahead(also_latest=True)  # (the next audio item pushes the latest past the cap)
-        s.played_until = asyncio.get_running_loop().time() + self.samples / RATE
-        s._arm_idle()
-
-
 _HANDLERS: dict[str, Callable[[Session, dict], Awaitable[None]]] = {
     "session.update": Session._session_update,
     "input_audio_buffer.append": Session._append,
@@ -1232,3 +888,4 @@ _HANDLERS: dict[str, Callable[[Session, dict], Awaitable[None]]] = {
 _TRANSCRIPTION_HANDLERS = {k: v for k, v in _HANDLERS.items()
                            if k.startswith(("session.", "input_audio_buffer.")) or k in (
                                "conversation.item.delete", "conversation.item.retrieve")}
+

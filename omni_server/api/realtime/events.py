@@ -1,0 +1,104 @@
+"""A Realtime client event's fields checked: the errors said back (`EventError`: an `error` event, the
+session goes on), the fields each event and part may have, and the settings' values."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+MIN_COMMIT_S = 0.1  # (OpenAI's least committed audio)
+# OpenAI's server_vad defaults (a session starts with it on, as theirs do)
+VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
+       "create_response": True, "interrupt_response": True, "idle_timeout_ms": None}
+
+
+class EventError(Exception):
+    """A client event this session cannot take: an `error` event, the session goes on."""
+
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None):
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+TRANSCRIPTION_FIELDS = {"type", "audio", "include"}
+# An item's part's fields by its type (an assistant's output_audio may carry its audio: the
+# conversation reads such a turn by its transcript)
+PART_FIELDS = {"input_text": {"type", "text"}, "text": {"type", "text"}, "output_text": {"type", "text"},
+               "input_audio": {"type", "audio", "transcript"}, "input_image": {"type", "image_url", "detail"},
+               "output_audio": {"type", "transcript", "audio"}}
+SESSION_FIELDS = {"type", "model", "instructions", "output_modalities", "max_output_tokens", "temperature", "audio",
+                  "tools", "tool_choice", "truncation", "include", "tracing", "prompt"}
+RESPONSE_FIELDS = {"conversation", "input", "instructions", "output_modalities", "max_output_tokens", "temperature",
+                   "audio", "tools", "tool_choice", "metadata", "prompt"}
+
+
+def only(given: Any, known: set[str], where: str) -> None:
+    """Fields this server does not know are an error, not ignored (a setting that would do nothing)."""
+    unknown = sorted(set(given) - known) if isinstance(given, dict) else []
+    if unknown:
+        raise EventError(f"unknown field(s) in `{where}`: {', '.join(unknown)}", code="unknown_parameter",
+                         param=f"{where}.{unknown[0]}")
+
+
+def transcript_of(item: dict[str, Any]) -> str | None:
+    return next((p.get("transcript") for p in item["content"] if p["type"] == "input_audio"), None)
+
+
+def turn_detection(value: Any, kind: str = "realtime") -> dict[str, Any] | None:
+    """A session's `turn_detection`: null (the client ends turns) or server_vad (the turns module's
+    level gate; in a transcription session it makes no responses: `create_response`,
+    `interrupt_response` false and no `idle_timeout_ms`)."""
+    param = "session.audio.input.turn_detection"
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "server_vad":
+        raise EventError("`turn_detection` must be null or {\"type\": \"server_vad\", ...} (semantic_vad is not "
+                         "served)", param=f"{param}.type")
+    unknown = set(value) - set(VAD)
+    if unknown:
+        raise EventError(f"unknown turn_detection field(s): {', '.join(sorted(unknown))}", param=param)
+    quiet = {"create_response": False, "interrupt_response": False} if kind == "transcription" else {}
+    vad = {**VAD, **quiet, **{k: v for k, v in value.items() if v is not None}}
+    for key in quiet:
+        if vad[key] is not False:
+            raise EventError(f"a transcription session makes no responses: `{key}` is false", param=f"{param}.{key}")
+    if kind == "transcription" and vad["idle_timeout_ms"] is not None:
+        raise EventError("a transcription session makes no responses: no `idle_timeout_ms`",
+                         param=f"{param}.idle_timeout_ms")
+
+    def number(key: str, low: float, high: float, whole: bool) -> None:
+        v = vad[key]
+        if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not low <= v <= high:
+            raise EventError(f"`{key}` must be {'an integer' if whole else 'a number'} from {low:g} to {high:g}",
+                             param=f"{param}.{key}")
+    number("threshold", 0, 1, whole=False)
+    number("prefix_padding_ms", 0, 5000, whole=True)
+    number("silence_duration_ms", 20, 10000, whole=True)
+    for key in ("create_response", "interrupt_response"):
+        if not isinstance(vad[key], bool):
+            raise EventError(f"`{key}` must be true or false", param=f"{param}.{key}")
+    if vad["idle_timeout_ms"] is not None:
+        number("idle_timeout_ms", 100, 600000, whole=True)
+    return vad
+
+
+def speed(value: Any, param: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.25 <= value <= 1.5:
+        return float(value)
+    raise EventError("`speed` must be a number from 0.25 to 1.5 (1: as generated)", param=param)
+
+
+def max_tokens(value: Any, param: str) -> int | str:
+    if value == "inf" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 4096):
+        return value
+    raise EventError('`max_output_tokens` must be 1 to 4096 or "inf"', param=param)
+
+
+def temperature(value: Any, param: str) -> float | None:
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 2):
+        return value
+    raise EventError("`temperature` must be a number from 0 to 2 (0: greedy)", param=param)
