@@ -495,6 +495,9 @@ def test_a_transcription_session_transcribes_detected_turns(speech_server):
     async def talk():
         async with client.realtime.connect(model=MODEL, extra_query={"intent": "transcription"}) as conn:
             created = await _until(conn, "session.created")
+            await conn.session.update(session={"type": "transcription",
+                                               "include": ["item.input_audio_transcription.logprobs"]})
+            await _until(conn, "session.updated")
             await conn.response.create()
             refused = await _until(conn, "error")
             audio = QUIET + PCM + QUIET + QUIET
@@ -514,6 +517,10 @@ def test_a_transcription_session_transcribes_detected_turns(speech_server):
     wav = io.BytesIO(base64.b64decode(_wav_b64(turn)))
     assert done.transcript == sync.audio.transcriptions.create(model=MODEL, file=("turn.wav", wav)).text
     assert done.usage.input_tokens > 0
+    # (include: each token's log-probability, the deltas' the first of the completed's)
+    assert len(done.logprobs) == done.usage.output_tokens and all(p.logprob <= 0 for p in done.logprobs)
+    assert [p for e in events if e.type.endswith("transcription.delta") for p in e.logprobs] == \
+        done.logprobs[:sum(len(e.logprobs) for e in events if e.type.endswith("transcription.delta"))]
 
 
 def test_an_out_of_band_response_reads_its_own_input(speech_server):

@@ -139,6 +139,23 @@ class _FakeRun:
         self.aborted = True
 
 
+class _ScoredRun(_FakeRun):
+    """A run whose text tokens have log-probabilities (run.logprobs grows as they come; one more
+    token, without text, at the end)."""
+
+    def __init__(self, pieces: list[str]):
+        super().__init__(pieces)
+        self.logprobs = []
+
+    async def stream_from(self, first):
+        from types import SimpleNamespace
+
+        for k, p in enumerate(self.pieces):
+            self.logprobs.append(SimpleNamespace(token=p, logprob=-1.0 - k, bytes=list(p.encode())))
+            yield "text", p
+        self.logprobs.append(SimpleNamespace(token="<end>", logprob=-0.5, bytes=[]))
+
+
 def test_a_response_cancelled_before_it_ran_is_dropped_and_said():
     """response.create then response.cancel at once (the response's task not yet run): its request
     is dropped and the client still gets response.created and response.done (cancelled)."""
@@ -278,7 +295,7 @@ def test_settings_it_cannot_honour_are_refused_and_metadata_comes_back():
 
     async def talk():
         s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None)
-        for session in ({"model": "other"}, {"include": ["item.input_audio_transcription.logprobs"]},
+        for session in ({"model": "other"}, {"include": ["item.output_audio.logprobs"]},
                         {"prompt": {"id": "pmpt_1"}}, {"audio": {"input": {"transcription": {"model": "x", "foo": 1}}}}):
             await _event(s, type="session.update", session=session)
         await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
@@ -489,7 +506,7 @@ def test_a_transcription_session_transcribes_each_turn_and_makes_no_responses():
 
     async def chat(body):
         bodies.append(body)
-        return _FakeRun(["he", "llo"])
+        return _ScoredRun(["he", "llo"])
 
     async def talk():
         s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=5.0, audio_cap=None, kind="transcription",
@@ -505,7 +522,7 @@ def test_a_transcription_session_transcribes_each_turn_and_makes_no_responses():
                           "type": "server_vad", "create_response": True}}}}}):
             await s.receive(json.dumps(event))
         await _event(s, type="session.update", session={"type": "transcription", "audio": {"input": {
-            "transcription": {"model": "m", "language": "en"}}}})
+            "transcription": {"model": "m", "language": "en"}}}, "include": ["item.input_audio_transcription.logprobs"]})
         for piece in (_quiet(0.5), _tone(1.0), _quiet(1.0)):
             await _event(s, type="input_audio_buffer.append", audio=_b64(piece))
         await asyncio.gather(*s.transcribing.values())
@@ -527,10 +544,15 @@ def test_a_transcription_session_transcribes_each_turn_and_makes_no_responses():
                           "conversation.item.input_audio_transcription.delta",
                           "conversation.item.input_audio_transcription.delta",
                           "conversation.item.input_audio_transcription.completed"], kinds
-    assert [e["delta"] for e in sent if e["type"].endswith("transcription.delta")] == ["he", "llo"]
+    deltas = [e for e in sent if e["type"].endswith("transcription.delta")]
+    assert [e["delta"] for e in deltas] == ["he", "llo"]
+    assert [e["logprobs"] for e in deltas] == [[{"token": "he", "logprob": -1.0, "bytes": [104, 101]}],
+                                              [{"token": "llo", "logprob": -2.0, "bytes": [108, 108, 111]}]]
     assert sent[-1]["transcript"] == "hello" and s.items[0]["content"][0]["transcript"] == "hello"
+    assert [p["token"] for p in sent[-1]["logprobs"]] == ["he", "llo", "<end>"]  # (the last token has no text)
     [body] = bodies
     assert body["modalities"] == ["text"] and body["messages"][0]["content"][1]["text"] == "say en"
+    assert body["logprobs"] is True
 
 
 def test_a_response_with_its_own_input():
@@ -681,3 +703,28 @@ def test_malformed_parts_settings_and_events_are_refused_and_a_gone_socket_ends_
     gone = Session("m", broken, _no_chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None)
     asyncio.run(gone.receive("not json"))
     assert gone.closed
+
+
+def test_an_items_transcript_lands_on_its_audio_part():
+    """An item of text then audio, input transcription on: the transcript is the audio part's
+    (content_index 1), the text part stays as it was."""
+    sent: list = []
+
+    async def chat(body):
+        return _FakeRun(["wo", "rds"])
+
+    async def talk():
+        s = Session("m", lambda e: _append(sent, e), chat, voices=[], has_audio=False, max_buffer_s=1.0,
+                    audio_cap=None, transcription_turn=lambda language, prompt: [{"role": "user", "content": [
+                        {"type": "audio"}]}])
+        await _event(s, type="session.update", session={"audio": {"input": {"transcription": {"model": "m"}}}})
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "listen:"}, {"type": "input_audio", "audio": _b64(_tone(0.3))}]})
+        await asyncio.gather(*s.transcribing.values())
+        return s
+
+    s = asyncio.run(talk())
+    done = next(e for e in sent if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert done["content_index"] == 1 and done["transcript"] == "words" and "logprobs" not in done
+    assert s.items[0]["content"] == [{"type": "input_text", "text": "listen:"},
+                                     {"type": "input_audio", "transcript": "words"}]

@@ -86,6 +86,18 @@ def turn_detection(value: Any, kind: str = "realtime") -> dict[str, Any] | None:
     return vad
 
 
+LOGPROBS = "item.input_audio_transcription.logprobs"
+
+
+def include(value: Any) -> list[str] | None:
+    if value is None or value == []:
+        return None
+    if value == [LOGPROBS]:
+        return [LOGPROBS]
+    raise EventError(f'`include` is null or ["{LOGPROBS}"] (input transcription with its tokens\' log-probabilities)',
+                     param="session.include")
+
+
 def speed(value: Any, param: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.25 <= value <= 1.5:
         return float(value)

@@ -72,6 +72,7 @@ class Session:
             # auto: a response's prompt leaves out the oldest items the context cannot hold, and the
             # oldest audio gives way past what a session keeps; disabled: errors instead
             "truncation": "auto",
+            "include": None,  # (["item.input_audio_transcription.logprobs"]: transcripts with their tokens' logprobs)
         }
         if kind == "transcription":
             self.config["transcription"] = {"model": model, "language": None, "prompt": None}
@@ -118,13 +119,13 @@ class Session:
         c = self.config
         if self.kind == "transcription":
             return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
-                    "include": None, "audio": {"input": {"format": FORMAT, "turn_detection": c["turn_detection"],
+                    "include": c["include"], "audio": {"input": {"format": FORMAT, "turn_detection": c["turn_detection"],
                                                          "transcription": c["transcription"], "noise_reduction": None}}}
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
             "output_modalities": c["output_modalities"], "instructions": c["instructions"] or "",
             "max_output_tokens": c["max_output_tokens"], "temperature": c["temperature"], "tools": [],
-            "truncation": c["truncation"],
+            "truncation": c["truncation"], "include": c["include"],
             "tool_choice": "auto",
             "audio": {"input": {"format": FORMAT, "turn_detection": c["turn_detection"],
                                 "transcription": c["transcription"]},
@@ -187,8 +188,8 @@ class Session:
         config = self._settings(given, "session")
         if given.get("model") not in (None, self.model):
             raise EventError(f"this session serves `{self.model}`", code="model_not_found", param="session.model")
-        if given.get("include"):
-            raise EventError("`include` is not served (no transcription logprobs)", param="session.include")
+        if "include" in given:
+            config["include"] = events.include(given["include"])
         if given.get("prompt") is not None:
             raise EventError("stored prompts are not served: send `instructions`", param="session.prompt")
         sound = given.get("audio") or {}
@@ -304,16 +305,25 @@ class Session:
         messages = [{**m, "content": [audio_part if p.get("type") == "audio" else p for p in m["content"]]}
                     if isinstance(m["content"], list) else m for m in turn]
         body = {"model": self.model, "messages": messages, "modalities": ["text"], "temperature": 0, "stream": True}
-        where = {"item_id": item_id, "content_index": 0}
+        scored = announce and events.LOGPROBS in (self.config["include"] or [])
+        if scored:
+            body["logprobs"] = True
+        item = next((i for i in self.items if i["id"] == item_id), None)
+        at = next((k for k, p in enumerate(item["content"]) if p["type"] == "input_audio"), 0) if item else 0
+        where = {"item_id": item_id, "content_index": at}
         try:
             run = await self.start_chat(body)
             try:
-                pieces = []
+                pieces, scores = [], []
                 async for kind, value in run.stream_from(await run.first()):
                     if kind == "text" and value:
                         pieces.append(value)
+                        new = [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes}
+                               for e in (run.logprobs or [])[len(scores):]] if scored else None
+                        scores += new or []
                         if announce:
-                            await self.send("conversation.item.input_audio_transcription.delta", **where, delta=value)
+                            await self.send("conversation.item.input_audio_transcription.delta", **where, delta=value,
+                                            **({"logprobs": new} if scored else {}))
             except BaseException:
                 await run.abort()
                 raise
@@ -329,12 +339,15 @@ class Session:
         if not announce:
             self.read_as[item_id] = text
             return
-        item = next((i for i in self.items if i["id"] == item_id), None)
+        item = next((i for i in self.items if i["id"] == item_id), None)  # (unless deleted meanwhile)
         if item is not None:
-            item["content"][0]["transcript"] = text
+            item["content"][at]["transcript"] = text
+        if scored:  # (tokens with no text of their own yet: held back by the detokenizer until the end)
+            scores += [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes} for e in run.logprobs[len(scores):]]
         await self.send("conversation.item.input_audio_transcription.completed", **where, transcript=text,
                         usage={"type": "tokens", "input_tokens": run.n_prompt, "output_tokens": run.completion_tokens,
-                               "total_tokens": run.n_prompt + run.completion_tokens})
+                               "total_tokens": run.n_prompt + run.completion_tokens},
+                        **({"logprobs": scores} if scored else {}))
 
     def _modalities(self, value: Any, param: str) -> list[str]:
         if value not in (["text"], ["audio"]):
