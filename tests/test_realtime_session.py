@@ -242,7 +242,7 @@ def test_what_a_session_refuses_at_once():
 
 
 async def _append(sent: list, event: dict) -> None:
-    sent.append(event)
+    sent.append(json.loads(json.dumps(event)))  # (as sent: a copy, in JSON)
 
 
 async def _no_chat(body):
@@ -728,3 +728,146 @@ def test_an_items_transcript_lands_on_its_audio_part():
     assert done["content_index"] == 1 and done["transcript"] == "words" and "logprobs" not in done
     assert s.items[0]["content"] == [{"type": "input_text", "text": "listen:"},
                                      {"type": "input_audio", "transcript": "words"}]
+
+
+class _HeldChat:
+    """A chat whose runs wait until released (`go`); counts the runs it holds at once."""
+
+    def __init__(self):
+        self.go, self.now, self.most, self.bodies = asyncio.Event(), 0, 0, []
+
+    async def __call__(self, body):
+        self.bodies.append(body)
+        chat = self
+
+        class Run(_FakeRun):
+            async def first(self):
+                chat.now += 1
+                chat.most = max(chat.most, chat.now)
+                try:
+                    await chat.go.wait()
+                finally:
+                    chat.now -= 1
+
+        return Run(["w"])
+
+
+def _transcribing_session(sent: list, chat, **kw) -> Session:
+    return Session("m", lambda e: _append(sent, e), chat, voices=[], has_audio=False, max_buffer_s=1.0,
+                   audio_cap=None, transcription_turn=lambda language, prompt: [{"role": "user", "content": [
+                       {"type": "audio"}]}], **kw)
+
+
+def test_a_session_transcribes_two_items_at_a_time_and_keeps_those_under_way():
+    """Six audio items with input transcription on: two transcriptions run at once, the rest
+    wait. Past the audio kept (4 x 1 s), an untranscribed item no transcript is coming for gives
+    way before one still being transcribed."""
+    sent: list = []
+    chat = _HeldChat()
+
+    async def talk():
+        s = _transcribing_session(sent, chat)
+        await _event(s, type="session.update", session={"audio": {"input": {
+            "turn_detection": None, "transcription": {"model": "m", "language": ""}}}})
+        assert s.config["transcription"]["language"] is None
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+            {"type": "input_audio", "audio": _b64(_tone(1.0))}]})
+        pending = s.items[0]["id"]
+        await _event(s, type="session.update", session={"audio": {"input": {"transcription": None}}})
+        for _ in range(4):
+            await _event(s, type="input_audio_buffer.append", audio=_b64(_tone(1.0)))
+            await _event(s, type="input_audio_buffer.commit")
+        untranscribed = [e["item_id"] for e in sent if e["type"] == "input_audio_buffer.committed"][:2]
+        await _event(s, type="session.update", session={"audio": {"input": {"transcription": {"model": "m"}}}})
+        for _ in range(5):
+            await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": _b64(_tone(0.1))}]})
+        await asyncio.sleep(0.05)
+        held = chat.now
+        chat.go.set()
+        await asyncio.gather(*s.transcribing.values())
+        return s, pending, untranscribed, held
+
+    s, pending, untranscribed, held = asyncio.run(talk())
+    assert held == 2 and chat.most == 2 and len(chat.bodies) == 6
+    # (the fourth 1 s commit, and the first 0.1 s item, each make room: the oldest items without a
+    # transcript coming go, not the older one being transcribed)
+    assert [e["item_id"] for e in sent if e["type"] == "conversation.item.deleted"] == untranscribed
+    assert any(i["id"] == pending for i in s.items)
+    assert sum(e["type"].endswith("transcription.completed") for e in sent) == 6
+
+
+def test_a_reply_holds_its_place_while_it_runs_and_nothing_starts_once_closed():
+    """The reply's item joins the conversation as it starts: an item created while it runs comes
+    after it, it can be retrieved (in progress), and the next prompt leaves nothing out of order.
+    A session closed while a reply runs starts no transcription afterwards."""
+    sent: list = []
+    chat = _HeldChat()
+
+    async def talk():
+        s = Session("m", lambda e: _append(sent, e), chat, voices=[], has_audio=False, max_buffer_s=1.0,
+                    audio_cap=1, transcription_turn=lambda language, prompt: [{"role": "user", "content": [
+                        {"type": "audio"}]}])
+        for k in range(2):
+            await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": _b64(_tone(0.2)), "transcript": f"said {k}"}]})
+        await _event(s, type="response.create")
+        reply = s.reply.item_id
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": "x"}]})
+        await _event(s, type="conversation.item.retrieve", item_id=reply)
+        await _event(s, type="response.cancel", response_id="resp_other")
+        chat.go.set()
+        await s.response
+        order = [i["id"] for i in s.items]
+        await s.close()
+        s._read_ahead(also_latest=True)
+        return s, reply, order
+
+    s, reply, order = asyncio.run(talk())
+    added = next(e for e in sent if e["type"] == "conversation.item.added" and e["item"]["id"] == reply)
+    later = [e for e in sent if e["type"] == "conversation.item.added" and e["item"].get("role") == "user"][-1]
+    assert later["previous_item_id"] == reply and order.index(reply) == 2 and len(order) == 4
+    done = next(e for e in sent if e["type"] == "conversation.item.done" and e["item"]["id"] == reply)
+    assert done["previous_item_id"] == added["previous_item_id"] == order[1]
+    retrieved = next(e for e in sent if e["type"] == "conversation.item.retrieved")
+    assert retrieved["item"]["status"] == "in_progress"
+    assert [e["error"]["param"] for e in sent if e["type"] == "error"] == ["response_id"]
+    assert not s.transcribing
+
+
+def test_small_refusals():
+    """A turn too short to hear is dropped quietly; unknown event fields, an event over the limit
+    in bytes (not characters), an empty input without instructions, two images in an input with
+    truncation disabled are error events; `conversation: null` is auto."""
+    sent, bodies = [], []
+
+    async def chat(body):
+        bodies.append(body)
+        return _FakeRun(["ok"])
+
+    async def talk():
+        s = Session("m", lambda e: _append(sent, e), chat, voices=[], has_audio=False, max_buffer_s=2.0,
+                    audio_cap=None, image_cap=1, image_limits=(1 << 20, 1 << 20), max_event_bytes=30000)
+        await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": {
+            "type": "server_vad", "prefix_padding_ms": 0, "silence_duration_ms": 20}}}})
+        await _event(s, type="input_audio_buffer.append", audio=_b64(np.concatenate([_tone(0.04), _quiet(0.3)])))
+        await _event(s, type="input_audio_buffer.append", audio="", extra=1)
+        await s.receive(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                    "content": [{"type": "input_text", "text": "é" * 16000}]}}, ensure_ascii=False))
+        await _event(s, type="session.update", session={"truncation": "disabled"})
+        await _event(s, type="response.create", response={"input": []})
+        image = {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": _png(4, 4)}]}
+        await _event(s, type="response.create", response={"input": [image, {**image}]})
+        await _event(s, type="response.create", response={"conversation": None, "input": [image]})
+        await s.response
+        return s
+
+    s = asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [(e["code"], e["param"]) for e in errors] == [
+        ("unknown_parameter", "extra"), ("event_too_large", None), ("invalid_value", "response.input"),
+        ("too_many_images", None)], errors
+    kinds = [e["type"] for e in sent]
+    assert "input_audio_buffer.speech_stopped" in kinds and "input_audio_buffer.committed" not in kinds
+    assert len(bodies) == 1 and s.items[-1]["role"] == "assistant"  # (conversation null: the reply joined it)

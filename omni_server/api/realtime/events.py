@@ -24,6 +24,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
+# A client event's fields by its type
+EVENT_FIELDS = {kind: {"type", "event_id"} | more for kind, more in {
+    "session.update": {"session"}, "input_audio_buffer.append": {"audio"}, "input_audio_buffer.clear": set(),
+    "input_audio_buffer.commit": set(), "conversation.item.create": {"previous_item_id", "item"},
+    "conversation.item.delete": {"item_id"}, "conversation.item.retrieve": {"item_id"},
+    "conversation.item.truncate": {"item_id", "content_index", "audio_end_ms"}, "response.create": {"response"},
+    "response.cancel": {"response_id"}}.items()}
 TRANSCRIPTION_FIELDS = {"type", "audio", "include"}
 # An item's part's fields by its type (an assistant's output_audio may carry its audio: the
 # conversation reads such a turn by its transcript)
@@ -39,9 +46,9 @@ RESPONSE_FIELDS = {"conversation", "input", "instructions", "output_modalities",
 def only(given: Any, known: set[str], where: str) -> None:
     """Fields this server does not know are an error, not ignored (a setting that would do nothing)."""
     unknown = sorted(set(given) - known) if isinstance(given, dict) else []
-    if unknown:
-        raise EventError(f"unknown field(s) in `{where}`: {', '.join(unknown)}", code="unknown_parameter",
-                         param=f"{where}.{unknown[0]}")
+    if unknown:  # (`where` "": the event's own fields)
+        raise EventError(f"unknown field(s) in `{where or given.get('type')}`: {', '.join(unknown)}",
+                         code="unknown_parameter", param=f"{where}.{unknown[0]}" if where else unknown[0])
 
 
 def transcript_of(item: dict[str, Any]) -> str | None:

@@ -46,7 +46,8 @@ class Reply:
         self.cancel_reason = "client_cancelled"
         self.started = False  # (stream() ran its first step)
         self.metadata: dict[str, str] | None = None  # (the client's, given back in the response)
-        self.previous = session.items[-1]["id"] if session.items else None  # (the item the reply follows)
+        self.previous: str | None = None  # (the item the reply follows in the conversation)
+        self.entry: dict[str, Any] | None = None  # (its item in the conversation while it runs, then its final form)
 
     def _item(self, status: str) -> dict[str, Any]:
         text = "".join(self.text)
@@ -77,6 +78,14 @@ class Reply:
         kept = next((k for k, i in enumerate(s.items) if i["id"] == s.first_kept), 0)
         self.skip = min(kept, self._latest_user()) if s.config["truncation"] == "auto" and self.own is None else 0
         await self._start()
+
+    def enter(self) -> None:
+        """The reply's item joins the conversation as it starts (in progress: a prompt leaves it out),
+        so items the client adds meanwhile come after it, and it can be retrieved or deleted."""
+        s = self.s
+        self.previous = s.items[-1]["id"] if s.items else None
+        self.entry = self._item("in_progress")
+        s.items.append(self.entry)
 
     def _latest_user(self) -> int:
         return max(k for k, i in enumerate(self.s.items) if i["role"] == "user")
@@ -128,7 +137,8 @@ class Reply:
         at = next((k for k, i in enumerate(s.items) if i["id"] == s.first_kept), None)
         if at is None:
             return
-        per_item = self.run.n_prompt / max(1, len(s.items) - 1 - at)  # (the prompt held items at.. before this reply)
+        end = next((k for k, i in enumerate(s.items) if i is self.entry), len(s.items) - 1)
+        per_item = self.run.n_prompt / max(1, end - at)  # (the prompt held items at.. before this reply)
         ahead = min(at + -(-short // max(1.0, per_item)), len(s.items) - 1)
         s.first_kept = s.items[int(ahead)]["id"]
 
@@ -147,12 +157,11 @@ class Reply:
     async def never_ran(self) -> None:
         """The events of a response cancelled before its task's first step (its request already dropped)."""
         await self._open()
-        await self._finish("cancelled", {"type": "cancelled", "reason": self.cancel_reason}, self._where(),
-                           self.previous)
+        await self._finish("cancelled", {"type": "cancelled", "reason": self.cancel_reason}, self._where())
 
     async def stream(self) -> None:
         self.started = True
-        s, where, previous = self.s, self._where(), self.previous
+        s, where = self.s, self._where()
         status, details = "completed", None
         try:
             await self._open()
@@ -172,7 +181,7 @@ class Reply:
         except asyncio.CancelledError:
             await self.run.abort()
             status, details = "cancelled", {"type": "cancelled", "reason": self.cancel_reason}
-            await self._finish(status, details, where, previous)
+            await self._finish(status, details, where)
             raise
         except APIError as e:
             await self.run.abort()
@@ -184,14 +193,14 @@ class Reply:
             await self.run.abort()
             status, details = "failed", {"type": "failed", "error": {"type": "server_error", "code": None,
                                                                       "message": f"{type(e).__name__}"}}
-        await self._finish(status, details, where, previous)
+        await self._finish(status, details, where)
 
     async def _audio(self, pcm: bytes) -> None:
         if pcm:
             self.samples += len(pcm) // 2
             await self.s.send("response.output_audio.delta", delta=base64.b64encode(pcm).decode(), **self._where())
 
-    async def _finish(self, status: str, details: dict | None, where: dict, previous: str | None) -> None:
+    async def _finish(self, status: str, details: dict | None, where: dict) -> None:
         s, text = self.s, "".join(self.text)
         self.status = "completed" if status == "completed" else "incomplete"
         if self.spoken:
@@ -204,13 +213,16 @@ class Reply:
             await s.send("response.content_part.done", part={"type": "text", "text": text}, **where)
         item = self._item(self.status)
         await s.send("response.output_item.done", response_id=self.id, output_index=0, item=item)
-        if self.keep and status == "failed" and not text:  # (nothing said: no empty turn in the conversation)
+        at = next((k for k, i in enumerate(s.items) if i is self.entry), None)  # (None: deleted meanwhile)
+        if at is not None and status == "failed" and not text:  # (nothing said: no empty turn in the conversation)
+            del s.items[at]
             await s.send("conversation.item.deleted", item_id=self.item_id)
-        elif self.keep:
-            s.items.append(item)
+        elif at is not None:
+            self.entry.update(item)
             if self.spoken:
                 s.spoken_ms[self.item_id] = self.samples * 1000 // RATE
-            await s.send("conversation.item.done", previous_item_id=previous, item=item)
+            await s.send("conversation.item.done", previous_item_id=s.items[at - 1]["id"] if at else None,
+                         item=item)
         await s.send("response.done", response=self._response(status, details))
         if self.keep and status != "failed":
             self._leave_room()

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 _KEPT_BUFFERS = 4  # a conversation keeps at most this many full input buffers of audio
 _KEPT_PROMPTS = 4  # ... and this many prompts' worth of images (16 where a prompt's images are not limited)
+_TRANSCRIBING = 2  # transcriptions a session runs at once (the rest wait: one socket never fills the server)
 
 
 class Session:
@@ -58,6 +59,7 @@ class Session:
         # placeholder; None: the pipeline cannot transcribe (no text stage).
         self.transcription_turn = transcription_turn
         self.transcribing: dict[str, asyncio.Task] = {}
+        self.transcribers = asyncio.Semaphore(_TRANSCRIBING)
         self.read_as: dict[str, str] = {}  # the session's own transcripts (no input transcription asked)
         self.id = events.new_id("sess")
         if kind == "transcription" and transcription_turn is None:
@@ -141,7 +143,9 @@ class Session:
         """One client event (a JSON text frame)."""
         event_id = None
         try:
-            if self.max_event_bytes is not None and len(text) > self.max_event_bytes:  # (its bytes: at least as many)
+            # (a character is 1 to 4 bytes: the exact count only where it could matter)
+            if self.max_event_bytes is not None and len(text) > self.max_event_bytes // 4 and (
+                    len(text) > self.max_event_bytes or len(text.encode("utf-8", "surrogatepass")) > self.max_event_bytes):
                 raise EventError(f"the event is over {self.max_event_bytes} bytes (`server.max_request_bytes`, "
                                  "as a request body's limit)", code="event_too_large")
             try:
@@ -156,6 +160,7 @@ class Session:
             if handler is None:
                 raise EventError(f"unsupported event type {event['type']!r} (a {self.kind} session takes: "
                                  f"{', '.join(sorted(handlers))})", code="unsupported_event", param="type")
+            events.only(event, events.EVENT_FIELDS[event["type"]], "")
             await handler(self, event)
         except (EventError, APIError) as e:
             await self.error(e, event_id)
@@ -164,9 +169,10 @@ class Session:
         """The socket is gone: abort the running response, transcriptions and the idle timer."""
         self.closed = True
         self._disarm_idle()
-        for task in self.transcribing.values():
+        tasks = list(self.transcribing.values())  # (none start once closed)
+        for task in tasks:
             task.cancel()
-        for task in self.transcribing.values():
+        for task in tasks:
             try:
                 await task
             except (asyncio.CancelledError, Exception):
@@ -270,23 +276,24 @@ class Session:
             self.transcription_turn(value.get("language"), value.get("prompt"))
         except ValueError as e:  # (a language it does not know)
             raise EventError(str(e), param=f"{param}.language") from None
-        return {"model": value.get("model") or self.model, "language": value.get("language"),
-                "prompt": value.get("prompt")}
+        return {"model": value.get("model") or self.model, "language": value.get("language") or None,
+                "prompt": value.get("prompt") or None}
 
     def _transcribe(self, item_id: str) -> None:
         """Transcribe a user audio item in the background when the session asks for it."""
-        if self.config["transcription"] is not None:
+        if self.config["transcription"] is not None and not self.closed:
             self.transcribing[item_id] = asyncio.create_task(
                 self._transcript(item_id, self.audio_of[item_id], self.config["transcription"]))
 
-    def _read_ahead(self, also_latest: bool) -> None:
+    def _read_ahead(self, also_latest: bool, ids: list[str] | None = None) -> None:
         """Without input transcription, audio items past what a prompt hears are read by transcripts
         the session makes for itself, unannounced: those not made yet are started (`also_latest`:
         the latest audio items too, which the next audio item pushes past; started after a
         response, while the user listens)."""
-        if self.audio_cap is None or self.transcription_turn is None:
+        if self.audio_cap is None or self.transcription_turn is None or self.closed:
             return
-        ids = self._audio_items() if also_latest else self._read_items()
+        if ids is None:
+            ids = self._audio_items() if also_latest else self._read_items()
         quiet = {"model": self.model, "language": None, "prompt": None}
         for item_id in ids:
             if item_id not in self.transcribing and self._words(item_id) is None:
@@ -304,6 +311,10 @@ class Session:
         turn = self.transcription_turn(config["language"], config["prompt"])
         messages = [{**m, "content": [audio_part if p.get("type") == "audio" else p for p in m["content"]]}
                     if isinstance(m["content"], list) else m for m in turn]
+        async with self.transcribers:
+            await self._transcribe_now(item_id, messages, announce)
+
+    async def _transcribe_now(self, item_id: str, messages: list[dict], announce: bool) -> None:
         body = {"model": self.model, "messages": messages, "modalities": ["text"], "temperature": 0, "stream": True}
         scored = announce and events.LOGPROBS in (self.config["include"] or [])
         if scored:
@@ -430,6 +441,9 @@ class Session:
         item_id, self.turn_item = self.turn_item, None
         cut = (at - self.buffer_at) * 2
         pcm, self.buffer, self.buffer_at = bytes(self.buffer[:cut]), self.buffer[cut:], at
+        if len(pcm) < int(MIN_COMMIT_S * RATE) * 2:  # (a click with no padding before it: no turn to hear)
+            log.info("realtime %s: a detected turn of %d ms dropped", self.id, len(pcm) * 500 // RATE)
+            return
         try:
             self._check_length(len(pcm), "audio")
             await self._room_for(len(pcm))
@@ -645,12 +659,21 @@ class Session:
         if self.config["truncation"] == "disabled" or more > self.max_kept_bytes:
             raise EventError(f"the conversation would hold over {self.max_kept_bytes // 2 / RATE:g} s of audio; "
                              "delete earlier items first (conversation.item.delete)", code="conversation_too_large")
-        for item_id in self._audio_items():
+        def pending(item_id: str) -> bool:  # (a transcript under way: its audio is needed until it is done)
+            task = self.transcribing.get(item_id)
+            return task is not None and not task.done()
+
+        def read(item_id: str) -> bool:
+            return item_id == spare or (self._words(item_id) is not None and not pending(item_id))
+
+        # Transcribed items' audio first, then those no transcript is coming for, then those being transcribed.
+        ids = self._audio_items()
+        for item_id in ([i for i in ids if read(i)] + [i for i in ids if not read(i) and not pending(i)]
+                        + [i for i in ids if not read(i) and pending(i)]):
             if kept + more <= self.max_kept_bytes:
                 break
             kept -= len(self.audio_of[item_id])
-            task = self.transcribing.get(item_id)
-            if (self._words(item_id) is not None and (task is None or task.done())) or item_id == spare:
+            if read(item_id):
                 del self.audio_of[item_id]
             else:
                 await self._forget(item_id)
@@ -734,20 +757,26 @@ class Session:
         fmt = ((given.get("audio") or {}).get("output") or {}).get("format")
         if fmt is not None and fmt != FORMAT and fmt != {"type": "audio/pcm"}:
             raise EventError(f"audio output format must be {json.dumps(FORMAT)}", param="response.audio.output.format")
-        if given.get("conversation", "auto") not in ("auto", "none"):
+        conversation = given.get("conversation") or "auto"
+        if conversation not in ("auto", "none"):
             raise EventError("`conversation` is auto (the reply joins the session's conversation) or none",
                              param="response.conversation")
         own = None if given.get("input") is None else await self._input(given["input"])
         if own is None and not any(i["role"] == "user" for i in self.items):
             raise EventError("the conversation has no user item yet: commit audio or create a user item first",
                              code="conversation_empty")
-        images = sum(map(len, self.images_of.values())) if own is None else 0
+        if own is not None and not own.items and not config["instructions"]:
+            raise EventError("an empty `input` leaves the prompt empty: give items or `instructions`",
+                             param="response.input")
+        images = sum(map(len, (self if own is None else own).images_of.values()))
         if self.config["truncation"] == "disabled" and self.image_cap is not None and images > self.image_cap:
-            raise EventError(f"the conversation holds {images} images; this pipeline sees at most {self.image_cap} "
-                             "a prompt (stage 0's limit_mm_per_prompt): delete earlier ones, or set truncation "
-                             "auto to leave the oldest out", code="too_many_images")
+            raise EventError(f"the {'conversation' if own is None else 'response input'} holds {images} images; this "
+                             f"pipeline sees at most {self.image_cap} a prompt (stage 0's limit_mm_per_prompt): leave "
+                             "earlier ones out, or set truncation auto to leave the oldest out", code="too_many_images")
         if own is None:
             self._read_ahead(also_latest=False)
+        else:  # (conversation items the input refers to, past the cap: read by the session's own transcripts)
+            self._read_ahead(also_latest=False, ids=[i for i in self._input_read(own) if i in self.audio_of])
         for item_id in (self._read_items() if own is None else self._input_read(own)):
             # (their transcripts stand for them: wait for those under way)
             task = self.transcribing.get(item_id)
@@ -758,7 +787,8 @@ class Session:
                 where, held = ("conversation", len(self._audio_items())) if own is None else \
                     ("response input", len(own.audio_of))
                 fix = ("could not transcribe item {} to send it as text: delete it (conversation.item.delete) or send "
-                       "its words as a text item" if own is None else "item {} has no `transcript` to send it as text")
+                       "its words as a text item" if own is None or item_id in self.audio_of
+                       else "item {} has no `transcript` to send it as text")
                 raise EventError(f"the {where} holds {held} audio items; this pipeline hears at most {self.audio_cap} "
                                  f"a prompt (stage 0's limit_mm_per_prompt) and {fix.format(item_id)}",
                                  code="too_many_audio_items")
@@ -768,9 +798,16 @@ class Session:
                 for k, v in metadata.items())):
             raise EventError("`metadata` is up to 16 string pairs (keys up to 64 characters, values up to 512)",
                              param="response.metadata")
-        reply = Reply(self, config, keep=given.get("conversation", "auto") == "auto", own=own)
+        reply = Reply(self, config, keep=conversation == "auto", own=own)
         reply.metadata = metadata
-        await reply.begin()  # (a refusal by the chat path is this event's error; nothing started)
+        try:
+            await reply.begin()  # (a refusal by the chat path is this event's error; nothing started)
+        except APIError as e:  # (its `messages` are the conversation's items, or the response's input)
+            if e.param == "messages" or (e.param or "").startswith("messages."):
+                e.param = "response.input" if own is not None else None
+            raise
+        if reply.keep:
+            reply.enter()
         self.reply, self.response = reply, asyncio.create_task(reply.stream())
 
     async def _input(self, given: Any) -> Context:
@@ -803,6 +840,9 @@ class Session:
     async def _response_cancel(self, event: dict) -> None:
         if not self._responding():
             raise EventError("no response is in progress", code="response_cancel_not_active")
+        if event.get("response_id") not in (None, self.reply.id):
+            raise EventError(f"response {event['response_id']!r} is not the one in progress ({self.reply.id})",
+                             code="response_cancel_not_active", param="response_id")
         await self._cancel("client_cancelled")
 
     async def _cancel(self, reason: str, gone: bool = False) -> None:
@@ -854,6 +894,8 @@ class Session:
         read = set(self._read_items() if given is None else self._input_read(given))
         shown = self._shown_images(c, skip)
         for item in c.items[skip:]:
+            if item["status"] == "in_progress":  # (a reply under way: not yet said)
+                continue
             parts, urls = [], iter(enumerate(c.images_of.get(item["id"], [])))
             for part in item["content"]:
                 if part["type"] == "input_image":
