@@ -548,3 +548,36 @@ def test_an_out_of_band_response_reads_its_own_input(speech_server):
                                  {"role": "user", "content": "Is it spam?"}], spoken=False, max_tokens=4)
     assert done.response.usage.input_tokens == chat.usage.prompt_tokens
     assert text == chat.choices[0].message.content
+
+
+def test_a_telephone_call_in_mu_law(speech_server):
+    """Input and output audio/pcmu (G.711 mu-law at 8 kHz): the committed call audio is heard as
+    its 24 kHz conversion (the reply is the greedy chat of that audio) and the spoken reply comes
+    as mu-law, one byte for each three of the chat's 24 kHz samples."""
+    from omni_server.api import telephony
+    from omni_server.api.realtime import encode
+
+    law = telephony.ulaw_encode((8000 * np.sin(2 * np.pi * 300 * np.arange(8000) / 8000)).astype(np.int16))
+
+    async def talk():
+        async with _connect(speech_server) as conn:
+            await _until(conn, "session.created")
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {"temperature": 0, "audio": {
+                "input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
+                "output": {"format": {"type": "audio/pcmu"}}}}}))
+            await _until(conn, "session.updated")
+            for k in range(0, len(law), 1600):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(law[k:k + 1600]).decode())
+            await conn.input_audio_buffer.commit()
+            return await _response(conn, max_output_tokens=8)
+
+    done, transcript, said, _ = asyncio.run(talk())
+    conv = telephony.Converter(up=True)
+    heard = b"".join(encode.heard(law[k:k + 1600], "audio/pcmu", conv) for k in range(0, len(law), 1600))
+    chat = _chat(speech_server, [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": _wav_b64(heard), "format": "wav"}}]}], spoken=True, max_tokens=8)
+    assert done.response.audio.output.format.type == "audio/pcmu"
+    assert done.response.usage.input_tokens == chat.usage.prompt_tokens
+    assert transcript == chat.choices[0].message.audio.transcript
+    samples = len(base64.b64decode(chat.choices[0].message.audio.data)) // 2
+    assert len(said) == -(-samples // 3) > 0

@@ -301,7 +301,7 @@ def test_settings_it_cannot_honour_are_refused_and_metadata_comes_back():
         await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
                                                               "content": [{"type": "input_text", "text": "hi"}]})
         await _event(s, type="response.create", response={"metadata": {"k": 1}})
-        await _event(s, type="response.create", response={"audio": {"output": {"format": {"type": "audio/pcmu"}}}})
+        await _event(s, type="response.create", response={"audio": {"output": {"format": {"type": "audio/opus"}}}})
         await _event(s, type="response.create", response={"metadata": {"turn": "7"}})
         await s.response
 
@@ -871,3 +871,54 @@ def test_small_refusals():
     kinds = [e["type"] for e in sent]
     assert "input_audio_buffer.speech_stopped" in kinds and "input_audio_buffer.committed" not in kinds
     assert len(bodies) == 1 and s.items[-1]["role"] == "assistant"  # (conversation null: the reply joined it)
+
+
+def test_telephone_formats_in_and_out():
+    """Input audio/pcmu: a 300 Hz tone as mu-law at 8 kHz, appended in 20 ms pieces, is kept as
+    24 kHz PCM16 of that tone (3 samples each); retrieve gives it back as mu-law. Output audio/pcma
+    (the session's) or audio/pcmu (a response's): the reply's 0.5 s at 24 kHz comes as 4,000
+    A-law / mu-law bytes (and the conversion's last few) of the same tone."""
+    from omni_server.api import telephony
+
+    sent, runs = [], []
+
+    async def talk():
+        s = _spoken_session(sent, runs, 0.5)
+        await _event(s, type="session.update", session={"audio": {
+            "input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
+            "output": {"format": {"type": "audio/pcma"}}}})
+        await _event(s, type="session.update", session={"audio": {"input": {"format": {"type": "audio/pcmu",
+                                                                                         "rate": 8000}}}})
+        tone = (8000 * np.sin(2 * np.pi * 300 * np.arange(8000) / 8000)).astype(np.int16)
+        law = telephony.ulaw_encode(tone)
+        for k in range(0, len(law), 160):
+            await _event(s, type="input_audio_buffer.append", audio=base64.b64encode(law[k:k + 160]).decode())
+        await _event(s, type="input_audio_buffer.commit")
+        await _event(s, type="conversation.item.retrieve", item_id=s.items[0]["id"])
+        await _event(s, type="response.create")
+        await s.response
+        await _event(s, type="response.create", response={"audio": {"output": {"format": {"type": "audio/pcmu"}}}})
+        await s.response
+        return s, tone
+
+    s, tone = asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [e["param"] for e in errors] == ["session.audio.input.format.rate"], errors
+    updated = next(e for e in sent if e["type"] == "session.updated")["session"]
+    assert updated["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+    kept = np.frombuffer(s.audio_of[s.items[0]["id"]], "<i2").astype(np.float32)
+    assert kept.size == 3 * 8000 - telephony.DELAY  # (the last millisecond still in the filter)
+    expected = 8000 * np.sin(2 * np.pi * 300 * np.arange(kept.size) / 24000)
+    assert np.abs(kept[2000:-200] - expected[2000:-200]).max() < 400  # (mu-law's steps at this level)
+    back = next(e for e in sent if e["type"] == "conversation.item.retrieved")["item"]["content"][0]["audio"]
+    heard = telephony.ulaw_decode(base64.b64decode(back)).astype(np.float32)
+    assert heard.size == 8000 - telephony.DELAY // 3 and np.corrcoef(heard[100:7800], tone[100:7800])[0, 1] > 0.99
+    done = [e["response"] for e in sent if e["type"] == "response.done"]
+    assert [d["audio"]["output"]["format"] for d in done] == [{"type": "audio/pcma"}, {"type": "audio/pcmu"}]
+    for d, decode in zip(done, (telephony.alaw_decode, telephony.ulaw_decode)):
+        raw = b"".join(base64.b64decode(e["delta"]) for e in sent
+                       if e["type"] == "response.output_audio.delta" and e["response_id"] == d["id"])
+        said = decode(raw).astype(np.float32) / 32768
+        assert said.size == 4000
+        reply = 0.3 * np.sin(2 * np.pi * 200 * np.arange(said.size) / 8000)
+        assert np.abs(said[100:3900] - reply[100:3900]).max() < 0.02

@@ -1,5 +1,6 @@
 """The Realtime API's media as a session sends and keeps it: 24 kHz PCM16 audio (a reply's waveform
-pieces converted, a user item's audio as WAV for the chat path) and images seen at `detail: low`."""
+pieces converted, a user item's audio as WAV for the chat path; telephone formats, G.711 at 8 kHz,
+converted to and from it as they stream) and images seen at `detail: low`."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import wave
 
 import numpy as np
 
-from omni_server.api import audio
+from omni_server.api import audio, telephony
 from omni_server.api.stretch import TimeStretch
 
 RATE = 24000  # the Realtime API's PCM rate, in and out
 FORMAT = {"type": "audio/pcm", "rate": RATE}
+PCM = "audio/pcm"
+FORMATS = {PCM: FORMAT, "audio/pcmu": {"type": "audio/pcmu"}, "audio/pcma": {"type": "audio/pcma"}}
 LOW_DETAIL = 512  # an image with `detail: low` is seen within this many pixels a side (OpenAI's low)
 
 
@@ -47,3 +50,50 @@ def low_detail(rgb: np.ndarray) -> str:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _pcm_bytes(samples: np.ndarray) -> bytes:
+    return np.clip(np.round(samples * 32768.0), -32768, 32767).astype("<i2").tobytes()
+
+
+def converter(fmt: str, up: bool) -> telephony.Converter | None:
+    """The rate conversion a format needs (None: 24 kHz PCM16 needs none)."""
+    return None if fmt == PCM else telephony.Converter(up=up)
+
+
+def heard(raw: bytes, fmt: str, conv: telephony.Converter | None) -> bytes:
+    """Client audio in `fmt` as 24 kHz PCM16: a telephone format decoded and brought up to 24 kHz
+    through `conv` (which carries the stream on from piece to piece)."""
+    if fmt == PCM:
+        return raw
+    return _pcm_bytes(conv.push(telephony.CODECS[fmt][0](raw).astype(np.float32) / 32768.0))
+
+
+def heard_whole(raw: bytes, fmt: str) -> bytes:
+    """A whole clip in `fmt` as 24 kHz PCM16, 3 samples an 8 kHz one."""
+    if fmt == PCM:
+        return raw
+    conv = telephony.Converter(up=True)
+    x = telephony.CODECS[fmt][0](raw).astype(np.float32) / 32768.0
+    y = np.concatenate([conv.push(x), conv.flush()])
+    return _pcm_bytes(y[:x.size * telephony.FACTOR])
+
+
+def said_whole(pcm: bytes, fmt: str) -> bytes:
+    """A whole clip of 24 kHz PCM16 in `fmt`, one 8 kHz sample each 3 (rounded up)."""
+    if fmt == PCM:
+        return pcm
+    conv = telephony.Converter(up=False)
+    x = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
+    y = np.concatenate([conv.push(x), conv.flush()])[:-(-x.size // telephony.FACTOR)]
+    return telephony.CODECS[fmt][1](np.clip(np.round(y * 32768.0), -32768, 32767).astype(np.int16))
+
+
+def said(pcm: bytes, fmt: str, conv: telephony.Converter | None, last: bool = False) -> bytes:
+    """24 kHz PCM16 in the client's `fmt` (a telephone format: down to 8 kHz through `conv`, encoded)."""
+    if fmt == PCM:
+        return pcm
+    y = conv.push(np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0)
+    if last:
+        y = np.concatenate([y, conv.flush()])
+    return telephony.CODECS[fmt][1](np.clip(np.round(y * 32768.0), -32768, 32767).astype(np.int16))

@@ -94,6 +94,21 @@ def turn_detection(value: Any, kind: str = "realtime") -> dict[str, Any] | None:
 
 
 LOGPROBS = "item.input_audio_transcription.logprobs"
+_FORMATS = {"audio/pcm": ({"rate"}, 24000), "audio/pcmu": (set(), None), "audio/pcma": (set(), None)}
+
+
+def audio_format(value: Any, param: str) -> str:
+    """An audio format object: {"type": "audio/pcm", "rate": 24000} (PCM16, mono), or the telephone
+    formats {"type": "audio/pcmu"} / {"type": "audio/pcma"} (G.711 mu-law / A-law, 8 kHz)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in _FORMATS:
+        raise EventError('an audio format is {"type": "audio/pcm", "rate": 24000}, {"type": "audio/pcmu"} or '
+                         '{"type": "audio/pcma"}', param=param)
+    fields, rate = _FORMATS[kind]
+    only(value, {"type"} | fields, param)
+    if value.get("rate", rate) != rate:
+        raise EventError(f"{kind} is served at {rate} Hz", param=f"{param}.rate")
+    return kind
 
 
 def include(value: Any) -> list[str] | None:

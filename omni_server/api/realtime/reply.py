@@ -12,7 +12,7 @@ import numpy as np
 from omni_server.api import audio
 from omni_server.api.errors import APIError
 from omni_server.api.realtime import encode, events
-from omni_server.api.realtime.encode import FORMAT, RATE
+from omni_server.api.realtime.encode import RATE
 from omni_server.api.stretch import TimeStretch
 
 if TYPE_CHECKING:
@@ -39,6 +39,9 @@ class Reply:
         # The output speed: a time-stretch of the 24 kHz audio as it streams (a speed changed while
         # this reply runs applies from the next, as OpenAI's does).
         self.stretch = TimeStretch(RATE, config["speed"]) if self.spoken and config["speed"] != 1 else None
+        # ... then in the client's format (a telephone one: down to 8 kHz as it streams)
+        self.fmt = config["output_format"]
+        self.outbound = encode.converter(self.fmt, up=False)
         self.run = None
         self.text: list[str] = []
         self.samples = 0  # (24 kHz samples sent)
@@ -68,7 +71,8 @@ class Reply:
                 "output_modalities": self.config["output_modalities"],
                 "max_output_tokens": self.config["max_output_tokens"],
                 "conversation_id": self.s.id if self.keep else None, "metadata": self.metadata,
-                "audio": {"output": {"format": FORMAT, "voice": self.config["voice"]}}, "usage": usage}
+                "audio": {"output": {"format": encode.FORMATS[self.fmt], "voice": self.config["voice"]}},
+                "usage": usage}
 
     async def begin(self) -> None:
         """Start the chat run (its checks refuse here, before any response event). With truncation
@@ -176,6 +180,8 @@ class Reply:
                     await self._audio(await asyncio.to_thread(encode.pcm16, wave_piece, rate, self.stretch))
             if self.stretch is not None:  # (the stretch's last frames)
                 await self._audio(audio.encode_audio(np.clip(self.stretch.flush(), -1.0, 1.0), RATE, "pcm"))
+            if self.spoken and self.outbound is not None:  # (the conversion's last samples)
+                await self._audio(b"", last=True)
             if self.run.finish_reason == "length":
                 status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         except asyncio.CancelledError:
@@ -195,10 +201,12 @@ class Reply:
                                                                       "message": f"{type(e).__name__}"}}
         await self._finish(status, details, where)
 
-    async def _audio(self, pcm: bytes) -> None:
-        if pcm:
-            self.samples += len(pcm) // 2
-            await self.s.send("response.output_audio.delta", delta=base64.b64encode(pcm).decode(), **self._where())
+    async def _audio(self, pcm: bytes, last: bool = False) -> None:
+        """24 kHz PCM16 of the reply, sent in the client's format."""
+        self.samples += len(pcm) // 2
+        out = encode.said(pcm, self.fmt, self.outbound, last=last)
+        if out:
+            await self.s.send("response.output_audio.delta", delta=base64.b64encode(out).decode(), **self._where())
 
     async def _finish(self, status: str, details: dict | None, where: dict) -> None:
         s, text = self.s, "".join(self.text)

@@ -14,7 +14,7 @@ from typing import Any
 from omni_server.api import image
 from omni_server.api.errors import APIError
 from omni_server.api.realtime import encode, events
-from omni_server.api.realtime.encode import FORMAT, RATE
+from omni_server.api.realtime.encode import RATE
 from omni_server.api.realtime.events import MIN_COMMIT_S, EventError
 from omni_server.api.realtime.reply import Context, Reply
 from omni_server.api.turns import TurnDetector
@@ -68,6 +68,9 @@ class Session:
             "instructions": None, "output_modalities": ["audio"] if has_audio else ["text"],
             "voice": voices[0] if voices else None, "max_output_tokens": "inf",
             "speed": 1.0,  # (spoken replies time-stretched to this speed, pitch kept: stretch.py)
+            # The client's audio formats ("audio/pcm": 24 kHz PCM16, as kept; "audio/pcmu" / "audio/pcma":
+            # G.711 at 8 kHz, converted as it streams)
+            "input_format": encode.PCM, "output_format": encode.PCM,
             "temperature": None,  # (an extension, as the beta API had: None, the text stage's default)
             "transcription": None,  # {"model", "language", "prompt"}: user audio items transcribed
             "turn_detection": events.turn_detection({"type": "server_vad"}, kind),  # (None: the client ends each turn)
@@ -85,6 +88,7 @@ class Session:
         self.images_of: dict[str, list[str]] = {}  # a user item's images (data URLs), one an input_image part
         self.spoken_ms: dict[str, int] = {}  # an assistant audio item's length (conversation.item.truncate)
         self.buffer = bytearray()
+        self.inbound = None  # (the input format's rate conversion, carried from append to append)
         self.buffer_at = 0  # the session's sample index of buffer[0] (turn detection cuts the buffer)
         self.detector = self._detector(self.config["turn_detection"])
         self.turn_item: str | None = None  # the item id a detected turn will commit as
@@ -121,7 +125,8 @@ class Session:
         c = self.config
         if self.kind == "transcription":
             return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
-                    "include": c["include"], "audio": {"input": {"format": FORMAT, "turn_detection": c["turn_detection"],
+                    "include": c["include"], "audio": {"input": {"format": encode.FORMATS[c["input_format"]],
+                                                                 "turn_detection": c["turn_detection"],
                                                          "transcription": c["transcription"], "noise_reduction": None}}}
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
@@ -129,9 +134,10 @@ class Session:
             "max_output_tokens": c["max_output_tokens"], "temperature": c["temperature"], "tools": [],
             "truncation": c["truncation"], "include": c["include"],
             "tool_choice": "auto",
-            "audio": {"input": {"format": FORMAT, "turn_detection": c["turn_detection"],
+            "audio": {"input": {"format": encode.FORMATS[c["input_format"]], "turn_detection": c["turn_detection"],
                                 "transcription": c["transcription"]},
-                      "output": {"format": FORMAT, "voice": c["voice"], "speed": c["speed"]}},
+                      "output": {"format": encode.FORMATS[c["output_format"]], "voice": c["voice"],
+                                 "speed": c["speed"]}},
         }
 
     # ---- events in -------------------------------------------------------------------------
@@ -214,9 +220,10 @@ class Session:
                 raise EventError("a transcription session transcribes: `transcription` is {model, language, "
                                  "prompt}, not null", param="session.audio.input.transcription")
         for where, fmt in (("input", heard.get("format")), ("output", spoken.get("format"))):
-            if fmt is not None and fmt != FORMAT and fmt != {"type": "audio/pcm"}:
-                raise EventError(f"audio {where} format must be {json.dumps(FORMAT)} (PCM16, mono, 24 kHz)",
-                                 param=f"session.audio.{where}.format")
+            if fmt is not None:
+                config[f"{where}_format"] = events.audio_format(fmt, f"session.audio.{where}.format")
+        if config["input_format"] != self.config["input_format"]:
+            self.inbound = encode.converter(config["input_format"], up=True)
         retimed = config["turn_detection"] != self.config["turn_detection"]
         if retimed:
             self.detector = self._detector(config["turn_detection"])  # (a turn under way is dropped)
@@ -377,13 +384,15 @@ class Session:
     async def _append(self, event: dict) -> None:
         data = event.get("audio")
         if not isinstance(data, str):
-            raise EventError("`audio` must be base64 PCM16 (mono, 24 kHz)", param="audio")
+            raise EventError("`audio` must be base64 audio in the session's input format", param="audio")
         try:
             pcm = base64.b64decode(data, validate=True)
         except ValueError:
             raise EventError("`audio` is not valid base64", param="audio") from None
-        if len(pcm) % 2:
+        fmt = self.config["input_format"]
+        if len(pcm) % 2 and fmt == encode.PCM:
             raise EventError("`audio` must hold whole PCM16 samples (an even number of bytes)", param="audio")
+        pcm = encode.heard(pcm, fmt, self.inbound)
         if self.detector is None:
             if len(self.buffer) + len(pcm) > self.max_buffer_bytes:
                 raise EventError(f"the input audio buffer would exceed {self.max_buffer_bytes // 2 / RATE:g} s "
@@ -610,9 +619,11 @@ class Session:
                                  "`image_url`, `detail` auto, low or high; in an assistant item output_text, "
                                  "or output_audio by its `transcript`)", param=param)
         if pcm is not None:
-            if len(pcm) % 2:
+            fmt = self.config["input_format"]
+            if len(pcm) % 2 and fmt == encode.PCM:
                 raise EventError("an item's audio must be whole PCM16 samples (an even number of bytes)",
                                  param=f"{where}.content")
+            pcm = encode.heard_whole(pcm, fmt)  # (as 24 kHz PCM16)
             self._check_length(len(pcm), f"{where}.content")
         item_id = given.get("id") if isinstance(given.get("id"), str) and given["id"] else events.new_id("item")
         item = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
@@ -700,8 +711,10 @@ class Session:
         item = next((i for i in self.items if i["id"] == item_id), None)
         if item is None:
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
-        if item_id in self.audio_of:  # (a user audio item comes back with its audio, as OpenAI's does)
-            item = {**item, "content": [{**p, "audio": base64.b64encode(self.audio_of[item_id]).decode()}
+        if item_id in self.audio_of:  # (a user audio item comes back with its audio, as OpenAI's does: as sent)
+            fmt = self.config["input_format"]
+            sent = encode.said_whole(self.audio_of[item_id], fmt)
+            item = {**item, "content": [{**p, "audio": base64.b64encode(sent).decode()}
                                         if p["type"] == "input_audio" else p for p in item["content"]]}
         if item_id in self.images_of:  # (and its images)
             urls = iter(self.images_of[item_id])
@@ -755,8 +768,8 @@ class Session:
         events.only(given.get("audio") or {}, {"output"}, "response.audio")
         events.only((given.get("audio") or {}).get("output") or {}, {"format", "voice"}, "response.audio.output")
         fmt = ((given.get("audio") or {}).get("output") or {}).get("format")
-        if fmt is not None and fmt != FORMAT and fmt != {"type": "audio/pcm"}:
-            raise EventError(f"audio output format must be {json.dumps(FORMAT)}", param="response.audio.output.format")
+        if fmt is not None:
+            config["output_format"] = events.audio_format(fmt, "response.audio.output.format")
         conversation = given.get("conversation") or "auto"
         if conversation not in ("auto", "none"):
             raise EventError("`conversation` is auto (the reply joins the session's conversation) or none",
