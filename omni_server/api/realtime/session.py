@@ -10,7 +10,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-
 from omni_server.api import image
 from omni_server.api.errors import APIError
 from omni_server.api.realtime import encode, events
