@@ -165,7 +165,8 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
                                            timeout_graceful_shutdown=cfg.server.shutdown_timeout_s,
                                            # (a Realtime event up to twice the request limit is read and
                                            # refused with an error event; larger ones close the socket)
-                                           ws_max_size=2 * cfg.server.max_request_bytes))
+                                           ws_max_size=2 * cfg.server.max_request_bytes,
+                                           ws_max_queue=4))  # (frames read ahead of the session: 4 at most)
 
         state.on_startup = Supervisor(cfg, launcher, uv, after=after, launched=launched, started=t0,
                                       runtime_dir=runtime_dir, external=external_stages, mps=mps,

@@ -697,12 +697,16 @@ def test_malformed_parts_settings_and_events_are_refused_and_a_gone_socket_ends_
         ("invalid_value", "item.content[0].image_url")], errors
     assert "200 times" in errors[-1]["message"] and not s.items
 
+    tries = []
+
     async def broken(event):
+        tries.append(event)
         raise RuntimeError("the socket is closed")
 
     gone = Session("m", broken, _no_chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None)
     asyncio.run(gone.receive("not json"))
-    assert gone.closed
+    asyncio.run(gone.receive("not json either"))
+    assert gone.closed and len(tries) == 1
 
 
 def test_an_items_transcript_lands_on_its_audio_part():
@@ -820,8 +824,6 @@ def test_a_reply_holds_its_place_while_it_runs_and_nothing_starts_once_closed():
         chat.go.set()
         await s.response
         order = [i["id"] for i in s.items]
-        await s.close()
-        s._read_ahead(also_latest=True)
         return s, reply, order
 
     s, reply, order = asyncio.run(talk())
@@ -833,7 +835,34 @@ def test_a_reply_holds_its_place_while_it_runs_and_nothing_starts_once_closed():
     retrieved = next(e for e in sent if e["type"] == "conversation.item.retrieved")
     assert retrieved["item"]["status"] == "in_progress"
     assert [e["error"]["param"] for e in sent if e["type"] == "error"] == ["response_id"]
-    assert not s.transcribing
+    body = s.chat_body(s.config)  # (the reply in its place, then the item created while it ran)
+    assert [m["role"] for m in body["messages"]] == ["user", "user", "assistant", "user"]
+
+
+def test_a_closed_session_starts_no_transcription():
+    """Audio items past the cap are read by the session's own transcripts, started after each
+    response; once the socket is gone none start (they would be pipeline requests nobody reads)."""
+    sent: list = []
+    chat = _HeldChat()
+
+    async def talk():
+        s = _transcribing_session(sent, chat, )
+        s.audio_cap = 1
+        for _ in range(2):
+            await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": _b64(_tone(0.2))}]})
+        await s.close()
+        s._read_ahead(also_latest=True)
+        started = dict(s.transcribing)
+        s.closed = False  # (the same call on an open session does start them)
+        s._read_ahead(also_latest=True)
+        opened = len(s.transcribing)
+        for task in s.transcribing.values():
+            task.cancel()
+        return started, opened
+
+    started, opened = asyncio.run(talk())
+    assert not started and opened == 2
 
 
 def test_small_refusals():
@@ -922,3 +951,117 @@ def test_telephone_formats_in_and_out():
         assert said.size == 4000
         reply = 0.3 * np.sin(2 * np.pi * 200 * np.arange(said.size) / 8000)
         assert np.abs(said[100:3900] - reply[100:3900]).max() < 0.02
+
+
+def test_a_cancel_while_a_reply_sends_its_last_events_waits_for_them():
+    """response.cancel landing while a finished reply sends its closing events (a slow socket):
+    they all go out, response.done included, and its item is done in the conversation."""
+    sent: list = []
+
+    async def slow(event):
+        if event["type"] == "response.output_item.done":
+            await asyncio.sleep(0.2)
+        sent.append(event)
+
+    async def chat(body):
+        return _FakeRun(["a"])
+
+    async def talk():
+        s = Session("m", slow, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None)
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _event(s, type="response.create")
+        while not any(e["type"] == "response.content_part.done" for e in sent):
+            await asyncio.sleep(0.01)
+        await _event(s, type="response.cancel")
+        return s
+
+    s = asyncio.run(talk())
+    assert [e["response"]["status"] for e in sent if e["type"] == "response.done"] == ["completed"]
+    assert s.items[-1]["status"] == "completed" and s.items[-1]["content"][0]["text"] == "a"
+
+
+def test_odd_types_are_error_events_and_the_spared_item_keeps_its_audio():
+    """A list or object where a `type` string belongs: an error event, not a dead socket. An item
+    created after the latest one (`previous_item_id`) past the audio kept: the oldest gives way,
+    the one it follows keeps its audio."""
+    sent: list = []
+    s = Session("m", lambda e: _append(sent, e), _no_chat, voices=[], has_audio=False, max_buffer_s=1.0,
+                audio_cap=None)
+
+    async def talk():
+        await _event(s, type="session.update", session={"audio": {"input": {"format": {"type": []}}}})
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+            {"type": {}}]})
+        for _ in range(4):
+            await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": _b64(_tone(1.0))}]})
+        oldest, latest = s.items[0]["id"], s.items[-1]["id"]
+        await _event(s, type="conversation.item.create", previous_item_id=latest, item={
+            "type": "message", "role": "user", "content": [{"type": "input_audio", "audio": _b64(_tone(1.0))}]})
+        return oldest, latest
+
+    oldest, latest = asyncio.run(talk())
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [e["param"] for e in errors] == ["session.audio.input.format", "item.content[0]"], errors
+    assert [e["item_id"] for e in sent if e["type"] == "conversation.item.deleted"] == [oldest]
+    assert latest in s.audio_of and len(s.items) == 4
+
+
+def test_a_failed_transcript_is_tried_again():
+    """A session's own transcript of an audio item past the cap fails (the server busy): that
+    response is refused, and the next response.create tries the transcript again."""
+    from omni_server.api.errors import APIError
+
+    sent, calls = [], []
+
+    async def chat(body):
+        calls.append(body)
+        if len(calls) == 1:
+            raise APIError(429, "server is at its limit")
+        return _FakeRun(["x"])
+
+    async def talk():
+        s = Session("m", lambda e: _append(sent, e), chat, voices=[], has_audio=False, max_buffer_s=1.0,
+                    audio_cap=1, transcription_turn=lambda language, prompt: [{"role": "user", "content": [
+                        {"type": "audio"}]}])
+        for _ in range(2):
+            await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": _b64(_tone(0.2))}]})
+        await _event(s, type="response.create")
+        await _event(s, type="response.create")
+        await s.response
+        return s
+
+    s = asyncio.run(talk())
+    assert [e["error"]["code"] for e in sent if e["type"] == "error"] == ["too_many_audio_items"]
+    assert [e["response"]["status"] for e in sent if e["type"] == "response.done"] == ["completed"]
+    assert s.read_as[s.items[0]["id"]] == "x"
+
+
+def test_speech_during_the_idle_timers_response_does_not_cut_it_half_way():
+    """The idle timer's response takes 0.3 s to start; speech starting meanwhile does not cancel
+    it part way: its item is committed whole and its response runs."""
+    sent: list = []
+    chat = _SlowStart(0.3)
+
+    async def talk():
+        s = Session("m", lambda e: _append(sent, e), chat, voices=[], has_audio=False, max_buffer_s=2.0,
+                    audio_cap=None)
+        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": {
+            "type": "server_vad", "idle_timeout_ms": 100, "create_response": False}}}})
+        await asyncio.sleep(0.2)  # (the timer fired: committing, its response starting)
+        await _event(s, type="input_audio_buffer.append", audio=_b64(_tone(0.3)))
+        await asyncio.sleep(0.3)
+        await s.response
+        await s.close()
+
+    asyncio.run(talk())
+    kinds = [e["type"] for e in sent]
+    at = kinds.index("input_audio_buffer.timeout_triggered")
+    assert kinds[at:at + 4] == ["input_audio_buffer.timeout_triggered", "input_audio_buffer.committed",
+                                "conversation.item.added", "conversation.item.done"], kinds
+    assert "input_audio_buffer.speech_started" in kinds and kinds.count("response.done") == 1
+

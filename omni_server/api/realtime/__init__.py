@@ -1,7 +1,8 @@
 """OpenAI's Realtime API over a WebSocket (`/v1/realtime?model=...`, the `openai` client's
-`realtime.connect`), with turns the client ends: it appends 24 kHz PCM16 audio to the input buffer,
-commits it as a user item (or creates items of text, audio or images), then asks for a response
-(`response.create`).
+`realtime.connect`): the client appends audio (24 kHz PCM16, or G.711 at 8 kHz) to the input buffer,
+whose turns turn detection finds (or the client commits), or creates items of text, audio or images;
+a response answers the conversation (`response.create`, or at a detected turn's end). With
+`?intent=transcription`, a transcription session: each turn transcribed, no responses.
 
 A response is a chat turn over the conversation so far: the session's instructions as the system
 message, user audio as `input_audio` (WAV of the buffer), earlier replies as their text or

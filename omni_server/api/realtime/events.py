@@ -101,7 +101,7 @@ def audio_format(value: Any, param: str) -> str:
     """An audio format object: {"type": "audio/pcm", "rate": 24000} (PCM16, mono), or the telephone
     formats {"type": "audio/pcmu"} / {"type": "audio/pcma"} (G.711 mu-law / A-law, 8 kHz)."""
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in _FORMATS:
+    if not isinstance(kind, str) or kind not in _FORMATS:
         raise EventError('an audio format is {"type": "audio/pcm", "rate": 24000}, {"type": "audio/pcmu"} or '
                          '{"type": "audio/pcma"}', param=param)
     fields, rate = _FORMATS[kind]

@@ -48,6 +48,7 @@ class Reply:
         self.status = "in_progress"
         self.cancel_reason = "client_cancelled"
         self.started = False  # (stream() ran its first step)
+        self.finishing = False  # (its last events are being sent: a cancel then waits for them instead)
         self.metadata: dict[str, str] | None = None  # (the client's, given back in the response)
         self.previous: str | None = None  # (the item the reply follows in the conversation)
         self.entry: dict[str, Any] | None = None  # (its item in the conversation while it runs, then its final form)
@@ -185,20 +186,24 @@ class Reply:
             if self.run.finish_reason == "length":
                 status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         except asyncio.CancelledError:
+            self.finishing = True
             await self.run.abort()
             status, details = "cancelled", {"type": "cancelled", "reason": self.cancel_reason}
             await self._finish(status, details, where)
             raise
         except APIError as e:
+            self.finishing = True
             await self.run.abort()
             status, details = "failed", {"type": "failed", "error": {"type": "server_error" if e.status >= 500
                                                                       else "invalid_request_error",
                                                                       "code": e.code, "message": e.message}}
         except Exception as e:  # (the server's fault: said, and the session goes on)
             log.exception("realtime response %s failed", self.id)
+            self.finishing = True
             await self.run.abort()
             status, details = "failed", {"type": "failed", "error": {"type": "server_error", "code": None,
                                                                       "message": f"{type(e).__name__}"}}
+        self.finishing = True
         await self._finish(status, details, where)
 
     async def _audio(self, pcm: bytes, last: bool = False) -> None:

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 _KEPT_BUFFERS = 4  # a conversation keeps at most this many full input buffers of audio
 _KEPT_PROMPTS = 4  # ... and this many prompts' worth of images (16 where a prompt's images are not limited)
 _TRANSCRIBING = 2  # transcriptions a session runs at once (the rest wait: one socket never fills the server)
+_KEPT_ITEMS = 1024  # the items a conversation holds (each at most an event's size)
 
 
 class Session:
@@ -97,6 +98,7 @@ class Session:
         self.response: asyncio.Task | None = None
         self.reply: Reply | None = None
         self.idle: asyncio.Task | None = None  # (server_vad's idle_timeout_ms: the timer running)
+        self.making: asyncio.Task | None = None  # (the timer's task once it makes its response)
         self.played_until = 0.0  # (loop time at which the last response's audio has played)
         # A response being made (its checks and start, before `response` is set): no second one meanwhile
         self.creating = False
@@ -169,11 +171,17 @@ class Session:
             await handler(self, event)
         except (EventError, APIError) as e:
             await self.error(e, event_id)
+        except Exception:  # (the server's fault: said, and the session goes on)
+            log.exception("realtime %s: event failed", self.id)
+            await self.send("error", error={"type": "server_error", "code": None, "param": None,
+                                            "message": "the server failed on this event", "event_id": event_id})
 
     async def close(self) -> None:
         """The socket is gone: abort the running response, transcriptions and the idle timer."""
         self.closed = True
         self._disarm_idle()
+        if self.making is not None:
+            self.making.cancel()
         tasks = list(self.transcribing.values())  # (none start once closed)
         for task in tasks:
             task.cancel()
@@ -345,6 +353,8 @@ class Session:
                 await run.abort()
                 raise
         except APIError as e:
+            if self.transcribing.get(item_id) is asyncio.current_task():
+                del self.transcribing[item_id]  # (a later response or read-ahead tries again)
             if not announce:
                 log.info("realtime %s: reading item %s failed: %s", self.id, item_id, e.message)
                 return
@@ -391,12 +401,13 @@ class Session:
         fmt = self.config["input_format"]
         if len(pcm) % 2 and fmt == encode.PCM:
             raise EventError("`audio` must hold whole PCM16 samples (an even number of bytes)", param="audio")
+        grown = len(self.buffer) + len(pcm) * (1 if fmt == encode.PCM else 6)  # (G.711: 3 PCM16 samples a byte)
+        if self.detector is None and grown > self.max_buffer_bytes:
+            raise EventError(f"the input audio buffer would exceed {self.max_buffer_bytes // 2 / RATE:g} s "
+                             "(`server.max_audio_seconds`); commit or clear it first", code="buffer_too_large",
+                             param="audio")
         pcm = encode.heard(pcm, fmt, self.inbound)
         if self.detector is None:
-            if len(self.buffer) + len(pcm) > self.max_buffer_bytes:
-                raise EventError(f"the input audio buffer would exceed {self.max_buffer_bytes // 2 / RATE:g} s "
-                                 "(`server.max_audio_seconds`); commit or clear it first", code="buffer_too_large",
-                                 param="audio")
             self.buffer += pcm
             return
         # In pieces that end a turn under way exactly at the longest item (whole samples).
@@ -491,8 +502,9 @@ class Session:
         await asyncio.sleep(timeout_s)
         if self._responding() or self.creating or self.turn_item is not None or self.closed:
             return
-        self.creating = True  # (a client's response.create meanwhile is refused; this task stays `idle`
-        # so that close() cancels it)
+        # A response being made: a client's response.create meanwhile is refused, and speech (which
+        # stops a timer) no longer stops this task; close() still does.
+        self.creating, self.idle, self.making = True, None, asyncio.current_task()
         # What the buffer holds (in server_vad, outside a turn: the last prefix padding's worth; none
         # when the client sends no audio) is committed as the user's turn, at least 100 ms of it.
         least = int(MIN_COMMIT_S * RATE) * 2
@@ -511,7 +523,7 @@ class Session:
         except Exception:  # (the server's fault: logged, the session goes on)
             log.exception("realtime %s: the idle timeout's response failed", self.id)
         finally:
-            self.creating = False
+            self.creating, self.making = False, None
 
     def _responding(self) -> bool:
         return self.response is not None and not self.response.done()
@@ -557,6 +569,8 @@ class Session:
 
     async def _item_create(self, event: dict) -> None:
         item, pcm, images = await self._new_item(event.get("item"), "item")
+        if len(images) > self.max_kept_images:  # (refused before anything gives way to it)
+            raise EventError(f"an item holds at most {self.max_kept_images} images", param="item.content")
         item_id = item["id"]
         if any(i["id"] == item_id for i in self.items):
             raise EventError(f"an item with id {item_id!r} exists", param="item.id")
@@ -565,6 +579,7 @@ class Session:
             raise EventError(f"no item {after!r} to insert after", code="item_not_found", param="previous_item_id")
         await self._room_for(len(pcm), spare=after)
         await self._room_for_images(len(images), spare=after)
+        await self._room_for_items(spare=after)
         at = len(self.items) if after is None else 0 if after == "root" else \
             next(k for k, i in enumerate(self.items) if i["id"] == after) + 1
         previous = self.items[at - 1]["id"] if at else None
@@ -594,7 +609,7 @@ class Session:
             raise EventError(f"`{where}.content` must be a non-empty list of parts", param=f"{where}.content")
         parts, pcm, images = [], None, []  # (one audio part an item: its transcript is the item's)
         for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
+            kind = part.get("type") if isinstance(part, dict) and isinstance(part.get("type"), str) else None
             param = f"{where}.content[{j}]"
             events.only(part, events.PART_FIELDS.get(kind, {"type"}), param)
             if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
@@ -674,7 +689,7 @@ class Session:
             return task is not None and not task.done()
 
         def read(item_id: str) -> bool:
-            return item_id == spare or (self._words(item_id) is not None and not pending(item_id))
+            return self._words(item_id) is not None and not pending(item_id)
 
         # Transcribed items' audio first, then those no transcript is coming for, then those being transcribed.
         ids = self._audio_items()
@@ -683,10 +698,22 @@ class Session:
             if kept + more <= self.max_kept_bytes:
                 break
             kept -= len(self.audio_of[item_id])
-            if read(item_id):
+            if read(item_id) or item_id == spare:  # (`spare` stays, without its audio)
                 del self.audio_of[item_id]
             else:
                 await self._forget(item_id)
+
+    async def _room_for_items(self, spare: str | None = None) -> None:
+        """Room for one more item (`_KEPT_ITEMS`): with truncation `auto` the oldest item is deleted
+        (not `spare`, nor a reply under way); `disabled`: an error."""
+        if len(self.items) < _KEPT_ITEMS:
+            return
+        if self.config["truncation"] == "disabled":
+            raise EventError(f"the conversation holds {len(self.items)} items, its most; delete earlier items first "
+                             "(conversation.item.delete)", code="conversation_too_large")
+        old = next((i["id"] for i in self.items if i["id"] != spare and i["status"] != "in_progress"), None)
+        if old is not None:
+            await self._forget(old)
 
     async def _item_delete(self, event: dict) -> None:
         item_id = event.get("item_id")
@@ -710,7 +737,8 @@ class Session:
         item = next((i for i in self.items if i["id"] == item_id), None)
         if item is None:
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
-        if item_id in self.audio_of:  # (a user audio item comes back with its audio, as OpenAI's does: as sent)
+        if item_id in self.audio_of:  # (a user audio item comes back with its audio, as OpenAI's does: in the
+            # session's input format now)
             fmt = self.config["input_format"]
             sent = encode.said_whole(self.audio_of[item_id], fmt)
             item = {**item, "content": [{**p, "audio": base64.b64encode(sent).decode()}
@@ -764,6 +792,12 @@ class Session:
         events.only(given, events.RESPONSE_FIELDS, "response")
         if given.get("prompt") is not None:
             raise EventError("stored prompts are not served: send `instructions`", param="response.prompt")
+        metadata = given.get("metadata")
+        if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                for k, v in metadata.items())):
+            raise EventError("`metadata` is up to 16 string pairs (keys up to 64 characters, values up to 512)",
+                             param="response.metadata")
         events.only(given.get("audio") or {}, {"output"}, "response.audio")
         events.only((given.get("audio") or {}).get("output") or {}, {"format", "voice"}, "response.audio.output")
         fmt = ((given.get("audio") or {}).get("output") or {}).get("format")
@@ -794,7 +828,9 @@ class Session:
             task = self.transcribing.get(item_id)
             if task is not None:
                 await asyncio.wait({task})
-            item = next(i for i in (self.items if own is None else own.items) if i["id"] == item_id)
+            item = next((i for i in (self.items if own is None else own.items) if i["id"] == item_id), None)
+            if item is None:  # (deleted while its transcript was awaited: the prompt no longer holds it)
+                continue
             if events.transcript_of(item) is None and self._words(item_id) is None:
                 where, held = ("conversation", len(self._audio_items())) if own is None else \
                     ("response input", len(own.audio_of))
@@ -804,19 +840,15 @@ class Session:
                 raise EventError(f"the {where} holds {held} audio items; this pipeline hears at most {self.audio_cap} "
                                  f"a prompt (stage 0's limit_mm_per_prompt) and {fix.format(item_id)}",
                                  code="too_many_audio_items")
-        metadata = given.get("metadata")
-        if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
-                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                for k, v in metadata.items())):
-            raise EventError("`metadata` is up to 16 string pairs (keys up to 64 characters, values up to 512)",
-                             param="response.metadata")
         reply = Reply(self, config, keep=conversation == "auto", own=own)
         reply.metadata = metadata
         try:
             await reply.begin()  # (a refusal by the chat path is this event's error; nothing started)
-        except APIError as e:  # (its `messages` are the conversation's items, or the response's input)
+        except APIError as e:  # (the chat's fields, as this event names them)
             if e.param == "messages" or (e.param or "").startswith("messages."):
                 e.param = "response.input" if own is not None else None
+            elif e.param == "max_tokens":
+                e.param = "response.max_output_tokens"
             raise
         if reply.keep:
             reply.enter()
@@ -840,6 +872,9 @@ class Session:
                 pcm, images = self.audio_of.get(item["id"]), self.images_of.get(item["id"])
             else:
                 item, pcm, images = await self._new_item(entry, where)
+                if any(i["id"] == item["id"] for i in self.items):
+                    raise EventError(f"item {item['id']!r} is in the conversation: refer to it with "
+                                     '{"type": "item_reference", "id": ...}', param=f"{where}.id")
             if any(i["id"] == item["id"] for i in own.items):
                 raise EventError(f"item {item['id']!r} is in `input` twice", param=f"{where}.id")
             own.items.append(item)
@@ -861,7 +896,8 @@ class Session:
         """Cancel the running response; `gone`: the socket is, so no events (its request is dropped either way)."""
         reply, task = self.reply, self.response
         reply.cancel_reason = reason
-        task.cancel()
+        if not reply.finishing:  # (its last events under way: they are sent whole, the reply as it ended)
+            task.cancel()
         try:
             await task
         except (asyncio.CancelledError, Exception):
