@@ -223,7 +223,7 @@ def test_bad_image_input_is_400(client):
     thin, _ = png(1, 500, seed=None)
     with pytest.raises(openai.BadRequestError, match="1x500 pixels: its long side may be at most 200 times") as e:
         ask(thin)
-    assert e.value.message.startswith("image_url 0: ")
+    assert e.value.body["message"].startswith("image_url 0: image is 1x500")
 
 
 def test_bad_audio_input_is_400(client):
