@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import time
 
 import uvicorn
@@ -136,6 +137,16 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
     def noted(signum, frame) -> None:
         signals.append(signal.Signals(signum).name)
 
+    # A stop raised where Python cannot raise (a callback, such as an import lock's) is printed as
+    # "Exception ignored ... Traceback": not an error here, `signals` has it and stops serve below.
+    default_unraisable = sys.unraisablehook
+
+    def unraisable(info) -> None:
+        if not isinstance(info.exc_value, _Stopped):
+            default_unraisable(info)
+
+    sys.unraisablehook = unraisable
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop_starting)
     # The terminal closing (SIGHUP) stops serve as SIGTERM does, whoever handles that one by then
@@ -183,6 +194,7 @@ async def serve(cfg: PipelineConfig, external_stages: bool = False, started: flo
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (a second one must not cut the clean-up short)
             signal.signal(sig, lambda signum, frame: None)
+        sys.unraisablehook = default_unraisable
         launcher.stop_all()
         for sock in listening:
             sock.close()
