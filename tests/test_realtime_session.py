@@ -38,6 +38,12 @@ async def _event(s: Session, **event) -> None:
     await s.receive(json.dumps(event))
 
 
+async def _say(s: Session, text: str) -> None:
+    """A user text item."""
+    await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": text}]})
+
+
 def _b64(samples: np.ndarray) -> str:
     return base64.b64encode(samples.tobytes()).decode()
 
@@ -170,8 +176,7 @@ def test_a_response_cancelled_before_it_ran_is_dropped_and_said():
 
     async def talk():
         s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None)
-        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
-                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _say(s, "hi")
         await _event(s, type="response.create")
         await _event(s, type="response.cancel")
         await _event(s, type="response.create")
@@ -298,8 +303,7 @@ def test_settings_it_cannot_honour_are_refused_and_metadata_comes_back():
         for session in ({"model": "other"}, {"include": ["item.output_audio.logprobs"]},
                         {"prompt": {"id": "pmpt_1"}}, {"audio": {"input": {"transcription": {"model": "x", "foo": 1}}}}):
             await _event(s, type="session.update", session=session)
-        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
-                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _say(s, "hi")
         await _event(s, type="response.create", response={"metadata": {"k": 1}})
         await _event(s, type="response.create", response={"audio": {"output": {"format": {"type": "audio/opus"}}}})
         await _event(s, type="response.create", response={"metadata": {"turn": "7"}})
@@ -358,8 +362,7 @@ def test_output_speed_stretches_the_spoken_reply():
     async def talk():
         s = _spoken_session(sent, runs, 1.0)
         await _event(s, type="session.update", session={"audio": {"output": {"speed": 2.0}}})
-        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
-                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _say(s, "hi")
         for speed in (1.5, 0.5, 1.0):
             await _event(s, type="session.update", session={"audio": {"output": {"speed": speed}}})
             await _event(s, type="response.create")
@@ -386,8 +389,7 @@ def test_idle_timeout_answers_a_silent_user_after_the_reply_has_played():
             "type": "server_vad", "idle_timeout_ms": 50000000}}}})
         await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": {
             "type": "server_vad", "idle_timeout_ms": 200, "create_response": False}}}})
-        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
-                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _say(s, "hi")
         await _event(s, type="response.create")
         await s.response
         await _event(s, type="input_audio_buffer.append", audio=_b64(_quiet(0.05)))
@@ -625,8 +627,7 @@ def test_the_idle_timer_and_a_clients_response_never_make_two_responses():
     async def talk():
         s = Session("m", lambda e: _append(sent, e), chat, voices=[], has_audio=False, max_buffer_s=1.0,
                     audio_cap=None)
-        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
-                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _say(s, "hi")
         vad = {"type": "server_vad", "idle_timeout_ms": 100}
         await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": vad}}})
         await _event(s, type="response.create")  # (0.3 s to start: past the timer's 0.1 s)
@@ -655,8 +656,7 @@ def test_new_turn_detection_settings_keep_the_replys_playback_in_the_idle_timer(
         s = _spoken_session(sent, runs, 0.5)
         vad = {"type": "server_vad", "idle_timeout_ms": 5000}
         await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": vad}}})
-        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
-                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _say(s, "hi")
         await _event(s, type="response.create")
         await s.response
         await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": {
@@ -968,8 +968,7 @@ def test_a_cancel_while_a_reply_sends_its_last_events_waits_for_them():
 
     async def talk():
         s = Session("m", slow, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None)
-        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
-                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _say(s, "hi")
         await _event(s, type="response.create")
         while not any(e["type"] == "response.content_part.done" for e in sent):
             await asyncio.sleep(0.01)
@@ -1048,8 +1047,7 @@ def test_speech_during_the_idle_timers_response_does_not_cut_it_half_way():
     async def talk():
         s = Session("m", lambda e: _append(sent, e), chat, voices=[], has_audio=False, max_buffer_s=2.0,
                     audio_cap=None)
-        await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
-                                                              "content": [{"type": "input_text", "text": "hi"}]})
+        await _say(s, "hi")
         await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": {
             "type": "server_vad", "idle_timeout_ms": 100, "create_response": False}}}})
         await asyncio.sleep(0.2)  # (the timer fired: committing, its response starting)
