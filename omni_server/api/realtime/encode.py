@@ -52,8 +52,8 @@ def low_detail(rgb: np.ndarray) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _pcm_bytes(samples: np.ndarray) -> bytes:
-    return np.clip(np.round(samples * 32768.0), -32768, 32767).astype("<i2").tobytes()
+def _int16(samples: np.ndarray) -> np.ndarray:
+    return np.clip(np.round(samples * 32768.0), -32768, 32767).astype("<i2")
 
 
 def converter(fmt: str, up: bool) -> telephony.Converter | None:
@@ -61,39 +61,20 @@ def converter(fmt: str, up: bool) -> telephony.Converter | None:
     return None if fmt == PCM else telephony.Converter(up=up)
 
 
-def heard(raw: bytes, fmt: str, conv: telephony.Converter | None) -> bytes:
+def heard(raw: bytes, fmt: str, conv: telephony.Converter | None, last: bool = False) -> bytes:
     """Client audio in `fmt` as 24 kHz PCM16: a telephone format decoded and brought up to 24 kHz
-    through `conv` (which carries the stream on from piece to piece)."""
+    through `conv`, which carries a stream on from piece to piece (`last`: the stream ends here; a
+    whole clip in a fresh converter comes out 3 samples for each 8 kHz one)."""
     if fmt == PCM:
         return raw
-    return _pcm_bytes(conv.push(telephony.CODECS[fmt][0](raw).astype(np.float32) / 32768.0))
-
-
-def heard_whole(raw: bytes, fmt: str) -> bytes:
-    """A whole clip in `fmt` as 24 kHz PCM16, 3 samples an 8 kHz one."""
-    if fmt == PCM:
-        return raw
-    conv = telephony.Converter(up=True)
-    x = telephony.CODECS[fmt][0](raw).astype(np.float32) / 32768.0
-    y = np.concatenate([conv.push(x), conv.flush()])
-    return _pcm_bytes(y[:x.size * telephony.FACTOR])
-
-
-def said_whole(pcm: bytes, fmt: str) -> bytes:
-    """A whole clip of 24 kHz PCM16 in `fmt`, one 8 kHz sample each 3 (rounded up)."""
-    if fmt == PCM:
-        return pcm
-    conv = telephony.Converter(up=False)
-    x = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
-    y = np.concatenate([conv.push(x), conv.flush()])[:-(-x.size // telephony.FACTOR)]
-    return telephony.CODECS[fmt][1](np.clip(np.round(y * 32768.0), -32768, 32767).astype(np.int16))
+    y = conv.push(telephony.CODECS[fmt][0](raw).astype(np.float32) / 32768.0)
+    return _int16(np.concatenate([y, conv.flush()]) if last else y).tobytes()
 
 
 def said(pcm: bytes, fmt: str, conv: telephony.Converter | None, last: bool = False) -> bytes:
-    """24 kHz PCM16 in the client's `fmt` (a telephone format: down to 8 kHz through `conv`, encoded)."""
+    """24 kHz PCM16 in the client's `fmt` (a telephone format: down to 8 kHz through `conv`, encoded;
+    a whole clip, `last`, in a fresh converter: one 8 kHz sample each 3, rounded up)."""
     if fmt == PCM:
         return pcm
     y = conv.push(np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0)
-    if last:
-        y = np.concatenate([y, conv.flush()])
-    return telephony.CODECS[fmt][1](np.clip(np.round(y * 32768.0), -32768, 32767).astype(np.int16))
+    return telephony.CODECS[fmt][1](_int16(np.concatenate([y, conv.flush()]) if last else y))

@@ -7,9 +7,6 @@ import base64
 import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
-
-from omni_server.api import audio
 from omni_server.api.errors import APIError
 from omni_server.api.realtime import encode, events
 from omni_server.api.realtime.encode import RATE
@@ -180,7 +177,7 @@ class Reply:
                     wave_piece, rate = value
                     await self._audio(await asyncio.to_thread(encode.pcm16, wave_piece, rate, self.stretch))
             if self.stretch is not None:  # (the stretch's last frames)
-                await self._audio(audio.encode_audio(np.clip(self.stretch.flush(), -1.0, 1.0), RATE, "pcm"))
+                await self._audio(encode.pcm16(self.stretch.flush(), RATE))
             if self.spoken and self.outbound is not None:  # (the conversion's last samples)
                 await self._audio(b"", last=True)
             if self.run.finish_reason == "length":

@@ -637,7 +637,7 @@ class Session:
             if len(pcm) % 2 and fmt == encode.PCM:
                 raise EventError("an item's audio must be whole PCM16 samples (an even number of bytes)",
                                  param=f"{where}.content")
-            pcm = encode.heard_whole(pcm, fmt)  # (as 24 kHz PCM16)
+            pcm = encode.heard(pcm, fmt, encode.converter(fmt, up=True), last=True)  # (as 24 kHz PCM16)
             self._check_length(len(pcm), f"{where}.content")
         item_id = given.get("id") if isinstance(given.get("id"), str) and given["id"] else events.new_id("item")
         item = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
@@ -740,7 +740,7 @@ class Session:
         if item_id in self.audio_of:  # (a user audio item comes back with its audio, as OpenAI's does: in the
             # session's input format now)
             fmt = self.config["input_format"]
-            sent = encode.said_whole(self.audio_of[item_id], fmt)
+            sent = encode.said(self.audio_of[item_id], fmt, encode.converter(fmt, up=False), last=True)
             item = {**item, "content": [{**p, "audio": base64.b64encode(sent).decode()}
                                         if p["type"] == "input_audio" else p for p in item["content"]]}
         if item_id in self.images_of:  # (and its images)
