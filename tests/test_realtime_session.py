@@ -619,8 +619,9 @@ class _SlowStart:
 
 
 def test_the_idle_timer_and_a_clients_response_never_make_two_responses():
-    """A client's response.create stops the idle timer as it arrives (not once its response has
-    started); a response.create while the timer's own response is starting is refused."""
+    """A client's response.create whose start takes longer than the idle timeout makes the only
+    response (the timer neither fires meanwhile nor makes a second one); a response.create while
+    the timer's own response is starting is refused."""
     sent: list = []
     chat = _SlowStart(0.3)
 
