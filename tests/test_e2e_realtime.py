@@ -314,8 +314,8 @@ def test_speech_cuts_off_a_spoken_reply_and_truncate_trims_what_was_not_heard(sp
             await _until(conn, "response.output_audio.delta")
             for piece in (PCM, QUIET, QUIET):
                 await conn.input_audio_buffer.append(audio=base64.b64encode(piece).decode())
-            cut = await _until(conn, "response.done")
-            events = []
+            events = []  # (the turn's, the cut reply's and the answer's)
+            cut = await _until(conn, "response.done", events)
             answer = await _until(conn, "response.done", events)
             await conn.conversation.item.truncate(item_id=cut.response.output[0].id, content_index=0,
                                                   audio_end_ms=10 ** 9)
@@ -331,13 +331,16 @@ def test_speech_cuts_off_a_spoken_reply_and_truncate_trims_what_was_not_heard(sp
     assert cut.response.status == "cancelled" and cut.response.status_details.reason == "turn_detected"
     kinds = [e.type for e in events]
     assert "input_audio_buffer.committed" in kinds and "response.created" in kinds
+    started, stopped = (next(e for e in events if e.type == f"input_audio_buffer.speech_{k}") for k in ("started", "stopped"))
+    assert (started.audio_start_ms, stopped.audio_end_ms) == (0, 1500), kinds  # (the tone; its 500 ms of silence)
     assert answer.response.status in ("completed", "incomplete")
     assert too_far.error.param == "audio_end_ms" and truncated.audio_end_ms == 0
     turn = PCM + QUIET  # (no audio before it to pad with; its silence up to the stop)
     heard = {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": _wav_b64(turn), "format": "wav"}}]}
     chat = _chat(speech_server, [{"role": "user", "content": [{"type": "text", "text": "Tell a long story."}]},
                                  {"role": "assistant", "content": ""}, heard], spoken=False, max_tokens=3)
-    assert done.response.usage.input_tokens == chat.usage.prompt_tokens
+    assert done.response.usage.input_tokens == chat.usage.prompt_tokens, [
+        (e.type, getattr(e, "item_id", None), getattr(e, "previous_item_id", None)) for e in events]
     assert text == chat.choices[0].message.content
 
 

@@ -288,6 +288,39 @@ def test_after_a_reply_left_too_little_room_the_next_prompt_starts_later():
     assert first == ["t0", "t1", "t2", "t3"] and second == ["t1", "t2", "t3"]
 
 
+def test_room_left_for_a_reply_is_given_back_when_the_last_prompt_shrinks():
+    """The room a reply's end leaves for the next (the oldest item left out) is an estimate from its
+    prompt's size: deleting an item that prompt held undoes it (an interrupted reply whose unheard
+    transcript the client cuts would otherwise cost the conversation its start); deleting the item a
+    prompt starts at starts the next at the item after it."""
+    sent, bodies = [], []
+
+    async def send(event):
+        sent.append(event)
+
+    async def chat(body):
+        bodies.append(body)
+        run = _FakeRun(["a"] * 5)
+        run.n_prompt = 90  # (5 tokens left in a 100-token context: each reply leaves room)
+        return run
+
+    async def talk():
+        s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None, context=100)
+        for k in range(4):
+            await _say(s, f"t{k}")
+        ids = [i["id"] for i in s.items]
+        for delete in (ids[2], ids[0], None):  # (in the last prompt; the one it started at)
+            await _event(s, type="response.create")
+            await s.response
+            if delete is not None:
+                await _event(s, type="conversation.item.delete", item_id=delete)
+
+    asyncio.run(talk())
+    assert not [e for e in sent if e["type"] == "error"], sent
+    users = [[m["content"][0]["text"] for m in b["messages"] if m["role"] == "user"] for b in bodies]
+    assert users == [["t0", "t1", "t2", "t3"], ["t0", "t1", "t3"], ["t1", "t3"]], users
+
+
 def test_settings_it_cannot_honour_are_refused_and_metadata_comes_back():
     sent, runs = [], []
 

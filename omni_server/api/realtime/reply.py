@@ -107,7 +107,7 @@ class Reply:
                     raise
                 self.skip += 1
         if self.own is None:
-            s.first_kept = s.items[self.skip]["id"]
+            s.first_kept, s.room_from = s.items[self.skip]["id"], None
 
     async def _first(self):
         """The run's first output. The api counts a media item as one token, the stage as its
@@ -142,7 +142,7 @@ class Reply:
         end = next((k for k, i in enumerate(s.items) if i is self.entry), len(s.items) - 1)
         per_item = self.run.n_prompt / max(1, end - at)  # (the prompt held items at.. before this reply)
         ahead = min(at + -(-short // max(1.0, per_item)), len(s.items) - 1)
-        s.first_kept = s.items[int(ahead)]["id"]
+        s.room_from, s.first_kept = s.first_kept, s.items[int(ahead)]["id"]
 
     def _where(self) -> dict[str, Any]:
         return {"response_id": self.id, "item_id": self.item_id, "output_index": 0, "content_index": 0}

@@ -81,7 +81,10 @@ class Session:
         }
         if kind == "transcription":
             self.config["transcription"] = {"model": model, "language": None, "prompt": None}
-        self.first_kept: str | None = None  # the oldest item the last response's prompt held (truncation)
+        self.first_kept: str | None = None  # the oldest item the next response's prompt holds (truncation)
+        # Where the last prompt started, when the reply after it moved `first_kept` on to leave room
+        # for the next one: an estimate from that prompt's size, undone when the prompt shrinks.
+        self.room_from: str | None = None
         self.context = context  # stage 0's context length (0: not known)
         self.items: list[dict[str, Any]] = []  # the conversation, as the client sees its items
         self.audio_of: dict[str, bytes] = {}  # a user audio item's PCM16
@@ -721,7 +724,21 @@ class Session:
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
         await self._forget(item_id)
 
+    def _shrunk(self, item_id: str, deleted: bool) -> None:
+        """An item truncated or about to be deleted. Where it was in the last prompt, that prompt's
+        room estimate is stale (an interrupted reply's unheard transcript, which the client cuts,
+        makes most of it), so the next prompt starts where the last one did."""
+        ids = [i["id"] for i in self.items]
+        if self.room_from in ids and item_id in ids and ids.index(item_id) >= ids.index(self.room_from):
+            self.first_kept, self.room_from = self.room_from, None
+        if deleted and item_id in ids and item_id in (self.first_kept, self.room_from):
+            k = ids.index(item_id)  # (the item after it starts the prompt now; the last: the one before)
+            after = ids[k + 1] if k + 1 < len(ids) else ids[k - 1] if k else None
+            self.first_kept = after if item_id == self.first_kept else self.first_kept
+            self.room_from = after if item_id == self.room_from else self.room_from
+
     async def _forget(self, item_id: str) -> None:
+        self._shrunk(item_id, deleted=True)
         self.items = [i for i in self.items if i["id"] != item_id]
         self.audio_of.pop(item_id, None)
         self.images_of.pop(item_id, None)
@@ -768,6 +785,7 @@ class Session:
         keep = len(text) if end >= total else round(len(text) * end / total) if total else 0
         part["transcript"] = text[:keep].rsplit(" ", 1)[0] if keep < len(text) else text  # (whole words)
         self.spoken_ms[item_id] = end
+        self._shrunk(item_id, deleted=False)
         await self.send("conversation.item.truncated", item_id=item_id, content_index=0, audio_end_ms=end)
 
     async def _response_create(self, event: dict) -> None:
