@@ -269,6 +269,9 @@ def collect(out: Path) -> dict:
         # step `video`: the config taking one video a chat; chats carrying a video / text alone
         **{k: v for n in ("video", "text") for k, v in _served(out, f"media_vid_{n}", f"media_vid_{n}").items()},
         "media_vid_ready_s": _ready_s(out / "serve_media7b_vid.log"),
+        # step `mnbt`: the same with prefill chunks of 8,192 tokens in the thinker and talker
+        **{k: v for n in ("video", "text") for k, v in _served(out, f"media_mnbt_{n}", f"media_mnbt_{n}").items()},
+        "media_mnbt_ready_s": _ready_s(out / "serve_media7b_mnbt.log"),
         # step `rt`: the same prompts over the Realtime API (a session a request) and as chats, one server
         **{k: v for n in ("realtime", "rtaudio", "text") for k, v in _served(out, f"media_rt_{n}", f"media_rt_{n}").items()},
         # Qwen3-Omni-30B-A3B shapes, configs/qwen3_omni.yaml (session step `qwen3`)

@@ -129,3 +129,24 @@ def test_a_text_only_stage_compiles_apart_from_a_media_one(tiny_models):
     assert disabled_modalities({"limit_mm_per_prompt": {"image": 0, "audio": 2}}) == ["image"]
     assert disabled_modalities({"language_model_only": True}) == ["*"]
     assert disabled_modalities({"limit_mm_per_prompt": {"video": {"count": 1}}}) == []
+
+
+def test_a_stage_takes_the_defaults_vllm_serve_takes(tiny_models, monkeypatch):
+    """Where a stage's engine_args are silent, its engine gets `vllm serve`'s defaults, not those
+    of a bare engine: on a large GPU (its defaults as vLLM's get_batch_defaults gives them there)
+    a prefill of up to 8,192 tokens a step instead of 2,048. A stage's own value wins."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from omni_server.stage.ar import engine_config
+
+    large_gpu = ({UsageContext.LLM_CLASS: 16384, UsageContext.OPENAI_API_SERVER: 8192},
+                 {UsageContext.LLM_CLASS: 1024, UsageContext.OPENAI_API_SERVER: 1024})
+    monkeypatch.setattr(EngineArgs, "get_batch_defaults", classmethod(lambda cls, world_size: large_gpu))
+    model = tiny_models["tiny-qwen2_5-omni"]
+    cfg = load_config(REPO / "configs" / "default.yaml", [f"thinker.model={model}"])
+    assert "max_num_batched_tokens" not in cfg.stage(0).engine_args
+    assert engine_config(cfg, 0).scheduler_config.max_num_batched_tokens == 8192
+    assert build_engine_args(cfg, 0).create_engine_config().scheduler_config.max_num_batched_tokens == 2048
+    cfg = load_config(REPO / "configs" / "default.yaml", [f"thinker.model={model}", "thinker.max_num_batched_tokens=4096"])
+    assert engine_config(cfg, 0).scheduler_config.max_num_batched_tokens == 4096

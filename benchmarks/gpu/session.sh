@@ -5,7 +5,7 @@
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
 # one GPU; also: variants t2wtriton pastkv pastkvab prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
-# prof ref w144 layouts fc24 fc72 tc4).
+# prof ref w144 layouts fc24 fc72 tc4 media mmcompile video mnbt rt).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -155,6 +155,16 @@ step_video() {
   # when `main` ran first). The ready time and each GPU process's memory once ready go to progress.log.
   MEDIA_KINDS=${MEDIA_KINDS:-video text} media_bench media7b_vid 8043 \
     --stage-arg 'thinker.limit_mm_per_prompt={"image":2,"audio":2,"video":1}'
+}
+
+step_mnbt() {
+  # The `video` step with prefill chunks of 8,192 tokens in the thinker and talker (`vllm serve`'s
+  # default on these GPUs, which a stage takes where its config is silent; the shipped configs pin
+  # 2,048): a video's ~7,400 prompt tokens in one step instead of four. Run after `video` (the same
+  # server but for this) to compare; keys media_mnbt_*.
+  MEDIA_KINDS=${MEDIA_KINDS:-video text} media_bench media7b_mnbt 8045 \
+    --stage-arg 'thinker.limit_mm_per_prompt={"image":2,"audio":2,"video":1}' \
+    --stage-arg thinker.max_num_batched_tokens=8192 --stage-arg talker.max_num_batched_tokens=8192
 }
 
 step_rt() {

@@ -246,6 +246,15 @@ def disabled_modalities(args: dict[str, Any]) -> list[str]:
     return sorted(m for m, v in limits.items() if count(v) == 0)
 
 
+def engine_config(cfg: PipelineConfig, stage_id: int):
+    """The stage's VllmConfig, with the defaults `vllm serve` takes where the config is silent: an
+    online server's (on a GPU of 70 GB or more a prefill takes up to 8,192 tokens a step instead of
+    2,048, so a long prompt, e.g. a video's, is not cut into four steps)."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return build_engine_args(cfg, stage_id).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+
+
 def build_engine_args(cfg: PipelineConfig, stage_id: int):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
@@ -333,7 +342,7 @@ class ARStage(Stage):
 
         t0 = time.monotonic()
         super().__init__(cfg, stage_id, sockets)
-        self.vllm_config = build_engine_args(cfg, stage_id).create_engine_config()
+        self.vllm_config = engine_config(cfg, stage_id)
         _check_token_ids(self.stage, self.vllm_config.model_config.get_vocab_size())
         sched = self.vllm_config.scheduler_config
         # Chosen after the platform settled async scheduling (on for GPUs, off on CPU).
