@@ -321,6 +321,39 @@ def test_room_left_for_a_reply_is_given_back_when_the_last_prompt_shrinks():
     assert users == [["t0", "t1", "t2", "t3"], ["t0", "t1", "t3"], ["t1", "t3"]], users
 
 
+def test_a_reply_whose_prompt_shrank_while_it_ran_leaves_no_room_estimate():
+    """An item deleted while a reply runs (as a client truncates the reply it interrupted while the
+    answer runs): that reply's prompt size no longer says how full the next prompt is, so its end
+    leaves the conversation's start where it was."""
+    sent, bodies = [], []
+
+    async def send(event):
+        sent.append(event)
+
+    async def chat(body):
+        bodies.append(body)
+        run = _FakeRun(["a"] * 5)
+        run.n_prompt = 90
+        return run
+
+    async def talk():
+        s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None, context=100)
+        for k in range(4):
+            await _say(s, f"t{k}")
+        await _event(s, type="response.create")
+        await asyncio.sleep(0.02)  # (its first pieces sent)
+        assert not s.response.done()
+        await _event(s, type="conversation.item.delete", item_id=s.items[2]["id"])
+        await s.response
+        await _event(s, type="response.create")
+        await s.response
+
+    asyncio.run(talk())
+    assert not [e for e in sent if e["type"] == "error"], sent
+    users = [[m["content"][0]["text"] for m in b["messages"] if m["role"] == "user"] for b in bodies]
+    assert users == [["t0", "t1", "t2", "t3"], ["t0", "t1", "t3"]], users
+
+
 def test_settings_it_cannot_honour_are_refused_and_metadata_comes_back():
     sent, runs = [], []
 

@@ -49,6 +49,7 @@ class Reply:
         self.metadata: dict[str, str] | None = None  # (the client's, given back in the response)
         self.previous: str | None = None  # (the item the reply follows in the conversation)
         self.entry: dict[str, Any] | None = None  # (its item in the conversation while it runs, then its final form)
+        self.shrinks = session.shrinks  # (the conversation's truncates and deletes before its prompt)
 
     def _item(self, status: str) -> dict[str, Any]:
         text = "".join(self.text)
@@ -129,7 +130,7 @@ class Reply:
         tokens an item."""
         s, ctx = self.s, self.s.context
         if (not ctx or s.config["truncation"] != "auto" or self.run is None or not self.run.n_prompt
-                or self.own is not None):
+                or self.own is not None or s.shrinks != self.shrinks):  # (shrunk since: its size is stale)
             return
         cap = self.config["max_output_tokens"]
         want = min(ctx // 4, cap if isinstance(cap, int) else ctx)

@@ -85,6 +85,7 @@ class Session:
         # Where the last prompt started, when the reply after it moved `first_kept` on to leave room
         # for the next one: an estimate from that prompt's size, undone when the prompt shrinks.
         self.room_from: str | None = None
+        self.shrinks = 0  # items truncated or deleted so far (a reply's prompt size is stale after one)
         self.context = context  # stage 0's context length (0: not known)
         self.items: list[dict[str, Any]] = []  # the conversation, as the client sees its items
         self.audio_of: dict[str, bytes] = {}  # a user audio item's PCM16
@@ -728,6 +729,7 @@ class Session:
         """An item truncated or about to be deleted. Where it was in the last prompt, that prompt's
         room estimate is stale (an interrupted reply's unheard transcript, which the client cuts,
         makes most of it), so the next prompt starts where the last one did."""
+        self.shrinks += 1
         ids = [i["id"] for i in self.items]
         if self.room_from in ids and item_id in ids and ids.index(item_id) >= ids.index(self.room_from):
             self.first_kept, self.room_from = self.room_from, None
