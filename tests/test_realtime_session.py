@@ -254,12 +254,10 @@ async def _no_chat(body):
     raise AssertionError("no chat expected")
 
 
-def test_after_a_reply_left_too_little_room_the_next_prompt_starts_later():
-    """A 100-token context: a reply whose prompt (90) and output (5) left 5 tokens, less than a
-    quarter of the context, makes the next response leave out the oldest item (this prompt's ~22
-    tokens an item, 20 short). Unknown fields in items and their parts are errors."""
-    sent, bodies = [], []
-
+def _crowded(sent: list, bodies: list) -> Session:
+    """A session on a 100-token context whose every reply's prompt is 90 tokens and whose output is
+    5 (less than a quarter of the context left: each reply's end leaves room for the next); events
+    to `sent`, chat bodies to `bodies`."""
     async def send(event):
         sent.append(event)
 
@@ -269,11 +267,23 @@ def test_after_a_reply_left_too_little_room_the_next_prompt_starts_later():
         run.n_prompt = 90
         return run
 
+    return Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None, context=100)
+
+
+def _users(bodies: list) -> list[list[str]]:
+    return [[m["content"][0]["text"] for m in b["messages"] if m["role"] == "user"] for b in bodies]
+
+
+def test_after_a_reply_left_too_little_room_the_next_prompt_starts_later():
+    """A 100-token context: a reply whose prompt (90) and output (5) left 5 tokens, less than a
+    quarter of the context, makes the next response leave out the oldest item (this prompt's ~22
+    tokens an item, 20 short). Unknown fields in items and their parts are errors."""
+    sent, bodies = [], []
+
     async def talk():
-        s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None, context=100)
+        s = _crowded(sent, bodies)
         for k in range(4):
-            await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
-                                                                  "content": [{"type": "input_text", "text": f"t{k}"}]})
+            await _say(s, f"t{k}")
         await _event(s, type="conversation.item.create", item={"type": "message", "role": "user", "foo": 1,
                                                               "content": [{"type": "input_text", "text": "x"}]})
         await _event(s, type="conversation.item.create", item={"type": "message", "role": "user",
@@ -284,8 +294,7 @@ def test_after_a_reply_left_too_little_room_the_next_prompt_starts_later():
 
     asyncio.run(talk())
     assert [e["error"]["param"] for e in sent if e["type"] == "error"] == ["item.foo", "item.content[0].y"]
-    first, second = ([m["content"][0]["text"] for m in b["messages"] if m["role"] == "user"] for b in bodies)
-    assert first == ["t0", "t1", "t2", "t3"] and second == ["t1", "t2", "t3"]
+    assert _users(bodies) == [["t0", "t1", "t2", "t3"], ["t1", "t2", "t3"]]
 
 
 def test_room_left_for_a_reply_is_given_back_when_the_last_prompt_shrinks():
@@ -295,17 +304,8 @@ def test_room_left_for_a_reply_is_given_back_when_the_last_prompt_shrinks():
     prompt starts at starts the next at the item after it."""
     sent, bodies = [], []
 
-    async def send(event):
-        sent.append(event)
-
-    async def chat(body):
-        bodies.append(body)
-        run = _FakeRun(["a"] * 5)
-        run.n_prompt = 90  # (5 tokens left in a 100-token context: each reply leaves room)
-        return run
-
     async def talk():
-        s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None, context=100)
+        s = _crowded(sent, bodies)
         for k in range(4):
             await _say(s, f"t{k}")
         ids = [i["id"] for i in s.items]
@@ -317,8 +317,7 @@ def test_room_left_for_a_reply_is_given_back_when_the_last_prompt_shrinks():
 
     asyncio.run(talk())
     assert not [e for e in sent if e["type"] == "error"], sent
-    users = [[m["content"][0]["text"] for m in b["messages"] if m["role"] == "user"] for b in bodies]
-    assert users == [["t0", "t1", "t2", "t3"], ["t0", "t1", "t3"], ["t1", "t3"]], users
+    assert _users(bodies) == [["t0", "t1", "t2", "t3"], ["t0", "t1", "t3"], ["t1", "t3"]], _users(bodies)
 
 
 def test_a_reply_whose_prompt_shrank_while_it_ran_leaves_no_room_estimate():
@@ -327,17 +326,8 @@ def test_a_reply_whose_prompt_shrank_while_it_ran_leaves_no_room_estimate():
     leaves the conversation's start where it was."""
     sent, bodies = [], []
 
-    async def send(event):
-        sent.append(event)
-
-    async def chat(body):
-        bodies.append(body)
-        run = _FakeRun(["a"] * 5)
-        run.n_prompt = 90
-        return run
-
     async def talk():
-        s = Session("m", send, chat, voices=[], has_audio=False, max_buffer_s=1.0, audio_cap=None, context=100)
+        s = _crowded(sent, bodies)
         for k in range(4):
             await _say(s, f"t{k}")
         await _event(s, type="response.create")
@@ -350,8 +340,7 @@ def test_a_reply_whose_prompt_shrank_while_it_ran_leaves_no_room_estimate():
 
     asyncio.run(talk())
     assert not [e for e in sent if e["type"] == "error"], sent
-    users = [[m["content"][0]["text"] for m in b["messages"] if m["role"] == "user"] for b in bodies]
-    assert users == [["t0", "t1", "t2", "t3"], ["t0", "t1", "t3"]], users
+    assert _users(bodies) == [["t0", "t1", "t2", "t3"], ["t0", "t1", "t3"]], _users(bodies)
 
 
 def test_settings_it_cannot_honour_are_refused_and_metadata_comes_back():
