@@ -786,8 +786,9 @@ class Session:
         text = part["transcript"] or ""
         keep = len(text) if end >= total else round(len(text) * end / total) if total else 0
         part["transcript"] = text[:keep].rsplit(" ", 1)[0] if keep < len(text) else text  # (whole words)
+        if end < total:
+            self._shrunk(item_id, deleted=False)
         self.spoken_ms[item_id] = end
-        self._shrunk(item_id, deleted=False)
         await self.send("conversation.item.truncated", item_id=item_id, content_index=0, audio_end_ms=end)
 
     async def _response_create(self, event: dict) -> None:
