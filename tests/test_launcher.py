@@ -484,11 +484,12 @@ def test_a_restarted_stage_runs_the_config_serve_read(tiny_models, tmp_path):
 
 
 _PARENT = """
-import signal, subprocess, sys
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # exits at once, its child left running
 child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
 print(child.pid, flush=True)
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # exits at once, its child left running
-signal.pause()
+while True:  # (not signal.pause(): a SIGTERM landing just before it was never handled, CI 2026-12-07)
+    time.sleep(0.1)
 """
 
 
