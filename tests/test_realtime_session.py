@@ -409,6 +409,37 @@ def _heard_samples(sent: list, response_id: str) -> int:
                if e["type"] == "response.output_audio.delta" and e["response_id"] == response_id)
 
 
+def test_truncating_a_spoken_reply_gives_back_the_room_only_when_it_cuts():
+    """conversation.item.truncate of a reply the last prompt held undoes that prompt's room estimate
+    when it cuts the reply; a truncate to the reply's whole length cuts nothing and leaves it."""
+    sent, bodies = [], []
+
+    async def send(event):
+        sent.append(event)
+
+    async def chat(body):
+        bodies.append(body)
+        run = _SpokenRun(0.3)
+        run.n_prompt = 90  # (a 100-token context: each reply's end leaves room)
+        return run
+
+    async def talk():
+        s = Session("m", send, chat, voices=["v"], has_audio=True, max_buffer_s=5.0, audio_cap=None, context=100)
+        for k in range(4):
+            await _say(s, f"t{k}")
+        await _event(s, type="response.create")
+        await s.response
+        reply = s.items[4]["id"]
+        for end in (s.spoken_ms[reply], 0):
+            await _event(s, type="conversation.item.truncate", item_id=reply, content_index=0, audio_end_ms=end)
+            await _event(s, type="response.create")
+            await s.response
+
+    asyncio.run(talk())
+    assert not [e for e in sent if e["type"] == "error"], sent
+    assert _users(bodies) == [["t0", "t1", "t2", "t3"], ["t1", "t2", "t3"], ["t1", "t2", "t3"]], _users(bodies)
+
+
 def test_output_speed_stretches_the_spoken_reply():
     """audio.output.speed: 1 s of generated speech comes out as 1 / speed seconds (the stretch's
     flush included), the session echoes the speed, and a speed past OpenAI's 0.25-1.5 is refused."""
