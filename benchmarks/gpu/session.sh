@@ -153,8 +153,13 @@ step_video() {
   # with vLLM's video profiling, and the numbers): each chat carrying a MEDIA_VIDEO video (default
   # 1280x720:10, 2 frames a second: 7,200 video tokens), then text alone, on one server (warm cache
   # when `main` ran first). The ready time and each GPU process's memory once ready go to progress.log.
-  MEDIA_KINDS=${MEDIA_KINDS:-video text} media_bench media7b_vid 8043 \
-    --stage-arg 'thinker.limit_mm_per_prompt={"image":2,"audio":2,"video":1}'
+  video_bench media7b_vid 8043
+}
+
+video_bench() {  # NAME PORT [serve args]: media_bench of the config taking one video a chat
+  local name=$1 port=$2; shift 2
+  MEDIA_KINDS=${MEDIA_KINDS:-video text} media_bench $name $port \
+    --stage-arg 'thinker.limit_mm_per_prompt={"image":2,"audio":2,"video":1}' "$@"
 }
 
 step_mnbt() {
@@ -162,8 +167,7 @@ step_mnbt() {
   # default on these GPUs, which a stage takes where its config is silent; the shipped configs pin
   # 2,048): a video's ~7,400 prompt tokens in one step instead of four. Run after `video` (the same
   # server but for this) to compare; keys media_mnbt_*.
-  MEDIA_KINDS=${MEDIA_KINDS:-video text} media_bench media7b_mnbt 8045 \
-    --stage-arg 'thinker.limit_mm_per_prompt={"image":2,"audio":2,"video":1}' \
+  video_bench media7b_mnbt 8045 \
     --stage-arg thinker.max_num_batched_tokens=8192 --stage-arg talker.max_num_batched_tokens=8192
 }
 
