@@ -136,6 +136,21 @@ def _served(out: Path, bench: str, key: str) -> dict:
             for what, field in (("ttfp_ms", "ttfp_ms"), ("rtf", "rtf")) for c in (1, 16)}
 
 
+def _mixed(out: Path, tag: str) -> dict:
+    """MEDIA_KINDS `mixed` (media_<tag>_mixtext_<n>.json, media_<tag>_mixvideo_<n>.json): medians
+    over the runs of the text chats' TTFP, RTF and stall p90 and of the video chat's TTFP."""
+    texts = [_level(f) for f in sorted(out.glob(f"media_{tag}_mixtext_*.json"))]
+    videos = [_level(f) for f in sorted(out.glob(f"media_{tag}_mixvideo_*.json"))]
+    if not texts and not videos:
+        return {}
+    key = f"media_{tag}_mix"
+    return {f"{key}_text_ttfp_ms": _median([_get(t, "ttfp_ms", "p50") for t in texts]),
+            f"{key}_text_rtf": _median([_get(t, "rtf", "p50") for t in texts]),
+            f"{key}_text_stall_ms_p90": _median([_get(t, "stall_ms", "p90") for t in texts]),
+            f"{key}_video_ttfp_ms": _median([_get(v, "ttfp_ms", "p50") for v in videos]),
+            f"{key}_runs": len(texts)}
+
+
 def _prefix(out: Path, names=("prefix_on", "prefix_off")) -> dict:
     """Steps `prefix` / `qwen3prefix` (shared-prefix benches): TTFT and TTFP (p50) and RTF at c=1 and
     c=16 with prefix caching on and off, and the share of prompt tokens the cache spared."""
@@ -269,9 +284,12 @@ def collect(out: Path) -> dict:
         # step `video`: the config taking one video a chat; chats carrying a video / text alone
         **{k: v for n in ("video", "text") for k, v in _served(out, f"media_vid_{n}", f"media_vid_{n}").items()},
         "media_vid_ready_s": _ready_s(out / "serve_media7b_vid.log"),
-        # step `mnbt`: the same with prefill chunks of 8,192 tokens in the thinker and talker
+        # step `mnbt`: the same with prefill chunks of MNBT tokens in the thinker and talker (8,192
+        # through the thirty-first run, 2,048 after it: the configs' own went from 2,048 to 8,192 there)
         **{k: v for n in ("video", "text") for k, v in _served(out, f"media_mnbt_{n}", f"media_mnbt_{n}").items()},
         "media_mnbt_ready_s": _ready_s(out / "serve_media7b_mnbt.log"),
+        # MEDIA_KINDS `mixed` in either: 15 text chats with one video chat arriving among them
+        **_mixed(out, "vid"), **_mixed(out, "mnbt"),
         # step `rt`: the same prompts over the Realtime API (a session a request) and as chats, one server
         **{k: v for n in ("realtime", "rtaudio", "text") for k, v in _served(out, f"media_rt_{n}", f"media_rt_{n}").items()},
         # Qwen3-Omni-30B-A3B shapes, configs/qwen3_omni.yaml (session step `qwen3`)

@@ -208,6 +208,21 @@ def test_prefix_step_keys(tmp_path):
     assert r["p1_runner_vs_vllm_bs1"] is None and r["p5_hbm_fraction_bs1"] is None
 
 
+def test_mixed_runs_take_the_median_of_their_runs(tmp_path):
+    # MEDIA_KINDS `mixed` (steps video / mnbt): 15 text chats and one video chat arriving among them,
+    # n runs each; a run whose requests failed counts for nothing.
+    runs = ((1040.0, 0.48, 0.0, 2143.0), (904.0, 0.45, 9.4, 2031.0), (950.0, 0.47, 4.0, 1982.0))
+    for n, (ttfp, rtf, stall, video) in enumerate(runs, 1):
+        _bench(tmp_path / f"media_mnbt_mixtext_{n}.json", ttfp_ms={"p50": ttfp}, rtf={"p50": rtf},
+               stall_ms={"p90": stall})
+        _bench(tmp_path / f"media_mnbt_mixvideo_{n}.json", ttfp_ms={"p50": video})
+    _bench(tmp_path / "media_mnbt_mixvideo_4.json", ttfp_ms={"p50": 9999.0}, errors=1)
+    r = _collect(tmp_path)
+    assert (r["media_mnbt_mix_text_ttfp_ms"], r["media_mnbt_mix_text_rtf"], r["media_mnbt_mix_text_stall_ms_p90"]) == (950.0, 0.47, 4.0)
+    assert (r["media_mnbt_mix_video_ttfp_ms"], r["media_mnbt_mix_runs"]) == (2031.0, 3)
+    assert not any(k.startswith("media_vid_mix") for k in r)
+
+
 def test_named_rate_servers_and_past_cache_ab_keys(tmp_path):
     # Step `rate` under RATE_NAME (its own files: <name>_c16.json, steps_<name>.json) and step
     # `pastkvab` (servers pkvoff / pkvon, their steps windowed to the c=16 level).

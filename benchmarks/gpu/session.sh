@@ -5,7 +5,7 @@
 # is benched, and the two-GPU layouts (issue 8) run too.
 # Steps run in the order STEPS names them (default "main warm prof t2wprof qwen3", ~900 s on
 # one GPU; also: variants t2wtriton pastkv pastkvab prefix qkv ditvar t2wstep fp8 splits rate spy talkerlow talkerattn tests aa t2wboth t2wbig t2wlow attn full nomps mpspct thinkerlow qwen3eager qwen3mps qwen3prefix prefixprof t2wact talker t2w t2wfast runner mps
-# prof ref w144 layouts fc24 fc72 tc4 media mmcompile video mnbt rt).
+# prof ref w144 layouts fc24 fc72 tc4 media mmcompile video mnbt rt; MEDIA_KINDS="video text mixed" adds the mixed runs to video and mnbt).
 set -u
 # Run from a private copy: bash reads a script as it goes, and each device call copies the working
 # tree again (a later edit of this file would change the running session under it).
@@ -163,12 +163,12 @@ video_bench() {  # NAME PORT [serve args]: media_bench of the config taking one 
 }
 
 step_mnbt() {
-  # The `video` step with prefill chunks of 8,192 tokens in the thinker and talker (`vllm serve`'s
-  # default on these GPUs, which a stage takes where its config is silent; the shipped configs pin
-  # 2,048): a video's ~7,400 prompt tokens in one step instead of four. Run after `video` (the same
-  # server but for this) to compare; keys media_mnbt_*.
+  # The `video` step with prefill chunks of MNBT tokens (default 2,048: the shipped configs' before
+  # the thirty-first run, 2026-12-07; they take `vllm serve`'s 8,192 on these GPUs since) in the
+  # thinker and talker; keys media_mnbt_*. Run beside `video` (the same server but for this).
+  local n=${MNBT:-2048}
   video_bench media7b_mnbt 8045 \
-    --stage-arg thinker.max_num_batched_tokens=8192 --stage-arg talker.max_num_batched_tokens=8192
+    --stage-arg thinker.max_num_batched_tokens=$n --stage-arg talker.max_num_batched_tokens=$n
 }
 
 step_rt() {
@@ -198,6 +198,19 @@ media_bench() {  # NAME PORT [serve args]
     $B $a --concurrency 16 --requests 16 --output $R/media${tag}_${n}_c16.json >> $R/bench_$name.log 2>&1
     say "$name, $n in: $(python3 benchmarks/gpu/brief.py $R/media${tag}_${n}_c1.json $R/media${tag}_${n}_c16.json)"
   done
+  # kind `mixed` (MEDIA_KINDS): 15 text chats under way when one video chat arrives (1 s later),
+  # three times: what a long prefill costs the others' audio (their stalls), and the video's TTFP.
+  if [[ " ${MEDIA_KINDS:-} " == *" mixed "* ]]; then
+    $B --video ${MEDIA_VIDEO:-1280x720:10} --concurrency 1 --requests 1 --output $R/warm_media${tag}_mix.json >> $R/bench_$name.log 2>&1
+    for n in 1 2 3; do
+      $B --concurrency 15 --requests 15 --output $R/media${tag}_mixtext_$n.json >> $R/bench_$name.log 2>&1 &
+      local text=$!
+      sleep 1
+      $B --video ${MEDIA_VIDEO:-1280x720:10} --concurrency 1 --requests 1 --output $R/media${tag}_mixvideo_$n.json >> $R/bench_$name.log 2>&1
+      wait $text  # (a bare wait would wait for the server too)
+      say "$name, mixed $n: $(python3 benchmarks/gpu/brief.py $R/media${tag}_mixtext_$n.json $R/media${tag}_mixvideo_$n.json)"
+    done
+  fi
   stop $name
 }
 
