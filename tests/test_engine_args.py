@@ -39,12 +39,11 @@ def test_a_stage_feeding_hidden_states_keeps_them_beside_its_prefix_cache():
     """The thinker (its talker reads hidden rows) keeps vLLM's prefix caching and asks its runner
     for the rows store; `enable_prefix_caching: false` still turns caching off. The talker feeds
     token2wav codes only: no store, and vLLM's caching as it is (blocks keyed by their embeddings)."""
-    from omni_server.stage.ar import DISABLED_MODALITIES
     from omni_server.stage.prefix_rows import PREFIX_ROWS
 
     cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml", ["thinker.additional_config={a: 1}"])
     thinker, talker = build_engine_args(cfg, 0), build_engine_args(cfg, 1)
-    assert thinker.additional_config == {"a": 1, PREFIX_ROWS: True, DISABLED_MODALITIES: ["video"]}
+    assert thinker.additional_config == {"a": 1, PREFIX_ROWS: True}  # (it turns no modality off)
     assert thinker.enable_prefix_caching is not False
     assert PREFIX_ROWS not in (talker.additional_config or {}) and talker.enable_prefix_caching is not False
     cfg = load_config(REPO / "configs" / "qwen2_5_omni.yaml", ["thinker.enable_prefix_caching=false"])

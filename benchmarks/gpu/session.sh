@@ -149,8 +149,8 @@ step_mmcompile() {
 }
 
 step_video() {
-  # The 7B config taking one video a chat (the shipped configs take none: this measures their start
-  # with vLLM's video profiling, and the numbers): each chat carrying a MEDIA_VIDEO video (default
+  # The 7B config taking one video a chat (the shipped configs' since the thirty-first run; the
+  # start with vLLM's video profiling, and the numbers): each chat carrying a MEDIA_VIDEO video (default
   # 1280x720:10, 2 frames a second: 7,200 video tokens), then text alone, on one server (warm cache
   # when `main` ran first). The ready time and each GPU process's memory once ready go to progress.log.
   video_bench media7b_vid 8043
