@@ -151,7 +151,7 @@ def test_bad_events_get_error_events_and_the_session_goes_on(speech_server):
             await _until(conn, "session.created")
             for raw in ("{not json", json.dumps({"type": "no.such.event"}),
                         json.dumps({"type": "session.update", "event_id": "ev1", "session": {
-                            "type": "realtime", "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}}),
+                            "type": "realtime", "audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}}}),
                         json.dumps({"type": "input_audio_buffer.commit"}),
                         json.dumps({"type": "input_audio_buffer.append", "audio": "%%%"}),
                         json.dumps({"type": "response.create"}),
@@ -172,7 +172,7 @@ def test_bad_events_get_error_events_and_the_session_goes_on(speech_server):
     assert codes == ["invalid_json", "unsupported_event", "invalid_value", "input_audio_buffer_commit_empty",
                      "invalid_value", "conversation_empty", "invalid_value", "invalid_value",
                      "conversation_already_has_active_response"], codes
-    assert errors[2].error.event_id == "ev1" and errors[2].error.param == "session.audio.input.turn_detection.type"
+    assert errors[2].error.event_id == "ev1" and errors[2].error.param == "session.audio.input.turn_detection.eagerness"
     assert "Nobody" in errors[6].error.message
 
 
@@ -264,16 +264,19 @@ def test_transcribed_audio_items_stand_in_by_their_transcripts_past_the_cap(spee
 QUIET = bytes(2 * 12000)  # 0.5 s of silence
 
 
-def test_turn_detection_commits_a_spoken_turn_and_answers_it(speech_server):
-    """server_vad (the default): silence, a 1 s tone, silence, appended in 100 ms pieces: speech
-    starts at the tone less `prefix_padding_ms`, stops `silence_duration_ms` after it, and that span
-    is committed and answered: the greedy chat of exactly that audio."""
+@pytest.mark.parametrize("detection, start_ms, stop_ms", [
+    ({"type": "server_vad", "prefix_padding_ms": 200, "silence_duration_ms": 400}, 300, 1900),
+    ({"type": "semantic_vad", "eagerness": "high"}, 200, 2000),  # (padding 300 ms, silence 500 ms)
+], ids=["server_vad", "semantic_vad"])
+def test_turn_detection_commits_a_spoken_turn_and_answers_it(speech_server, detection, start_ms, stop_ms):
+    """Silence, a 1 s tone (0.5-1.5 s), silence, appended in 100 ms pieces: speech starts at the
+    tone less the prefix padding, stops the turn's silence after it, and that span is committed and
+    answered: the greedy chat of exactly that audio."""
     async def talk():
         async with _connect(speech_server) as conn:
             await _until(conn, "session.created")
             await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "audio": {
-                "input": {"turn_detection": {"type": "server_vad", "prefix_padding_ms": 200,
-                                             "silence_duration_ms": 400}}}})
+                "input": {"turn_detection": detection}}})
             await conn.send_raw(json.dumps({"type": "session.update", "session": {"temperature": 0,
                                                                                   "max_output_tokens": 5}}))
             await _until(conn, "session.updated")
@@ -289,10 +292,10 @@ def test_turn_detection_commits_a_spoken_turn_and_answers_it(speech_server):
     assert kinds[:5] == ["session.updated", "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
                          "input_audio_buffer.committed", "conversation.item.added"], kinds
     started, stopped, committed = events[1], events[2], events[3]
-    assert started.audio_start_ms == 300 and stopped.audio_end_ms == 1900  # (0.5 s - 200 ms; 1.5 s + 400 ms)
+    assert (started.audio_start_ms, stopped.audio_end_ms) == (start_ms, stop_ms)
     assert started.item_id == stopped.item_id == committed.item_id
     assert "response.created" in kinds and done.response.status in ("completed", "incomplete")
-    turn = (QUIET + PCM + QUIET)[2 * 7200:2 * 45600]  # (samples 0.3 s to 1.9 s)
+    turn = (QUIET + PCM + QUIET + QUIET)[2 * start_ms * 24:2 * stop_ms * 24]  # (24 samples a ms)
     chat = _chat(speech_server, [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
         "data": _wav_b64(turn), "format": "wav"}}]}], spoken=False, max_tokens=5)
     assert done.response.usage.input_tokens == chat.usage.prompt_tokens

@@ -73,6 +73,63 @@ def test_a_turn_longer_than_the_buffer_is_committed_at_the_buffers_length():
     assert len(s.buffer) == 2 * int(0.16 * RATE)
 
 
+def test_semantic_vad_ends_a_turn_after_the_silence_its_eagerness_sets():
+    """semantic_vad (the Agents SDK's default) without a turn model: the level gate, a turn ending
+    after 500 ms of silence at eagerness high, 800 at medium / auto, 1500 at low, its padding
+    server_vad's 300 ms; the session shows the settings as given. A pause of 1 s ends a turn at
+    high and auto but not at low, whose one turn then holds both stretches of speech."""
+    def turns(eagerness: str | None) -> tuple[list[tuple[int, int]], dict, list[int]]:
+        sent: list = []
+        s = _session(sent, max_buffer_s=10.0)
+        given = {"type": "semantic_vad", "create_response": False}
+        if eagerness:
+            given["eagerness"] = eagerness
+
+        async def talk():
+            await _event(s, type="session.update", session={"audio": {"input": {"turn_detection": given}}})
+            for piece in (_quiet(1.0), _tone(0.5), _quiet(1.0), _tone(0.5), _quiet(2.0)):
+                await _event(s, type="input_audio_buffer.append", audio=_b64(piece))
+
+        asyncio.run(talk())
+        assert not [e for e in sent if e["type"] == "error"], sent
+        starts = [e["audio_start_ms"] for e in sent if e["type"] == "input_audio_buffer.speech_started"]
+        stops = [e["audio_end_ms"] for e in sent if e["type"] == "input_audio_buffer.speech_stopped"]
+        (updated,) = [e["session"] for e in sent if e["type"] == "session.updated"]
+        return list(zip(starts, stops)), updated["audio"]["input"]["turn_detection"], \
+            [len(s.audio_of[i["id"]]) * 1000 // 2 // RATE for i in s.items]
+
+    # (speech at 1.0-1.5 s and 2.5-3.0 s; a turn ends its silence after the last loud frame)
+    spans, shown, lengths = turns("high")
+    assert spans == [(700, 2000), (2200, 3500)] and lengths == [1300, 1300], (spans, lengths)
+    assert shown == {"type": "semantic_vad", "eagerness": "high", "create_response": False, "interrupt_response": True}
+    spans, shown, lengths = turns(None)
+    # (the second turn's padding reaches back only to where the first ended)
+    assert spans == [(700, 2300), (2300, 3800)] and shown["eagerness"] == "auto", spans
+    assert lengths == [1600, 1500]
+    spans, _, lengths = turns("low")
+    assert spans == [(700, 4500)] and lengths == [3800], (spans, lengths)
+
+
+def test_semantic_vad_settings_are_checked_as_server_vads_are():
+    """Fields semantic_vad does not have (server_vad's threshold, silence, idle timeout) and values it
+    does not take are refused, naming the field; a transcription session takes it making no responses."""
+    import pytest
+
+    from omni_server.api.realtime.events import EventError, turn_detection
+
+    where = "session.audio.input.turn_detection"
+    for given, param in (({"threshold": 0.5}, where), ({"idle_timeout_ms": 1000}, where),
+                         ({"eagerness": "eager"}, f"{where}.eagerness"), ({"eagerness": ["low"]}, f"{where}.eagerness"),
+                         ({"create_response": "yes"}, f"{where}.create_response")):
+        with pytest.raises(EventError) as e:
+            turn_detection({"type": "semantic_vad", **given})
+        assert e.value.param == param, (given, e.value.param)
+    assert turn_detection({"type": "semantic_vad", "eagerness": "low"}, "transcription") == {
+        "type": "semantic_vad", "eagerness": "low", "create_response": False, "interrupt_response": False}
+    with pytest.raises(EventError, match="makes no responses"):
+        turn_detection({"type": "semantic_vad", "create_response": True}, "transcription")
+
+
 def test_past_what_a_session_keeps_the_oldest_audio_gives_way():
     """A 1 s buffer keeps 4 s of audio a conversation. Truncation auto (the default): a fifth 1 s
     turn makes the oldest audio item give way: deleted when it has no transcript, kept as its

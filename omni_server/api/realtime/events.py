@@ -55,24 +55,48 @@ def transcript_of(item: dict[str, Any]) -> str | None:
     return next((p.get("transcript") for p in item["content"] if p["type"] == "input_audio"), None)
 
 
+# semantic_vad (OpenAI's Agents SDK asks for it by default) without a turn model: the same level gate,
+# ending a turn after a silence `eagerness` sets (its other settings server_vad's defaults)
+SEMANTIC_VAD = {"type": "semantic_vad", "eagerness": "auto", "create_response": True, "interrupt_response": True}
+EAGERNESS_SILENCE_MS = {"high": 500, "medium": 800, "auto": 800, "low": 1500}
+
+
+def gate(vad: dict[str, Any]) -> dict[str, Any]:
+    """The level gate's settings for a session's turn detection (server_vad's own; semantic_vad's
+    from its eagerness)."""
+    if vad["type"] == "server_vad":
+        return vad
+    return {**VAD, "create_response": vad["create_response"], "interrupt_response": vad["interrupt_response"],
+            "silence_duration_ms": EAGERNESS_SILENCE_MS[vad["eagerness"]]}
+
+
 def turn_detection(value: Any, kind: str = "realtime") -> dict[str, Any] | None:
-    """A session's `turn_detection`: null (the client ends turns) or server_vad (the turns module's
-    level gate; in a transcription session it makes no responses: `create_response`,
-    `interrupt_response` false and no `idle_timeout_ms`)."""
+    """A session's `turn_detection`: null (the client ends turns), server_vad (the turns module's
+    level gate) or semantic_vad (the same gate, its silence from `eagerness`; no turn model). In a
+    transcription session it makes no responses: `create_response`, `interrupt_response` false and
+    no `idle_timeout_ms`."""
     param = "session.audio.input.turn_detection"
     if value is None:
         return None
-    if not isinstance(value, dict) or value.get("type") != "server_vad":
-        raise EventError("`turn_detection` must be null or {\"type\": \"server_vad\", ...} (semantic_vad is not "
-                         "served)", param=f"{param}.type")
-    unknown = set(value) - set(VAD)
+    if not isinstance(value, dict) or value.get("type") not in ("server_vad", "semantic_vad"):
+        raise EventError("`turn_detection` must be null, {\"type\": \"server_vad\", ...} or {\"type\": "
+                         "\"semantic_vad\", ...}", param=f"{param}.type")
+    defaults = VAD if value["type"] == "server_vad" else SEMANTIC_VAD
+    unknown = set(value) - set(defaults)
     if unknown:
-        raise EventError(f"unknown turn_detection field(s): {', '.join(sorted(unknown))}", param=param)
+        raise EventError(f"unknown {value['type']} field(s): {', '.join(sorted(unknown))}", param=param)
     quiet = {"create_response": False, "interrupt_response": False} if kind == "transcription" else {}
-    vad = {**VAD, **quiet, **{k: v for k, v in value.items() if v is not None}}
+    vad = {**defaults, **quiet, **{k: v for k, v in value.items() if v is not None}}
     for key in quiet:
         if vad[key] is not False:
             raise EventError(f"a transcription session makes no responses: `{key}` is false", param=f"{param}.{key}")
+    for key in ("create_response", "interrupt_response"):
+        if not isinstance(vad[key], bool):
+            raise EventError(f"`{key}` must be true or false", param=f"{param}.{key}")
+    if vad["type"] == "semantic_vad":
+        if not isinstance(vad["eagerness"], str) or vad["eagerness"] not in EAGERNESS_SILENCE_MS:
+            raise EventError("`eagerness` must be low, medium, high or auto", param=f"{param}.eagerness")
+        return vad
     if kind == "transcription" and vad["idle_timeout_ms"] is not None:
         raise EventError("a transcription session makes no responses: no `idle_timeout_ms`",
                          param=f"{param}.idle_timeout_ms")
@@ -85,9 +109,6 @@ def turn_detection(value: Any, kind: str = "realtime") -> dict[str, Any] | None:
     number("threshold", 0, 1, whole=False)
     number("prefix_padding_ms", 0, 5000, whole=True)
     number("silence_duration_ms", 20, 10000, whole=True)
-    for key in ("create_response", "interrupt_response"):
-        if not isinstance(vad[key], bool):
-            raise EventError(f"`{key}` must be true or false", param=f"{param}.{key}")
     if vad["idle_timeout_ms"] is not None:
         number("idle_timeout_ms", 100, 600000, whole=True)
     return vad

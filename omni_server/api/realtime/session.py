@@ -245,8 +245,10 @@ class Session:
         await self.send("session.updated", session=self.session_object())
 
     def _detector(self, vad: dict[str, Any] | None) -> TurnDetector | None:
-        return None if vad is None else TurnDetector(RATE, vad["threshold"], vad["silence_duration_ms"],
-                                                      at=self.buffer_at + len(self.buffer) // 2)
+        if vad is None:
+            return None
+        vad = events.gate(vad)
+        return TurnDetector(RATE, vad["threshold"], vad["silence_duration_ms"], at=self.buffer_at + len(self.buffer) // 2)
 
     def _settings(self, given: dict, where: str) -> dict[str, Any]:
         """The session's settings with those a session.update or response.create gives (`where`)."""
@@ -424,7 +426,7 @@ class Session:
     async def _hear(self, pcm: bytes) -> None:
         """Audio through turn detection: a turn's start and stop as events, its audio committed at the
         stop (with `prefix_padding_ms` before the start); outside a turn the buffer keeps only that padding."""
-        vad = self.config["turn_detection"]
+        vad = events.gate(self.config["turn_detection"])
         self.buffer += pcm
         for kind, at in self.detector.feed(pcm):
             ms = at * 1000 // RATE
@@ -486,7 +488,7 @@ class Session:
         after their last turn. Speech, a response asked for, or new turn detection settings stop the
         timer (the last start it again, under the new settings)."""
         self._disarm_idle()
-        vad = self.config["turn_detection"]
+        vad = self.config["turn_detection"] and events.gate(self.config["turn_detection"])
         if self.closed or vad is None or vad["idle_timeout_ms"] is None or self.turn_item is not None:
             return
         playback_s = max(0.0, self.played_until - asyncio.get_running_loop().time())
