@@ -497,6 +497,67 @@ def test_truncating_a_spoken_reply_gives_back_the_room_only_when_it_cuts():
     assert _users(bodies) == [["t0", "t1", "t2", "t3"], ["t1", "t2", "t3"], ["t1", "t2", "t3"]], _users(bodies)
 
 
+def test_a_reply_truncated_while_it_runs_is_cut_when_it_ends():
+    """A barge-in (OpenAI's Agents SDK interrupts this way): conversation.item.truncate of the reply
+    still being made, at most to the audio it has sent so far, is said at once and cut when the
+    reply ends: its conversation item holds the words heard, the response's output all it said,
+    and the next prompt reads what was heard."""
+    sent, bodies, runs = [], [], []
+
+    class Talking(_FakeRun):
+        """Four words, then 1 s of tone in 0.1 s pieces, holding at 0.5 s until `go`."""
+
+        def __init__(self):
+            super().__init__([])
+            self.half, self.go = asyncio.Event(), asyncio.Event()
+
+        async def stream_from(self, first):
+            yield "text", "one two three four"
+            self.completion_tokens += 4
+            wave = 0.3 * np.sin(2 * np.pi * 200 * np.arange(RATE) / RATE).astype(np.float32)
+            for k in range(10):
+                if k == 5:
+                    self.half.set()
+                    await self.go.wait()
+                yield "audio", (wave[k * RATE // 10:(k + 1) * RATE // 10], RATE)
+
+    async def send(event):
+        sent.append(event)
+
+    async def chat(body):
+        bodies.append(body)
+        runs.append(Talking() if len(runs) == 0 else _FakeRun(["ok"]))
+        return runs[-1]
+
+    async def talk():
+        s = Session("m", send, chat, voices=["v"], has_audio=True, max_buffer_s=5.0, audio_cap=None)
+        await _say(s, "hi")
+        await _event(s, type="response.create")
+        while not runs:
+            await asyncio.sleep(0)
+        await runs[0].half.wait()
+        reply = s.items[1]["id"]
+        await _event(s, type="conversation.item.truncate", item_id=reply, content_index=0, audio_end_ms=600)
+        await _event(s, type="conversation.item.truncate", item_id=reply, content_index=0, audio_end_ms=250)
+        truncated_before_end = [e for e in sent if e["type"] in ("conversation.item.truncated", "response.done")]
+        runs[0].go.set()
+        await s.response
+        await _event(s, type="response.create", response={"output_modalities": ["text"]})
+        await s.response
+        return s, reply, truncated_before_end
+
+    s, reply, early = asyncio.run(talk())
+    (error,) = [e["error"] for e in sent if e["type"] == "error"]
+    assert error["param"] == "audio_end_ms" and "500 ms of audio sent so far" in error["message"], error
+    assert [e["type"] for e in early] == ["conversation.item.truncated"] and early[0]["audio_end_ms"] == 250
+    (done_item,) = [e["item"] for e in sent if e["type"] == "conversation.item.done" and e["item"]["id"] == reply]
+    assert done_item["content"][0]["transcript"] == "one"  # (250 of 1000 ms: a quarter of the words, whole)
+    (first_done, _) = [e["response"] for e in sent if e["type"] == "response.done"]
+    assert first_done["output"][0]["content"][0]["transcript"] == "one two three four"
+    assert s.spoken_ms[reply] == 250 and s.items[1]["content"][0]["transcript"] == "one"
+    assert [m["content"] for m in bodies[1]["messages"] if m["role"] == "assistant"] == ["one"], bodies[1]
+
+
 def test_output_speed_stretches_the_spoken_reply():
     """audio.output.speed: 1 s of generated speech comes out as 1 / speed seconds (the stretch's
     flush included), the session echoes the speed, and a speed past OpenAI's 0.25-1.5 is refused."""

@@ -50,6 +50,7 @@ class Reply:
         self.previous: str | None = None  # (the item the reply follows in the conversation)
         self.entry: dict[str, Any] | None = None  # (its item in the conversation while it runs, then its final form)
         self.shrinks = session.shrinks  # (the conversation's truncates and deletes before its prompt)
+        self.heard_ms: int | None = None  # (a truncate while it ran: its item is cut there when it ends)
 
     def _item(self, status: str) -> dict[str, Any]:
         text = "".join(self.text)
@@ -232,8 +233,10 @@ class Reply:
             self.entry.update(item)
             if self.spoken:
                 s.spoken_ms[self.item_id] = self.samples * 1000 // RATE
+                if self.heard_ms is not None:
+                    s.cut(self.entry, self.heard_ms)
             await s.send("conversation.item.done", previous_item_id=s.items[at - 1]["id"] if at else None,
-                         item=item)
+                         item=self.entry)
         await s.send("response.done", response=self._response(status, details))
         if self.keep and status != "failed":
             self._leave_room()

@@ -772,26 +772,36 @@ class Session:
 
     async def _item_truncate(self, event: dict) -> None:
         """The client played `audio_end_ms` of an assistant's spoken reply (it was cut off): the
-        reply's transcript is cut to about as much, so later responses read what was heard."""
+        reply's transcript is cut to about as much, so later responses read what was heard. A reply
+        still running (a barge-in as its audio plays) is cut when it ends, at most to what it sent."""
         item_id, end = event.get("item_id"), event.get("audio_end_ms")
         item = next((i for i in self.items if i["id"] == item_id), None)
-        if item is None or item_id not in self.spoken_ms:
+        running = self._responding() and self.reply.spoken and item is not None and item is self.reply.entry
+        if item is None or (item_id not in self.spoken_ms and not running):
             raise EventError(f"no spoken assistant item {item_id!r} in the conversation", code="item_not_found",
                              param="item_id")
         if event.get("content_index", 0) != 0:
             raise EventError("an assistant item has one content part (index 0)", param="content_index")
-        total = self.spoken_ms[item_id]
+        total = self.reply.samples * 1000 // RATE if running else self.spoken_ms[item_id]
         if not isinstance(end, int) or isinstance(end, bool) or not 0 <= end <= total:
-            raise EventError(f"`audio_end_ms` must be an integer from 0 to the item's {total} ms of audio",
-                             param="audio_end_ms")
+            raise EventError(f"`audio_end_ms` must be an integer from 0 to the item's {total} ms of audio"
+                             + (" sent so far" if running else ""), param="audio_end_ms")
+        if running:
+            self.reply.heard_ms = min(end, self.reply.heard_ms if self.reply.heard_ms is not None else end)
+        else:
+            self.cut(item, end)
+        await self.send("conversation.item.truncated", item_id=item_id, content_index=0, audio_end_ms=end)
+
+    def cut(self, item: dict[str, Any], end: int) -> None:
+        """A spoken assistant item heard to `end` ms: its transcript cut to about as much (whole words)."""
+        total = self.spoken_ms[item["id"]]
         part = item["content"][0]
         text = part["transcript"] or ""
         keep = len(text) if end >= total else round(len(text) * end / total) if total else 0
-        part["transcript"] = text[:keep].rsplit(" ", 1)[0] if keep < len(text) else text  # (whole words)
+        part["transcript"] = text[:keep].rsplit(" ", 1)[0] if keep < len(text) else text
         if end < total:
-            self._shrunk(item_id, deleted=False)
-        self.spoken_ms[item_id] = end
-        await self.send("conversation.item.truncated", item_id=item_id, content_index=0, audio_end_ms=end)
+            self._shrunk(item["id"], deleted=False)
+        self.spoken_ms[item["id"]] = end
 
     async def _response_create(self, event: dict) -> None:
         if self._responding() or self.creating:
