@@ -76,3 +76,40 @@ def test_an_agent_hears_a_turn_in_streamed_audio_and_answers_it(speech_server):
     assert (started["audio_start_ms"], stopped["audio_end_ms"]) == (200, 2300)
     (heard,) = [e for e in raw if e["type"] == "conversation.item.input_audio_transcription.completed"]
     assert heard["item_id"] == started["item_id"] and isinstance(heard["transcript"], str)
+
+
+def test_an_agent_interrupted_as_it_speaks_goes_on_to_the_next_message(speech_server):
+    """session.interrupt() at the reply's first audio (a barge-in: the SDK truncates the playing
+    item, the reply most likely still being made) is taken without an error, and the next message
+    is answered."""
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    async def talk():
+        runner = RealtimeRunner(RealtimeAgent(name="guide", instructions="Be brief."), config={"model_settings": {
+            "model_name": MODEL, "voice": "Chelsie", "max_output_tokens": 60}})
+        ws = speech_server.base_url.replace("http://", "ws://")
+        session = await runner.run(model_config={"url": f"{ws}/v1/realtime?model={MODEL}", "api_key": "x"})
+        raw, ends, interrupted = [], 0, False
+        async with session:
+            await session.send_message("Tell a long story")
+            async for event in session:
+                if event.type == "raw_model_event" and event.data.type == "raw_server_event":
+                    raw.append(event.data.data)
+                if event.type == "audio" and not interrupted:
+                    interrupted = True
+                    await session.interrupt()
+                if event.type == "error":
+                    break
+                if event.type == "agent_end":
+                    ends += 1
+                    if ends == 2:
+                        break
+                    await session.send_message("Hello again")
+        return raw
+
+    raw = asyncio.run(asyncio.wait_for(talk(), 180))
+    assert not [e for e in raw if e["type"] == "error"], [e for e in raw if e["type"] == "error"]
+    (truncated,) = [e for e in raw if e["type"] == "conversation.item.truncated"]
+    first, second = [e["response"] for e in raw if e["type"] == "response.done"]
+    assert truncated["item_id"] == first["output"][0]["id"] and first["status"] in ("cancelled", "completed", "incomplete")
+    assert second["status"] in ("completed", "incomplete") and second["usage"]["output_tokens"] > 0
