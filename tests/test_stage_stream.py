@@ -15,20 +15,15 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "default.yaml"
 
 
-def _probe(tmp_path: Path, prompt: list[int], max_tokens: int, *extra: str,
-           processor: str = "hidden_to_embeds", config: Path = CONFIG, stage: int = 0) -> list[dict]:
-    return _read(_start(tmp_path, prompt, max_tokens, *extra, processor=processor, config=config, stage=stage))
-
-
-def _probes(*runs: tuple) -> list[list[dict]]:
-    """Several probes at once (each builds its own engine: most of a probe's time), each run given
-    as _probe's arguments with its keywords last as a dict."""
-    started = [_start(*run[:-1], **run[-1]) if isinstance(run[-1], dict) else _start(*run) for run in runs]
-    return [_read(p) for p in started]
+def _probe(*args, **kwargs) -> list[dict]:
+    """One probe run to its end: what its stage sent (`_start`'s arguments)."""
+    return _read(_start(*args, **kwargs))
 
 
 def _start(tmp_path: Path, prompt: list[int], max_tokens: int, *extra: str,
            processor: str = "hidden_to_embeds", config: Path = CONFIG, stage: int = 0):
+    """A probe started (`_read` waits for it): a test's probes run side by side, each building its
+    own engine, most of a probe's time."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.stage_probe", str(config), str(stage), str(tmp_path), "--processor", processor,
          "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(max_tokens), *extra],
@@ -62,9 +57,9 @@ def test_first_chunk_leaves_in_the_step_that_computed_its_row(tmp_path):
     together the rows a full-mode consumer gets. Alone, the request sends every row in the step
     that computed it (few requests: about two chunk messages per step, `ARStage.rows_chunk`)."""
     prompt, n_out = [11, 12, 13, 14, 15, 16, 17], 14
-    streamed, alone, (whole,) = _probes((tmp_path / "stream", prompt, n_out, "--stream", "4", "--requests", "8"),
-                                        (tmp_path / "alone", prompt, n_out, "--stream", "4"),
-                                        (tmp_path / "full", prompt, n_out))
+    runs = (_start(tmp_path / "stream", prompt, n_out, "--stream", "4", "--requests", "8"),
+            _start(tmp_path / "alone", prompt, n_out, "--stream", "4"), _start(tmp_path / "full", prompt, n_out))
+    streamed, alone, (whole,) = map(_read, runs)
     for sent in (streamed, alone):
         first, second = sent[:2]
         assert first["step"] == 0 and len(first["hidden"]) == len(prompt) and not first["final"]
@@ -360,9 +355,10 @@ def test_a_prompt_of_embeddings_alone_sends_a_row_for_every_position(tmp_path):
     """A stage fed embeddings without ids (`hidden_to_embeds`) that feeds a hidden-state reader:
     its prompt's rows count as the prompt (they were counted from the ids: none), whole and streamed."""
     config, n_prompt, n_out = REPO / "tests" / "configs" / "two_stage.yaml", 10, 5
-    (whole,), streamed = _probes(
-        (tmp_path / "full", [1], n_out, "--prompt-embeds", str(n_prompt), {"config": config, "stage": 1}),
-        (tmp_path / "stream", [1], n_out, "--prompt-embeds", str(n_prompt), "--stream", "2", {"config": config, "stage": 1}))
+    runs = (_start(tmp_path / "full", [1], n_out, "--prompt-embeds", str(n_prompt), config=config, stage=1),
+            _start(tmp_path / "stream", [1], n_out, "--prompt-embeds", str(n_prompt), "--stream", "2",
+                   config=config, stage=1))
+    (whole,), streamed = map(_read, runs)
     assert len(whole["out"]) == n_out and len(whole["hidden"]) == n_prompt + n_out - 1
     assert len(streamed[0]["hidden"]) == n_prompt and streamed[-1]["final"]
     assert torch.equal(torch.cat([c["hidden"] for c in streamed]), whole["hidden"])
@@ -477,8 +473,8 @@ def test_a_streaming_stage_admits_only_what_its_kv_cache_holds_to_the_end(tmp_pa
     prompt, n = [11, 12, 13, 14, 15, 16, 17], 130
     args = (prompt, n, "--requests", "8", "--kv-blocks", "5")
     config = REPO / "tests" / "configs" / "two_stage.yaml"  # (its thinker's consumer reads it whole)
-    full, streamed = _probes((tmp_path / "full", *args, {"config": config}),
-                             (tmp_path / "stream", *args, "--stream", "64", {"config": config}))
+    runs = (_start(tmp_path / "full", *args, config=config), _start(tmp_path / "stream", *args, "--stream", "64", config=config))
+    full, streamed = map(_read, runs)
     plain, reserved = (json.loads((tmp_path / d / "sched.json").read_text()) for d in ("full", "stream"))
     assert plain["preempted"] and plain["most_running"] > 2  # (the scenario: vLLM alone preempts here)
     assert reserved == {"most_running": 2, "preempted": []}
