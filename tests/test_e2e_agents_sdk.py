@@ -11,15 +11,20 @@ import numpy as np
 MODEL = "omni-tiny"
 
 
-async def _session_events(server, send) -> tuple[list[str], list[dict], list]:
-    """One agent session: `send(session)` says something, then events up to the agent's turn end.
-    Returns the SDK's event types, the server's raw events and the history at the end."""
+async def _agent(server, max_output_tokens: int):
+    """An agent's session with this server: its model, one of its voices, its URL."""
     from agents.realtime import RealtimeAgent, RealtimeRunner
 
     runner = RealtimeRunner(RealtimeAgent(name="guide", instructions="Be brief."), config={"model_settings": {
-        "model_name": MODEL, "voice": "Chelsie", "max_output_tokens": 8}})
+        "model_name": MODEL, "voice": "Chelsie", "max_output_tokens": max_output_tokens}})
     ws = server.base_url.replace("http://", "ws://")
-    session = await runner.run(model_config={"url": f"{ws}/v1/realtime?model={MODEL}", "api_key": "x"})
+    return await runner.run(model_config={"url": f"{ws}/v1/realtime?model={MODEL}", "api_key": "x"})
+
+
+async def _session_events(server, send) -> tuple[list[str], list[dict], list]:
+    """One agent session: `send(session)` says something, then events up to the agent's turn end.
+    Returns the SDK's event types, the server's raw events and the history at the end."""
+    session = await _agent(server, 8)
     kinds, raw, history = [], [], []
     async with session:
         await send(session)
@@ -82,13 +87,8 @@ def test_an_agent_interrupted_as_it_speaks_goes_on_to_the_next_message(speech_se
     """session.interrupt() at the reply's first audio (a barge-in: the SDK truncates the playing
     item, the reply most likely still being made) is taken without an error, and the next message
     is answered."""
-    from agents.realtime import RealtimeAgent, RealtimeRunner
-
     async def talk():
-        runner = RealtimeRunner(RealtimeAgent(name="guide", instructions="Be brief."), config={"model_settings": {
-            "model_name": MODEL, "voice": "Chelsie", "max_output_tokens": 60}})
-        ws = speech_server.base_url.replace("http://", "ws://")
-        session = await runner.run(model_config={"url": f"{ws}/v1/realtime?model={MODEL}", "api_key": "x"})
+        session = await _agent(speech_server, 60)
         raw, ends, interrupted = [], 0, False
         async with session:
             await session.send_message("Tell a long story")

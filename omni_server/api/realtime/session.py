@@ -787,7 +787,8 @@ class Session:
             raise EventError(f"`audio_end_ms` must be an integer from 0 to the item's {total} ms of audio"
                              + (" sent so far" if running else ""), param="audio_end_ms")
         if running:
-            self.reply.heard_ms = min(end, self.reply.heard_ms if self.reply.heard_ms is not None else end)
+            heard = self.reply.heard_ms
+            self.reply.heard_ms = end if heard is None else min(heard, end)
         else:
             self.cut(item, end)
         await self.send("conversation.item.truncated", item_id=item_id, content_index=0, audio_end_ms=end)
