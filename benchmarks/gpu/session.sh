@@ -201,12 +201,13 @@ media_bench() {  # NAME PORT [serve args]
   # kind `mixed` (MEDIA_KINDS): 15 text chats under way when one video chat arrives (1 s later),
   # three times: what a long prefill costs the others' audio (their stalls), and the video's TTFP.
   if [[ " ${MEDIA_KINDS:-} " == *" mixed "* ]]; then
-    $B --video ${MEDIA_VIDEO:-1280x720:10} --concurrency 1 --requests 1 --output $R/warm_media${tag}_mix.json >> $R/bench_$name.log 2>&1
+    local video="$B --video ${MEDIA_VIDEO:-1280x720:10} --concurrency 1 --requests 1"
+    $video --output $R/warm_media${tag}_mix.json >> $R/bench_$name.log 2>&1
     for n in 1 2 3; do
       $B --concurrency 15 --requests 15 --output $R/media${tag}_mixtext_$n.json >> $R/bench_$name.log 2>&1 &
       local text=$!
       sleep 1
-      $B --video ${MEDIA_VIDEO:-1280x720:10} --concurrency 1 --requests 1 --output $R/media${tag}_mixvideo_$n.json >> $R/bench_$name.log 2>&1
+      $video --output $R/media${tag}_mixvideo_$n.json >> $R/bench_$name.log 2>&1
       wait $text  # (a bare wait would wait for the server too)
       say "$name, mixed $n: $(python3 benchmarks/gpu/brief.py $R/media${tag}_mixtext_$n.json $R/media${tag}_mixvideo_$n.json)"
     done
